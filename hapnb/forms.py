@@ -1,0 +1,173 @@
+"""Tensor forms (the paper's properties) and integer shard lengths.
+
+A distributed tensor relates to its single-device reference tensor ``e`` in one of three forms:
+
+* ``I`` (:class:`Identity`): every device holds all of ``e``.
+* ``G(d)`` (:class:`Gather`): device j holds a contiguous slice of dim ``d``; slices are in rank
+  order, their lengths follow the sharding ratios (uneven and zero lengths allowed).
+* ``R`` (:class:`Reduce`): every device holds a full-shape tensor; their element-wise sum is ``e``.
+
+>>> str(G(1)), str(I), str(R)
+('G1', 'I', 'R')
+>>> shard_lengths(10, [0.5, 0.3, 0.2])
+(5, 3, 2)
+>>> shard_lengths(7, [0.5, 0.5, 0.0])
+(4, 3, 0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Form",
+    "Identity",
+    "Gather",
+    "Reduce",
+    "I",
+    "R",
+    "G",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "parse_form",
+    "shard_lengths",
+    "shard_offsets",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Form:
+    """Base class of the three forms; ``kind`` is 'I', 'G' or 'R' and ``dim`` is set only for G."""
+
+    kind: str
+    dim: int = -1
+
+    def __str__(self) -> str:
+        return f"G{self.dim}" if self.kind == "G" else self.kind
+
+    def __repr__(self) -> str:
+        return {"I": "I", "R": "R"}.get(self.kind, f"G({self.dim})")
+
+    @property
+    def is_gather(self) -> bool:
+        return self.kind == "G"
+
+    @property
+    def is_identity(self) -> bool:
+        return self.kind == "I"
+
+    @property
+    def is_reduce(self) -> bool:
+        return self.kind == "R"
+
+    def math(self) -> str:
+        """Notation used in the paper's triples: ``Identity``, ``All-Gather(d)``, ``All-Reduce``."""
+        return {"I": "Identity", "R": "All-Reduce"}.get(self.kind, f"All-Gather({self.dim})")
+
+
+def Identity() -> Form:  # noqa: N802 - reads like a constructor
+    return I
+
+
+def Reduce() -> Form:  # noqa: N802
+    return R
+
+
+def Gather(dim: int) -> Form:  # noqa: N802
+    return G(dim)
+
+
+I = Form("I")
+R = Form("R")
+_G_CACHE: dict[int, Form] = {}
+
+
+def G(dim: int) -> Form:  # noqa: N802
+    """The form ``G(dim)``; dims are non-negative (normalise negative dims before calling)."""
+    if dim < 0:
+        raise ValueError(f"G(d) needs a non-negative dim, got {dim}")
+    f = _G_CACHE.get(dim)
+    if f is None:
+        f = _G_CACHE[dim] = Form("G", dim)
+    return f
+
+
+# Pins use the names people know from DTensor; they are the same values.
+def Shard(dim: int) -> Form:  # noqa: N802
+    """Pin a tensor to be sharded along ``dim`` (the form ``G(dim)``)."""
+    return G(dim)
+
+
+def Replicate() -> Form:  # noqa: N802
+    """Pin a tensor to be replicated on every device (the form ``I``)."""
+    return I
+
+
+def Partial() -> Form:  # noqa: N802
+    """Pin a tensor to be held as partial sums (the form ``R``)."""
+    return R
+
+
+def parse_form(text: str) -> Form:
+    """Parse ``I``, ``R``, ``G1``, ``G(1)``, ``Shard(1)``, ``Replicate``, ``Partial`` (case-insensitive).
+
+    >>> parse_form("shard(0)"), parse_form("G2"), parse_form("replicate")
+    (G(0), G(2), I)
+    """
+    s = text.strip().replace(" ", "")
+    low = s.lower()
+    if low in ("i", "replicate", "replicate()", "identity", "identity()"):
+        return I
+    if low in ("r", "partial", "partial()", "reduce", "reduce()"):
+        return R
+    for prefix in ("shard(", "g(", "gather("):
+        if low.startswith(prefix) and low.endswith(")"):
+            return G(int(low[len(prefix) : -1]))
+    if low.startswith("g") and low[1:].isdigit():
+        return G(int(low[1:]))
+    raise ValueError(
+        f"cannot read the form {text!r}: use I / Replicate, R / Partial, or G(d) / Gd / Shard(d) "
+        "with a non-negative dim d"
+    )
+
+
+def shard_lengths(length: int, ratios: Sequence[float]) -> tuple[int, ...]:
+    """Integer shard lengths of a dim of ``length`` split by ``ratios`` (they need not sum to 1).
+
+    Floor every share, then give +1 to the device with the largest deficit ``r_j*L - len_j`` until the
+    lengths sum to ``length`` (ties go to the lower rank). Deterministic in (length, ratios), so every rank
+    computes the same lengths. Zero lengths are allowed.
+    """
+    n = len(ratios)
+    if n == 0:
+        raise ValueError("shard_lengths needs at least one ratio")
+    if any(r < 0 or not math.isfinite(r) for r in ratios):
+        raise ValueError(f"ratios must be finite and non-negative, got {list(ratios)}")
+    total = float(sum(ratios))
+    if total <= 0:
+        raise ValueError(f"ratios must not all be zero, got {list(ratios)}")
+    exact = [r / total * length for r in ratios]
+    # a tiny tolerance keeps 0.3*10 = 2.9999999999999996 at 3
+    lens = [int(math.floor(x + 1e-9)) for x in exact]
+    missing = length - sum(lens)
+    while missing > 0:
+        j = max(range(n), key=lambda k: (exact[k] - lens[k], -k))
+        lens[j] += 1
+        missing -= 1
+    while missing < 0:  # only reachable through the tolerance above
+        j = min(range(n), key=lambda k: (exact[k] - lens[k], k) if lens[k] > 0 else (math.inf, k))
+        lens[j] -= 1
+        missing += 1
+    return tuple(lens)
+
+
+def shard_offsets(lengths: Sequence[int]) -> tuple[int, ...]:
+    """Start offset of every shard: ``shard_offsets((2, 3, 1)) == (0, 2, 5)``."""
+    out, acc = [], 0
+    for n in lengths:
+        out.append(acc)
+        acc += n
+    return tuple(out)

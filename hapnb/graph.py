@@ -1,0 +1,209 @@
+"""The single-device program: reference tensors and ops, traced once from a PyTorch model.
+
+:func:`trace` runs ``torch.export`` (aten-level ops, shapes and dtypes from node meta) and falls back
+to ``torch.fx.symbolic_trace`` + shape propagation; it identifies parameters, buffers, user inputs and
+the loss, and asks the rule table (:mod:`hapnb.rules`) for each op's analytic forward flops.
+
+>>> import torch, hapnb
+>>> m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+>>> g = hapnb.trace(m, (torch.randn(8, 4),), loss=lambda out: out.sum())
+>>> [op.target for op in g.ops]
+['aten.linear.default', 'aten.sum.default']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TensorRef", "Op", "Graph", "TraceError", "trace"]
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names the module and why."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A reference tensor ``e`` of the single-device program.
+
+    ``role`` is one of ``input`` (a user input / placeholder), ``param`` (trainable parameter),
+    ``buffer`` (non-trainable state, e.g. a mask), ``const`` (a constant lifted by tracing) or
+    ``activation`` (produced by an op). ``name`` is the parameter/buffer FQN (``layers.0.fc1.weight``),
+    the user input's argument name, or the fx node name of the producing op.
+    """
+
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    producer: int | None = None
+    consumers: tuple[int, ...] = ()
+    requires_grad: bool = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE.get(self.dtype, 4)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+    def __str__(self) -> str:
+        return f"{self.name}[{','.join(map(str, self.shape))}]"
+
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Op:
+    """One computation of the single-device program.
+
+    ``target`` is the canonical op name (``aten.linear.default``); ``inputs`` are the tensor ids of its
+    tensor arguments in argument order (a tensor used twice appears twice); ``outputs`` are the tensors it
+    produces (several for tuple results). ``args``/``kwargs`` hold the op's arguments with every tensor
+    replaced by a :class:`TensorArg` placeholder, so rules can read non-tensor arguments (dims, shapes,
+    reductions). ``module`` is the owning module path (``layers.0.self_attn``); ``flops`` the analytic
+    forward flop count from the op's rule family; ``segment`` the sharding-ratio segment.
+    """
+
+    id: int
+    name: str
+    target: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    module: str = ""
+    flops: float = 0.0
+    family: str = "unknown"
+    segment: int = 0
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.name} = {self.target}"
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """Marks where tensor number ``index`` of ``Op.inputs`` sits inside ``Op.args``/``Op.kwargs``."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """The traced single-device program (tensors, ops, inputs, parameters, loss).
+
+    ``program`` keeps the traced artifact (a ``torch.export.ExportedProgram`` or an fx ``GraphModule``)
+    for code generation; ``fingerprint`` identifies the graph structure (ops, shapes) so a plan can check
+    it is applied to the program it was made for.
+    """
+
+    tensors: tuple[TensorRef, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    params: tuple[int, ...]
+    loss: int
+    program: Any = field(default=None, repr=False)
+    fingerprint: str = ""
+    name: str = "model"
+
+    # ----------------------------------------------------------------- lookups
+    def tensor(self, key: int | str) -> TensorRef:
+        """A tensor by id or by name (parameter FQN, input name or fx node name)."""
+        if isinstance(key, int):
+            return self.tensors[key]
+        t = self._by_name().get(key)
+        if t is None:
+            near = sorted(n for n in self._by_name() if key.split(".")[-1] in n)[:8]
+            raise KeyError(f"no tensor named {key!r} in {self.name}; similar names: {near or 'none'}")
+        return t
+
+    def _by_name(self) -> dict[str, TensorRef]:
+        cache = self.__dict__.get("_name_cache")
+        if cache is None:
+            cache = {t.name: t for t in self.tensors}
+            object.__setattr__(self, "_name_cache", cache)
+        return cache
+
+    @property
+    def total_flops(self) -> float:
+        """Forward flops of the whole program."""
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.tensors[t].nbytes for t in self.params if self.tensors[t].role == "param")
+
+    def summary(self) -> str:
+        n_param = sum(self.tensors[t].numel for t in self.params if self.tensors[t].role == "param")
+        return (
+            f"Graph {self.name}: {len(self.ops)} ops, {len(self.tensors)} tensors, "
+            f"{n_param / 1e6:.2f} M parameters, {self.total_flops:.3e} forward flops, "
+            f"loss {self.tensors[self.loss].name}"
+        )
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(display.graph_html, self)
+
+
+def fingerprint(tensors: Sequence[TensorRef], ops: Sequence[Op]) -> str:
+    """A stable hash of the graph structure (op targets, wiring, shapes, dtypes)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(json.dumps([t.name, t.shape, t.dtype, t.role]).encode())
+    for op in ops:
+        h.update(json.dumps([op.target, op.inputs, op.outputs, repr(op.args), repr(op.kwargs)]).encode())
+    return h.hexdigest()[:16]
+
+
+def trace(
+    model: Any,
+    example_inputs: Sequence[Any],
+    loss: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    targets: Sequence[Any] = (),
+) -> Graph:
+    """Trace ``model`` (plus an optional ``loss(output, *targets)``) into a :class:`Graph`.
+
+    ``model(*example_inputs)`` must return a scalar loss unless ``loss`` is given, in which case the
+    traced program is ``loss(model(*example_inputs), *targets)``. Raises :class:`TraceError` naming the
+    module and the reason when the model cannot be traced.
+    """
+    raise NotImplementedError("trace: being written")  # replaced by the tracing implementation
