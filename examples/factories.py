@@ -1,0 +1,100 @@
+"""Example model factories for ``hapnb plan --model examples.factories:NAME`` and the docs.
+
+A factory takes keyword options and returns ``(model, example_inputs)`` where ``model(*example_inputs)``
+is the scalar training loss (the model includes its loss; targets are among the inputs).
+
+>>> model, inputs = small_convnet(batch=4)
+>>> model(*inputs).shape
+torch.Size([])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SmallConvNet(nn.Module):
+    """conv -> relu -> max-pool -> conv -> relu -> max-pool -> linear -> cross-entropy (CIFAR-sized)."""
+
+    def __init__(self, channels: int = 8, classes: int = 10, image: int = 16) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1)
+        self.fc = nn.Linear(2 * channels * (image // 4) ** 2, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return F.cross_entropy(self.fc(h.flatten(1)), y)
+
+
+def small_convnet(
+    batch: int = 8, channels: int = 8, classes: int = 10, image: int = 16
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A small conv net on random ``batch x 3 x image x image`` images with random labels."""
+    model = SmallConvNet(channels, classes, image)
+    x = torch.randn(batch, 3, image, image)
+    y = torch.randint(0, classes, (batch,))
+    return model, (x, y)
+
+
+def erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU written out with ``torch.erf`` (an op a sharding rule table is unlikely to cover)."""
+    return 0.5 * x * (1.0 + torch.erf(x / 2**0.5))
+
+
+class PrenormBlock(nn.Module):
+    """Pre-norm block: LN, causal attention (explicit softmax), residual; LN, erf-GELU MLP, residual."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        hd = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, s, 3, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.matmul(q, k.transpose(-2, -1)) / hd**0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = torch.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
+        a = torch.matmul(att, v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(a)
+        return x + self.fc2(erf_gelu(self.fc1(self.ln2(x))))
+
+
+class PrenormLM(nn.Module):
+    """A tiny pre-norm LM whose positions come from ``torch.cumsum`` over a ones mask (rule-less op)."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(PrenormBlock(hidden, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.cumsum(torch.ones_like(tokens), dim=1) - 1
+        h = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.ln(h))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def prenorm_lm(
+    batch: int = 4, seq: int = 8, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A tiny pre-norm causal LM on random tokens (next-token targets)."""
+    model = PrenormLM(vocab, hidden, heads, layers, seq)
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

@@ -1,0 +1,186 @@
+"""Load balancing: the sharding ratios B that minimise a fixed program's cost (paper §5), as an LP.
+
+Variables: ratios ``r[s][j]`` per segment s and device j (on the simplex, within the ratio pins), one
+computation maximum ``P_k`` per stage and one maximum ``M_{k,c}`` per ratio-dependent collective.
+Constraints: ``P_k >= comp_{k,j}(r)`` and ``M_{k,c} >= const_c + slope_c * r[s][j]`` for every device.
+Objective: ``sum_k P_k + sum M + constant terms`` — exactly :meth:`CostModel.evaluate`, constants kept.
+Solved with PuLP: HiGHS (via highspy) when installed, CBC otherwise.
+
+>>> shares = proportional_ratios([2.0, 1.0, 1.0])
+>>> [round(x, 3) for x in shares]
+[0.5, 0.25, 0.25]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .cost import CostModel, Step
+
+__all__ = ["RatioPin", "balance", "proportional_ratios", "solver_name", "BalanceResult", "apply_ratio_pins"]
+
+
+@dataclass(frozen=True)
+class RatioPin:
+    """Bounds on one device's ratio (every segment); a fixed value is ``lo == hi``."""
+
+    device: str
+    lo: float = 0.0
+    hi: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.device}={self.lo:g}" if self.lo == self.hi else f"{self.device} in [{self.lo:g}, {self.hi:g}]"
+
+
+@dataclass(frozen=True)
+class BalanceResult:
+    ratios: tuple[tuple[float, ...], ...]
+    cost: float  # LP objective (equals CostModel.evaluate at these ratios)
+    seconds: float
+    solver: str
+
+
+def proportional_ratios(flops: Sequence[float]) -> tuple[float, ...]:
+    tot = float(sum(flops))
+    return tuple(f / tot for f in flops)
+
+
+def solver_name() -> str:
+    try:
+        import pulp
+
+        if pulp.HiGHS(msg=False).available():
+            return "HiGHS"
+    except Exception:  # noqa: BLE001 - any failure means HiGHS is not usable
+        pass
+    return "CBC"
+
+
+def _solver():  # noqa: ANN202
+    import pulp
+
+    if solver_name() == "HiGHS":
+        return pulp.HiGHS(msg=False)
+    return pulp.PULP_CBC_CMD(msg=False)
+
+
+def parse_ratio_pins(pins: Mapping[str, object] | Sequence[RatioPin] | None, names: Sequence[str]) -> tuple[RatioPin, ...]:
+    """Ratio pins from ``{"v100-0": 0.4, "p100-1": (0.05, 0.2)}`` (or RatioPin values); checks names/values."""
+    if not pins:
+        return ()
+    items = pins.items() if isinstance(pins, Mapping) else [(p.device, (p.lo, p.hi)) for p in pins]
+    out = []
+    for name, v in items:
+        if name not in names:
+            raise ValueError(f"ratio pin {name!r}: no device of that name; devices are {list(names)}")
+        lo, hi = (float(v), float(v)) if isinstance(v, (int, float)) else (float(v[0]), float(v[1]))  # type: ignore[index]
+        if not (0.0 <= lo <= hi <= 1.0):
+            raise ValueError(f"ratio pin {name}: need 0 <= lo <= hi <= 1, got ({lo}, {hi})")
+        out.append(RatioPin(name, lo, hi))
+    lo_sum = sum(p.lo for p in out)
+    free = len(names) - len(out)
+    hi_sum = sum(p.hi for p in out) + free
+    if lo_sum > 1 + 1e-9 or hi_sum < 1 - 1e-9:
+        raise ValueError(
+            f"ratio pins {', '.join(map(str, out))} cannot be satisfied: ratios must sum to 1 "
+            f"(pinned lower bounds sum to {lo_sum:g}, upper bounds allow at most {hi_sum:g})"
+        )
+    return tuple(out)
+
+
+def apply_ratio_pins(
+    ratios: Sequence[float], pins: Sequence[RatioPin], names: Sequence[str], weights: Sequence[float]
+) -> tuple[float, ...]:
+    """Move ``ratios`` into the pinned bounds, spreading the rest over free devices by ``weights``."""
+    if not pins:
+        return tuple(ratios)
+    bounds = {p.device: (p.lo, p.hi) for p in pins}
+    r = list(ratios)
+    fixed: dict[int, float] = {}
+    for _ in range(len(r) + 1):
+        free = [j for j in range(len(r)) if j not in fixed]
+        mass = 1.0 - sum(fixed.values())
+        wsum = sum(weights[j] for j in free) or 1.0
+        for j in free:
+            r[j] = mass * weights[j] / wsum
+        for j in fixed:
+            r[j] = fixed[j]
+        changed = False
+        for j in free:
+            lo, hi = bounds.get(names[j], (0.0, 1.0))
+            if r[j] < lo - 1e-12 or r[j] > hi + 1e-12:
+                fixed[j] = min(max(r[j], lo), hi)
+                changed = True
+        if not changed:
+            break
+    s = sum(r)
+    return tuple(x / s for x in r)
+
+
+def balance(
+    cm: CostModel, program: Sequence[Step], ratio_pins: Sequence[RatioPin] = (), *, fixed_segments: int | None = None
+) -> BalanceResult:
+    """Solve for the ratios minimising ``cm.evaluate(program, ratios)``."""
+    import pulp
+
+    t0 = time.perf_counter()
+    n, S = cm.n, cm.n_segments
+    names = [d.name for d in cm.cluster.devices]
+    bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
+    prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
+    r = [
+        [pulp.LpVariable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)] for s in range(S)
+    ]
+    for s in range(S):
+        prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
+    objective = []
+    constant = 0.0
+    g = cm.graph
+    for k, idx in enumerate(cm.stages(program)):
+        # computation: P_k >= sum over the stage's steps of device j's time
+        coef = [[0.0] * n for _ in range(S)]
+        const = [0.0] * n
+        for i in idx:
+            st = program[i]
+            seg = g.ops[st.op].segment
+            for j in range(n):
+                coef[seg][j] += st.strategy.scaled_flops / cm.flops[j]
+                const[j] += st.strategy.fixed_flops / cm.flops[j]
+            for ld in st.loads:
+                t = g.tensors[ld.tensor]
+                if t.role == "param" and cm.inner_sync_s_per_byte[0:n] and any(cm.inner_sync_s_per_byte):
+                    tseg = cm.segment_of[ld.tensor]
+                    for j in range(n):
+                        x = cm.inner_sync_s_per_byte[j] * t.nbytes
+                        if ld.form.kind == "G":
+                            coef[tseg][j] += x
+                        else:
+                            const[j] += x
+        P = pulp.LpVariable(f"P_{k}", 0)
+        objective.append(P)
+        for j in range(n):
+            prob += P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j], f"comp_{k}_{j}"
+        for c, tm in enumerate(cm.step_terms(program[idx[0]])):
+            if tm.slope == 0.0:
+                constant += tm.const
+                continue
+            M = pulp.LpVariable(f"M_{k}_{c}", 0)
+            objective.append(M)
+            for j in range(n):
+                prob += M >= tm.const + tm.slope * r[tm.segment][j], f"comm_{k}_{c}_{j}"
+    prob += pulp.lpSum(objective) + constant
+    status = prob.solve(_solver())
+    if pulp.LpStatus[status] != "Optimal":
+        raise RuntimeError(
+            f"the ratio LP is {pulp.LpStatus[status]}: check the ratio pins {', '.join(map(str, ratio_pins))}"
+        )
+    ratios = []
+    for s in range(S):
+        row = [max(0.0, v.value() or 0.0) for v in r[s]]
+        tot = sum(row)
+        ratios.append(tuple(x / tot for x in row))
+    ratios_t = tuple(ratios)
+    cost = cm.evaluate(program, ratios_t).cost_s
+    return BalanceResult(ratios_t, cost, time.perf_counter() - t0, solver_name())

@@ -1,0 +1,694 @@
+"""Uneven-shard collectives with autograd duals (the runtime half of HAP's instruction set).
+
+Forms (see :mod:`hapnb.forms`): ``G(d)`` = rank-ordered contiguous slices along ``d`` whose integer
+lengths ``lengths`` (one per rank, uneven, zeros allowed) are static Python ints; ``I`` = every rank
+holds the full tensor; ``R`` = every rank holds a full-shape partial sum.
+
+Every rank back-propagates its own partial loss, so gradients of ``I`` tensors are partial and gradients
+of ``G`` shards and ``R`` tensors are complete. Each collective's backward is therefore its dual:
+
+============================  ================  =====================================
+function                      forward           backward (of the gradient)
+============================  ================  =====================================
+:func:`all_gather`            ``G(d) -> I``     reduce-scatter (padded or grouped)
+:func:`reduce_scatter`        ``R -> G(d)``     all-gather (padded or grouped)
+:func:`all_reduce`            ``R -> I``        all-reduce
+:func:`all_to_all`            ``G(a) -> G(b)``  all-to-all ``G(b) -> G(a)``
+:func:`reshard`               ``G(d) -> G(d)``  reshard back to the old lengths
+:func:`shard`                 ``I -> G(d)``     nothing (plain autograd of a slice)
+:func:`replicate`             identity          all-reduce (replicated parameters)
+:func:`to_partial`            ``I -> R``        rank 0 keeps the gradient, others get 0
+============================  ================  =====================================
+
+``padded=True`` collectives pad every slice to ``max(lengths)`` and use one equal-size collective
+(traffic grows with the largest shard); ``padded=False`` ("grouped") issues one broadcast / reduce per
+rank with exact-size buffers (traffic grows with the sum of shards, more calls).
+
+Rank and world size come from ``group`` (the default group when ``None``). When torch.distributed is
+not initialised and ``group`` is ``None``, every function acts as a single rank (world size 1), which is
+handy for checking generated programs in one process:
+
+>>> import torch
+>>> x = torch.arange(6.0).reshape(3, 2)
+>>> all_gather(x, 0, (3,)).tolist()
+[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+>>> shard(x, 1, (2,)).shape
+torch.Size([3, 2])
+
+The ``*_async`` variants start the forward communication and return an :class:`AsyncCollective` whose
+``wait()`` gives the result; the result is connected to autograd and its backward runs synchronously.
+Works on gloo (CPU tensors) and NCCL (CUDA tensors); only primitives both support are used.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hapnb.forms import shard_offsets
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "reshard",
+    "shard",
+    "replicate",
+    "to_partial",
+    "all_gather_async",
+    "reduce_scatter_async",
+    "all_reduce_async",
+    "AsyncCollective",
+]
+
+Group = Any  # a torch.distributed ProcessGroup or None (the default group)
+
+# Set to True to take the all-reduce + slice path for padded reduce-scatter on every backend (tests use
+# it to exercise the fallback that backends without reduce_scatter take).
+_FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER = False
+
+
+# --------------------------------------------------------------------------------------------------
+# group, argument checks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Rank, world size and backend of a process group (a single rank when dist is not initialised)."""
+
+    rank: int
+    world: int
+    backend: str
+    group: Group
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def _group_ctx(group: Group) -> _Ctx:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError(
+                "a process group was passed but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group first"
+            )
+        return _Ctx(rank=0, world=1, backend="none", group=None)
+    return _Ctx(
+        rank=dist.get_rank(group),
+        world=dist.get_world_size(group),
+        backend=str(dist.get_backend(group)),
+        group=group,
+    )
+
+
+def _check_tensor(op: str, x: torch.Tensor, ctx: _Ctx) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if ctx.backend == "nccl" and x.device.type != "cuda":
+        raise ValueError(
+            f"{op}: the NCCL backend needs CUDA tensors, but rank {ctx.rank} passed a tensor on "
+            f"{x.device}; move it with .cuda() or use the gloo backend for CPU tensors"
+        )
+
+
+def _norm_dim(op: str, x: torch.Tensor, dim: int, what: str = "dim") -> int:
+    nd = x.dim()
+    try:
+        d = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{op}: {what} must be an int, got {dim!r}") from None
+    if not -nd <= d < nd:
+        raise ValueError(
+            f"{op}: {what}={dim} is out of range for a tensor of shape {tuple(x.shape)} ({nd} dims)"
+        )
+    return d % nd
+
+
+def _norm_lengths(op: str, lengths: Sequence[int], ctx: _Ctx, what: str = "lengths") -> tuple[int, ...]:
+    try:
+        out = tuple(operator.index(n) for n in lengths)
+    except TypeError:
+        raise TypeError(
+            f"{op}: {what} must be a sequence of python ints (one per rank), got {lengths!r}"
+        ) from None
+    if any(n < 0 for n in out):
+        raise ValueError(f"{op}: {what} must be non-negative, got {out}")
+    if len(out) != ctx.world:
+        hint = (
+            " (torch.distributed is not initialised, so this process counts as a single rank)"
+            if ctx.backend == "none"
+            else ""
+        )
+        raise ValueError(
+            f"{op}: len({what})={len(out)} but the process group has {ctx.world} ranks{hint}; "
+            f"pass exactly one shard length per rank, e.g. hapnb.forms.shard_lengths(size, ratios)"
+        )
+    return out
+
+
+def _check_local(op: str, x: torch.Tensor, dim: int, lengths: tuple[int, ...], ctx: _Ctx, what: str) -> None:
+    if x.size(dim) != lengths[ctx.rank]:
+        raise ValueError(
+            f"{op}: rank {ctx.rank} holds a {what} of shape {tuple(x.shape)} whose size on dim {dim} is "
+            f"{x.size(dim)}, but {'lengths' if what == 'shard' else what}[rank]={lengths[ctx.rank]} "
+            f"(lengths={lengths}); pass this rank's own slice, or fix the lengths"
+        )
+
+
+def _check_full(op: str, x: torch.Tensor, dim: int, lengths: tuple[int, ...], ctx: _Ctx, what: str) -> None:
+    if x.size(dim) != sum(lengths):
+        raise ValueError(
+            f"{op}: rank {ctx.rank} holds a {what} tensor of shape {tuple(x.shape)} whose size on dim {dim} "
+            f"is {x.size(dim)}, but sum(lengths)={sum(lengths)} (lengths={lengths}); the lengths must add "
+            f"up to the full size of dim {dim}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# raw (autograd-free) implementations; each returns (list of pending works, finish callable)
+# --------------------------------------------------------------------------------------------------
+
+_Finish = Callable[[], torch.Tensor]
+
+
+def _sized(x: torch.Tensor, dim: int, n: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = n
+    return shape
+
+
+def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """A fresh contiguous tensor of size ``n`` on ``dim`` holding ``x`` first and zeros after it."""
+    out = x.new_zeros(_sized(x, dim, n))
+    out.narrow(dim, 0, x.size(dim)).copy_(x)
+    return out
+
+
+def _start_all_gather(
+    x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, ctx: _Ctx, async_op: bool
+) -> tuple[list[Any], _Finish]:
+    if ctx.world == 1:
+        y = x.contiguous()
+        return [], lambda: y.clone() if y is x else y
+    if padded:
+        m = max(lengths)
+        send = _pad_to(x, dim, m)
+        if send.numel() == 0:  # every rank sees the same static sizes, so all skip together
+            return [], lambda: x.new_empty(_sized(x, dim, sum(lengths)))
+        bufs = [torch.empty_like(send) for _ in range(ctx.world)]
+        work = dist.all_gather(bufs, send, group=ctx.group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            return torch.cat([b.narrow(dim, 0, n) for b, n in zip(bufs, lengths)], dim=dim)
+
+        return [work], finish
+    # grouped: one broadcast per rank with exact-size buffers
+    bufs = []
+    works = []
+    for i, n in enumerate(lengths):
+        if i == ctx.rank:  # the root's buffer is only read; clone when async so x may change meanwhile
+            b = x.clone(memory_format=torch.contiguous_format) if async_op else x.contiguous()
+        else:
+            b = x.new_empty(_sized(x, dim, n))
+        bufs.append(b)
+        if b.numel() == 0:
+            continue
+        works.append(dist.broadcast(b, src=ctx.global_rank(i), group=ctx.group, async_op=True))
+    if not async_op:
+        for w in works:
+            w.wait()
+        works = []
+    return works, lambda: torch.cat(bufs, dim=dim)
+
+
+def _start_reduce_scatter(
+    x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, ctx: _Ctx, async_op: bool
+) -> tuple[list[Any], _Finish]:
+    offs = shard_offsets(lengths)
+    if ctx.world == 1:
+        y = x.contiguous()
+        return [], lambda: y.clone() if y is x else y
+    if padded:
+        m = max(lengths)
+        if x.numel() == 0 or m == 0:
+            return [], lambda: x.new_zeros(_sized(x, dim, lengths[ctx.rank]))
+        own_off, own_len = offs[ctx.rank], lengths[ctx.rank]
+        if _FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER or "mpi" in ctx.backend:  # no reduce_scatter there
+            buf = x.clone(memory_format=torch.contiguous_format)
+            work = dist.all_reduce(buf, group=ctx.group, async_op=async_op)
+            return [work], lambda: buf.narrow(dim, own_off, own_len).clone(
+                memory_format=torch.contiguous_format
+            )
+        pieces = [_pad_to(x.narrow(dim, o, n), dim, m) for o, n in zip(offs, lengths)]
+        out = torch.empty_like(pieces[0])
+        work = dist.reduce_scatter(out, pieces, group=ctx.group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            if own_len == m:
+                return out
+            return out.narrow(dim, 0, own_len).clone(memory_format=torch.contiguous_format)
+
+        return [work], finish
+    # grouped: one reduce per rank; root i receives the sum of slice i
+    works = []
+    mine = None
+    for i, (o, n) in enumerate(zip(offs, lengths)):
+        b = x.narrow(dim, o, n).clone(memory_format=torch.contiguous_format)
+        if i == ctx.rank:
+            mine = b
+        if b.numel() == 0:
+            continue
+        works.append(dist.reduce(b, dst=ctx.global_rank(i), group=ctx.group, async_op=True))
+    if not async_op:
+        for w in works:
+            w.wait()
+        works = []
+    assert mine is not None
+    return works, lambda: mine
+
+
+def _start_all_reduce(x: torch.Tensor, ctx: _Ctx, async_op: bool) -> tuple[list[Any], _Finish]:
+    buf = x.clone(memory_format=torch.contiguous_format)
+    if ctx.world == 1 or buf.numel() == 0:
+        return [], lambda: buf
+    work = dist.all_reduce(buf, group=ctx.group, async_op=async_op)
+    return [work], lambda: buf
+
+
+def _exchange(
+    send: list[torch.Tensor], recv_shapes: list[list[int]], total_numel: int, like: torch.Tensor, ctx: _Ctx
+) -> list[torch.Tensor]:
+    """Send ``send[j]`` to rank j and receive a tensor of ``recv_shapes[i]`` from every rank i.
+
+    ``total_numel`` is the number of elements exchanged over the whole group (the same on every rank);
+    when it is 0 no communication happens.
+    """
+    if ctx.world == 1:
+        return [s.clone(memory_format=torch.contiguous_format) for s in send]
+    if total_numel == 0:  # every rank computes the same total, so all skip together
+        return [like.new_empty(s) for s in recv_shapes]
+    flat_in = torch.cat([s.reshape(-1) for s in send])
+    in_splits = [s.numel() for s in send]
+    out_splits = [_numel(s) for s in recv_shapes]
+    flat_out = like.new_empty(sum(out_splits))
+    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=ctx.group)
+    out = []
+    for piece, shape in zip(flat_out.split(out_splits), recv_shapes):
+        out.append(piece.view(shape))
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _raw_all_to_all(
+    x: torch.Tensor,
+    cat_dim: int,
+    split_dim: int,
+    cat_lengths: tuple[int, ...],
+    split_lengths: tuple[int, ...],
+    ctx: _Ctx,
+) -> torch.Tensor:
+    r = ctx.rank
+    soffs = shard_offsets(split_lengths)
+    send = [x.narrow(split_dim, o, n) for o, n in zip(soffs, split_lengths)]
+    recv_shapes = []
+    for i in range(ctx.world):
+        shape = list(x.shape)
+        shape[cat_dim] = cat_lengths[i]
+        shape[split_dim] = split_lengths[r]
+        recv_shapes.append(shape)
+    other = _numel([s for k, s in enumerate(x.shape) if k not in (cat_dim, split_dim)])
+    total = other * sum(cat_lengths) * sum(split_lengths)
+    pieces = _exchange(send, recv_shapes, total, x, ctx)
+    return torch.cat(pieces, dim=cat_dim)
+
+
+def _raw_reshard(
+    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx
+) -> torch.Tensor:
+    r = ctx.rank
+    ooffs, noffs = shard_offsets(old), shard_offsets(new)
+
+    def overlap(i: int, j: int) -> tuple[int, int]:
+        """(start relative to rank i's old slice, length) of old slice i intersected with new slice j."""
+        lo = max(ooffs[i], noffs[j])
+        n = max(0, min(ooffs[i] + old[i], noffs[j] + new[j]) - lo)
+        return (lo - ooffs[i], n) if n else (0, 0)
+
+    n_world = ctx.world
+    other = _numel([s for k, s in enumerate(x.shape) if k != dim])
+    moved = other * sum(overlap(i, j)[1] for i in range(n_world) for j in range(n_world) if i != j)
+    if moved == 0:  # nothing crosses ranks (the same on every rank): no communication
+        if other == 0:
+            return x.new_empty(_sized(x, dim, new[r]))
+        return x.narrow(dim, *overlap(r, r)).clone(memory_format=torch.contiguous_format)
+    send = [x.narrow(dim, *overlap(r, j)) for j in range(n_world)]
+    recv_shapes = [_sized(x, dim, overlap(i, r)[1]) for i in range(n_world)]
+    pieces = _exchange(send, recv_shapes, moved, x, ctx)
+    return torch.cat(pieces, dim=dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# autograd functions
+# --------------------------------------------------------------------------------------------------
+
+
+def _run(works_finish: tuple[list[Any], _Finish]) -> torch.Tensor:
+    works, finish = works_finish
+    for w in works:
+        if w is not None:
+            w.wait()
+    return finish()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, lengths, padded, g):  # type: ignore[override]
+        ctx.args = (dim, lengths, padded, g)
+        return _run(_start_all_gather(x, dim, lengths, padded, g, async_op=False))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dim, lengths, padded, g = ctx.args
+        return (
+            _run(_start_reduce_scatter(grad, dim, lengths, padded, g, async_op=False)),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, lengths, padded, g):  # type: ignore[override]
+        ctx.args = (dim, lengths, padded, g)
+        return _run(_start_reduce_scatter(x, dim, lengths, padded, g, async_op=False))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dim, lengths, padded, g = ctx.args
+        return _run(_start_all_gather(grad, dim, lengths, padded, g, async_op=False)), None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):  # type: ignore[override]
+        ctx.g = g
+        return _run(_start_all_reduce(x, g, async_op=False))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _run(_start_all_reduce(grad, ctx.g, async_op=False)), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cat_dim, split_dim, cat_lengths, split_lengths, g):  # type: ignore[override]
+        ctx.args = (cat_dim, split_dim, cat_lengths, split_lengths, g)
+        return _raw_all_to_all(x, cat_dim, split_dim, cat_lengths, split_lengths, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        cat_dim, split_dim, cat_lengths, split_lengths, g = ctx.args
+        gx = _raw_all_to_all(grad, split_dim, cat_dim, split_lengths, cat_lengths, g)
+        return gx, None, None, None, None, None
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, old, new, g):  # type: ignore[override]
+        ctx.args = (dim, old, new, g)
+        return _raw_reshard(x, dim, old, new, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dim, old, new, g = ctx.args
+        return _raw_reshard(grad, dim, new, old, g), None, None, None, None
+
+
+class _Replicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):  # type: ignore[override]
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _run(_start_all_reduce(grad, ctx.g, async_op=False)), None
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------
+
+
+def _prep_gather(op: str, x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group):
+    g = _group_ctx(group)
+    _check_tensor(op, x, g)
+    d = _norm_dim(op, x, dim)
+    lens = _norm_lengths(op, lengths, g)
+    _check_local(op, x, d, lens, g, "shard")
+    return g, d, lens
+
+
+def _prep_scatter(op: str, x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group):
+    g = _group_ctx(group)
+    _check_tensor(op, x, g)
+    d = _norm_dim(op, x, dim)
+    lens = _norm_lengths(op, lengths, g)
+    _check_full(op, x, d, lens, g, "partial-sum (R)")
+    return g, d, lens
+
+
+def all_gather(
+    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+) -> torch.Tensor:
+    """``G(dim) -> I``: concatenate every rank's slice along ``dim``; ``x`` is this rank's slice.
+
+    ``lengths[r]`` is rank r's slice length on ``dim``. ``padded=True`` pads slices to ``max(lengths)``
+    and runs one all-gather; ``padded=False`` runs one exact-size broadcast per rank. Backward: the
+    (padded resp. grouped) reduce-scatter of the gradient, which turns the partial ``I`` gradients into
+    the complete gradient of this rank's slice.
+    """
+    g, d, lens = _prep_gather("all_gather", x, dim, lengths, group)
+    return _AllGather.apply(x, d, lens, bool(padded), g)
+
+
+def reduce_scatter(
+    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+) -> torch.Tensor:
+    """``R -> G(dim)``: sum the full-shape partials over ranks and keep this rank's slice of ``dim``.
+
+    ``padded=True`` pads the slices to ``max(lengths)`` and runs one reduce-scatter (all-reduce + slice on
+    backends without it); ``padded=False`` runs one ``reduce`` per rank. Backward: all-gather of the
+    gradient (padded resp. grouped).
+    """
+    g, d, lens = _prep_scatter("reduce_scatter", x, dim, lengths, group)
+    return _ReduceScatter.apply(x, d, lens, bool(padded), g)
+
+
+def all_reduce(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """``R -> I``: the element-wise sum over ranks (out of place). Backward: all-reduce of the gradient."""
+    g = _group_ctx(group)
+    _check_tensor("all_reduce", x, g)
+    return _AllReduce.apply(x, g)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    cat_dim: int,
+    split_dim: int,
+    cat_lengths: Sequence[int],
+    split_lengths: Sequence[int],
+    group: Group = None,
+) -> torch.Tensor:
+    """``G(cat_dim) -> G(split_dim)``: re-shard from one dim to another.
+
+    ``x`` has size ``cat_lengths[rank]`` on ``cat_dim`` and the full size ``sum(split_lengths)`` on
+    ``split_dim``; the result has the full size on ``cat_dim`` and ``split_lengths[rank]`` on
+    ``split_dim``. One ``all_to_all_single`` with per-peer split sizes. Backward: the reverse all-to-all.
+    """
+    op = "all_to_all"
+    g = _group_ctx(group)
+    _check_tensor(op, x, g)
+    cd = _norm_dim(op, x, cat_dim, "cat_dim")
+    sd = _norm_dim(op, x, split_dim, "split_dim")
+    if cd == sd:
+        raise ValueError(
+            f"{op}: cat_dim and split_dim are both {cd}; to change the shard lengths of one dim use "
+            "reshard(x, dim, old_lengths, new_lengths)"
+        )
+    cl = _norm_lengths(op, cat_lengths, g, "cat_lengths")
+    sl = _norm_lengths(op, split_lengths, g, "split_lengths")
+    _check_local(op, x, cd, cl, g, "cat_lengths")
+    _check_full(op, x, sd, sl, g, "input")
+    return _AllToAll.apply(x, cd, sd, cl, sl, g)
+
+
+def reshard(
+    x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group = None
+) -> torch.Tensor:
+    """``G(dim)`` with ``old_lengths`` -> ``G(dim)`` with ``new_lengths`` (same total).
+
+    Each rank sends the overlap of its old interval with every peer's new interval (one
+    ``all_to_all_single``). Used where segments with different sharding ratios meet. Backward: the
+    reverse reshard of the gradient.
+    """
+    op = "reshard"
+    g = _group_ctx(group)
+    _check_tensor(op, x, g)
+    d = _norm_dim(op, x, dim)
+    old = _norm_lengths(op, old_lengths, g, "old_lengths")
+    new = _norm_lengths(op, new_lengths, g, "new_lengths")
+    if sum(old) != sum(new):
+        raise ValueError(
+            f"{op}: old_lengths {old} sum to {sum(old)} but new_lengths {new} sum to {sum(new)}; "
+            "both must add up to the full size of the dim"
+        )
+    _check_local(op, x, d, old, g, "old_lengths")
+    return _Reshard.apply(x, d, old, new, g)
+
+
+def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:
+    """``I -> G(dim)`` (free): this rank's contiguous slice of ``dim``; plain autograd (no communication).
+
+    >>> shard(torch.arange(5), 0, (5,)).tolist()
+    [0, 1, 2, 3, 4]
+    """
+    op = "shard"
+    g = _group_ctx(group)
+    d = _norm_dim(op, x, dim)
+    lens = _norm_lengths(op, lengths, g)
+    _check_full(op, x, d, lens, g, "replicated (I)")
+    return x.narrow(d, shard_offsets(lens)[g.rank], lens[g.rank]).contiguous()
+
+
+def replicate(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron's "f"); wrap replicated parameters.
+
+    After ``loss.backward()`` every rank's parameter gradient is the complete (summed) gradient: this is
+    the whole of data-parallel gradient synchronisation.
+    """
+    g = _group_ctx(group)
+    _check_tensor("replicate", x, g)
+    return _Replicate.apply(x, g)
+
+
+def to_partial(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """``I -> R``: rank 0 keeps ``x``, other ranks hold ``x * 0`` (so the sum over ranks is exactly ``x``).
+
+    The gradient is the upstream gradient on rank 0 and 0 elsewhere (a partial gradient of ``I``).
+    """
+    g = _group_ctx(group)
+    return x if g.rank == 0 else x * 0
+
+
+# --------------------------------------------------------------------------------------------------
+# async variants
+# --------------------------------------------------------------------------------------------------
+
+
+class AsyncCollective:
+    """A started collective; :meth:`wait` blocks until it is done and returns the result (once).
+
+    The result is connected to autograd: its backward is the synchronous dual collective.
+    """
+
+    def __init__(self, name: str, works: list[Any], finish: _Finish, attach: Callable[[torch.Tensor], Any]):
+        self.name = name
+        self._works = works
+        self._finish = finish
+        self._attach = attach
+        self._result: torch.Tensor | None = None
+
+    def is_completed(self) -> bool:
+        """True when the communication has finished (``wait`` will not block)."""
+        return self._result is not None or all(w is None or w.is_completed() for w in self._works)
+
+    def wait(self) -> torch.Tensor:
+        """Block until the communication is done and return the result (the same tensor on every call)."""
+        if self._result is None:
+            self._result = self._attach(_run((self._works, self._finish)))
+            self._works = []
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "done" if self._result is not None else "pending"
+        return f"AsyncCollective({self.name}, {state})"
+
+
+class _Attach(torch.autograd.Function):
+    """Joins a result computed outside autograd to its input ``x``; backward runs ``dual(grad)``."""
+
+    @staticmethod
+    def forward(ctx, x, holder, dual):  # type: ignore[override]
+        ctx.dual = dual
+        # the result travels in a list so that autograd does not treat it as an input returned as-is
+        # (which would make it a view that refuses in-place ops)
+        return holder[0]
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return ctx.dual(grad), None, None
+
+
+def _attacher(x: torch.Tensor, dual: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return lambda y: y
+    return lambda y: _Attach.apply(x, [y.detach()], dual)
+
+
+def all_gather_async(
+    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+) -> AsyncCollective:
+    """Start :func:`all_gather`; ``.wait()`` returns the gathered tensor. Backward is synchronous."""
+    g, d, lens = _prep_gather("all_gather_async", x, dim, lengths, group)
+    with torch.no_grad():
+        works, finish = _start_all_gather(x.detach(), d, lens, bool(padded), g, async_op=True)
+
+    def dual(grad: torch.Tensor) -> torch.Tensor:
+        return _run(_start_reduce_scatter(grad, d, lens, bool(padded), g, async_op=False))
+
+    return AsyncCollective("all_gather", works, finish, _attacher(x, dual))
+
+
+def reduce_scatter_async(
+    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+) -> AsyncCollective:
+    """Start :func:`reduce_scatter`; ``.wait()`` returns this rank's summed slice (sync backward)."""
+    g, d, lens = _prep_scatter("reduce_scatter_async", x, dim, lengths, group)
+    with torch.no_grad():
+        works, finish = _start_reduce_scatter(x.detach(), d, lens, bool(padded), g, async_op=True)
+
+    def dual(grad: torch.Tensor) -> torch.Tensor:
+        return _run(_start_all_gather(grad, d, lens, bool(padded), g, async_op=False))
+
+    return AsyncCollective("reduce_scatter", works, finish, _attacher(x, dual))
+
+
+def all_reduce_async(x: torch.Tensor, group: Group = None) -> AsyncCollective:
+    """Start :func:`all_reduce`; ``.wait()`` returns the sum over ranks. Backward is synchronous."""
+    g = _group_ctx(group)
+    _check_tensor("all_reduce_async", x, g)
+    with torch.no_grad():
+        works, finish = _start_all_reduce(x.detach(), g, async_op=True)
+
+    def dual(grad: torch.Tensor) -> torch.Tensor:
+        return _run(_start_all_reduce(grad, g, async_op=False))
+
+    return AsyncCollective("all_reduce", works, finish, _attacher(x, dual))

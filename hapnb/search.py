@@ -1,0 +1,636 @@
+"""A* synthesis of the distributed program Q for fixed sharding ratios B (paper §4.3-4.5).
+
+A *partial program* is a sequence of :class:`~hapnb.cost.Step` values (a computation with the loads and
+collectives fused in front of it). Its properties are the (tensor, form) pairs it has established. The
+search expands the cheapest partial program by every triple whose precondition holds and whose
+postcondition adds a property, until a complete program (``loss | R``) is proven optimal.
+
+Search-space reductions (each documented with its reason):
+
+* **Fused loads** (paper §4.5, first): parameters and inputs are loaded in exactly one form, fused into
+  their first consumer, so their position is not enumerated.
+* **Fused communication**: collectives appear only in front of a consumer that needs the new form.
+* **No repeated communication** (paper §4.5, second): each tensor is converted by at most one collective;
+  parameters and inputs are never communicated (they are loaded in the form needed).
+* **Redundant properties** (paper §4.5, third): once every consumer of a tensor has run, its properties
+  are dropped, so equivalent partial programs share one key.
+* **Canonical order**: computations follow the single-device program's topological order. Programs that
+  only reorder independent computations establish the same properties, so this removes duplicate
+  interleavings; the search still chooses every strategy, form, collective and stage boundary.
+
+Dominance is keyed on the property set (plus the comm tokens and the position); two partial programs
+with the same key are compared by (closed cost, per-device computation of the open stage): one is
+dropped only if the other is no worse in every component, so the search is exact for the stage cost
+``sum(comm + max_j comp_j)``. The heuristic is the remaining computation at infinite bandwidth:
+``max_j (open_j + remaining lower bound_j)``, which never overestimates, so the first complete program
+popped is optimal.
+
+>>> import hapnb
+>>> g = hapnb.zoo_graph("mlp", layers=2, hidden=16, batch=8, inputs=16)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cluster import Cluster
+from .cost import Conversion, CostModel, Load, Step
+from .forms import Form, I, R
+from .graph import Graph
+from .rules import Strategy
+from .theory import LOADABLE_ROLES, Theory
+from .theory import theory as build_theory
+
+__all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
+
+_EPS = 1e-12
+
+# which collectives turn a form kind into another (src kind, dst kind) -> names
+_CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("G", "I"): ("all_gather", "grouped_all_gather"),
+    ("R", "I"): ("all_reduce",),
+    ("R", "G"): ("reduce_scatter", "grouped_reduce_scatter"),
+    ("G", "G"): ("all_to_all",),
+    ("I", "G"): ("slice",),
+}
+
+
+class PinError(ValueError):
+    """A pin names an unknown tensor, a form the tensor cannot take, or cannot be satisfied."""
+
+
+class NoProgramError(RuntimeError):
+    """No complete program exists under the given pins."""
+
+
+@dataclass(frozen=True)
+class SearchNode:
+    """A partial program in the search tree (``step`` is the last step it appended)."""
+
+    id: int
+    parent: int
+    step: Step | None
+    cost: float  # closed stages + open stage (the partial program's stage cost)
+    score: float  # cost + heuristic
+    position: int  # number of computations done
+    props: tuple[tuple[int, Form], ...]
+    complete: bool = False
+
+    @property
+    def heuristic(self) -> float:
+        return self.score - self.cost
+
+
+@dataclass(frozen=True)
+class SearchEvent:
+    """What one :meth:`Search.step` did: the popped node, its children, and the pruned children."""
+
+    popped: SearchNode | None
+    children: tuple[SearchNode, ...]
+    pruned: tuple[tuple[str, str], ...]  # (description of the child, reason)
+    done: bool
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    program: tuple[Step, ...]
+    cost: float
+    optimal: bool
+    expansions: int
+    seconds: float
+
+
+@dataclass
+class _Compiled:
+    strategy: Strategy
+    comp: tuple[float, ...]
+    out_bits: int
+    needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
+
+
+@dataclass
+class _Stats:
+    expansions: int = 0
+    generated: int = 0
+    pruned_dominated: int = 0
+    pruned_bound: int = 0
+    pruned_repeated_comm: int = 0
+    max_frontier: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Node:
+    parent: int
+    step: Step | None
+    base: float
+    acc: tuple[float, ...]
+    pos: int
+    props: int
+    comm: int
+    score: float
+    complete: bool = False
+    extra: tuple[Conversion, ...] = field(default=())
+
+
+class Search:
+    """Step-able A* over one program's theory for fixed ratios.
+
+    ``ratios``: one list of per-device ratios per segment (a single flat list is used for every
+    segment); default throughput-proportional. ``pins``: tensor name -> form (``hapnb.Shard(d)``,
+    ``hapnb.Replicate()``); names are parameter FQNs, input names or op-output names.
+    """
+
+    def __init__(
+        self,
+        graph: Graph | Theory,
+        cluster: Cluster,
+        ratios: Sequence[float] | Sequence[Sequence[float]] | None = None,
+        pins: Mapping[str, Form] | None = None,
+        *,
+        options: Mapping[str, bool] | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.theory = graph if isinstance(graph, Theory) else build_theory(graph)
+        self.graph = g = self.theory.graph
+        self.cluster = cluster
+        self.cost_model = cm = CostModel(self.theory, cluster)
+        self.ratios = normalize_ratios(ratios, cluster, cm.n_segments)
+        self.pins = resolve_pins(self.theory, pins or {})
+        self.options = {"grouped": True, "sfb": True, **(options or {})}
+        self.n = cluster.n
+        self._compile()
+        self._stats = _Stats()
+        self._nodes: list[_Node] = []
+        self._heap: list[tuple[float, int, int]] = []
+        self._seen: dict[tuple[int, int, int], list[tuple[float, tuple[float, ...]]]] = {}
+        self._best: int | None = None
+        self._counter = itertools.count()
+        root = _Node(-1, None, 0.0, (0.0,) * self.n, 0, 0, 0, self._h(0, (0.0,) * self.n))
+        self._seen[(0, 0, 0)] = [(root.base, root.acc)]
+        self._push(root)
+        self._stats.seconds += time.perf_counter() - t0
+        del g
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self) -> None:
+        g, th, cm = self.graph, self.theory, self.cost_model
+        self._bit: dict[tuple[int, Form], int] = {}
+        self._tmask = [0] * len(g.tensors)
+        for t, fs in enumerate(th.forms):
+            for f in fs:
+                b = 1 << len(self._bit)
+                self._bit[(t, f)] = b
+                self._tmask[t] |= b
+        self._forms_of_bit = {b: p for p, b in self._bit.items()}
+        self._loadable = [t.role in LOADABLE_ROLES for t in g.tensors]
+        last_use = [-1] * len(g.tensors)
+        for op in g.ops:
+            for t in op.inputs:
+                last_use[t] = op.id
+        self._last_use = last_use
+        self._dies_at: list[int] = [0] * len(g.ops)  # tensor masks dropped after op i
+        self._dies_comm: list[int] = [0] * len(g.ops)
+        for t, i in enumerate(last_use):
+            if i >= 0:
+                self._dies_at[i] |= self._tmask[t]
+                self._dies_comm[i] |= 1 << t
+        n_consumers = [0] * len(g.tensors)
+        for op in g.ops:
+            for t in set(op.inputs):
+                n_consumers[t] += 1
+        self._ops: list[list[_Compiled]] = []
+        lb = []
+        for op, ss in zip(g.ops, th.strategies):
+            comp_list = []
+            for s in ss:
+                if s.sfb and not self.options["sfb"]:
+                    continue
+                if not self._pins_ok(op.inputs, s.inputs, op.outputs, s.outputs):
+                    continue
+                if s.sfb and any(
+                    g.tensors[t].role == "param" and f.kind == "I" and n_consumers[t] > 1
+                    for t, f in zip(op.inputs, s.inputs)
+                ):
+                    continue  # SFB replaces the weight's gradient sync: only for weights with one consumer
+                out_bits = 0
+                for t, f in zip(op.outputs, s.outputs):
+                    if g.tensors[t].consumers or t == g.loss:
+                        out_bits |= self._bit[(t, f)]
+                needs = tuple(dict.fromkeys(zip(op.inputs, s.inputs)))
+                comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs))
+            if not comp_list:
+                raise PinError(self._explain_no_strategy(op.id))
+            self._ops.append(comp_list)
+            lb.append(tuple(min(c.comp[j] for c in comp_list) for j in range(self.n)))
+        # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
+        rem = [(0.0,) * self.n]
+        for v in reversed(lb):
+            rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
+        rem.reverse()
+        self._rem = rem
+        self._term_cache: dict[Any, float] = {}
+        self._loss_bits_R = self._bit.get((g.loss, R), 0)
+        self._loss_bit_I = self._bit.get((g.loss, I), 0)
+        self._has_inner = any(cm.inner_sync_s_per_byte)
+
+    def _pins_ok(self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]) -> bool:
+        for t, f in zip(outs, out_forms):
+            p = self.pins.get(t)
+            if p is not None and p != f:
+                return False
+        for t, f in zip(ins, in_forms):
+            if self._loadable_t(t):
+                p = self.pins.get(t)
+                if p is not None and p != f:
+                    return False
+        return True
+
+    def _loadable_t(self, t: int) -> bool:
+        return self.graph.tensors[t].role in LOADABLE_ROLES
+
+    def _explain_no_strategy(self, op_id: int) -> str:
+        g = self.graph
+        op = g.ops[op_id]
+        pinned = [(g.tensors[t].name, str(self.pins[t])) for t in op.inputs + op.outputs if t in self.pins]
+        forms = sorted({
+            ", ".join(f"{g.tensors[t].name}:{f}" for t, f in zip(op.outputs, s.outputs))
+            for s in self.theory.strategies[op_id]
+        })
+        return (
+            f"pin(s) {', '.join(f'{n}={f}' for n, f in pinned)} cannot be satisfied: op {op.name} ({op.target}) "
+            f"has no strategy that takes/produces these forms. Its strategies produce: {'; '.join(forms)}. "
+            "Pin one of those forms or remove the pin."
+        )
+
+    # ------------------------------------------------------------------ costs
+    def _h(self, pos: int, acc: tuple[float, ...]) -> float:
+        rem = self._rem[pos]
+        return max(a + r for a, r in zip(acc, rem))
+
+    def _terms_time(self, key: Any, terms_fn: Any) -> float:
+        v = self._term_cache.get(key)
+        if v is None:
+            v = sum(tm.time(self.ratios) for tm in terms_fn())
+            self._term_cache[key] = v
+        return v
+
+    # ------------------------------------------------------------------ core
+    def _push(self, node: _Node) -> int:
+        nid = len(self._nodes)
+        self._nodes.append(node)
+        heapq.heappush(self._heap, (node.score, next(self._counter), nid))
+        if len(self._heap) > self._stats.max_frontier:
+            self._stats.max_frontier = len(self._heap)
+        return nid
+
+    def _dominated(self, key: tuple[int, int, int], base: float, acc: tuple[float, ...]) -> bool:
+        entries = self._seen.get(key)
+        mx = max(acc)
+        if entries is None:
+            self._seen[key] = [(base, acc)]
+            return False
+        mn = min(acc)
+        for b0, a0 in entries:
+            if b0 <= base + _EPS and (
+                b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc))
+            ):
+                return True
+        keep = [
+            (b0, a0)
+            for b0, a0 in entries
+            if not (base <= b0 + _EPS and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0))))
+        ]
+        keep.append((base, acc))
+        self._seen[key] = keep
+        return False
+
+    def _children(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
+        node = self._nodes[nid]
+        g = self.graph
+        pos = node.pos
+        pruned: list[tuple[str, str]] = []
+        kids: list[int] = []
+        if pos == len(g.ops):
+            return kids, pruned
+        op = g.ops[pos]
+        props, comm = node.props, node.comm
+        best_cost = self._nodes[self._best].base if self._best is not None else float("inf")
+        for c in self._ops[pos]:
+            # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit)
+            per_need: list[list[tuple[Any, int, int]]] = []
+            fail = ""
+            for t, f in c.needs:
+                bit = self._bit[(t, f)]
+                if props & bit:
+                    per_need.append([(None, 0, 0)])
+                    continue
+                if self._loadable[t]:
+                    if props & self._tmask[t]:
+                        fail = f"{g.tensors[t].name} is already loaded in another form"
+                        break
+                    sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
+                    per_need.append([(Load(t, f, sfb), bit, 0)])
+                    continue
+                if comm >> t & 1:
+                    fail = f"{g.tensors[t].name} was already communicated once"
+                    self._stats.pruned_repeated_comm += 1
+                    break
+                opts = []
+                have = props & self._tmask[t]
+                while have:
+                    low = have & -have
+                    have ^= low
+                    _, src = self._forms_of_bit[low]
+                    for name in _CONVERSIONS.get((src.kind, f.kind), ()):
+                        if name.startswith("grouped") and not self.options["grouped"]:
+                            continue
+                        opts.append((Conversion(t, name, src, f), bit, 1 << t))
+                if not opts:
+                    fail = f"no collective gives {g.tensors[t].name}:{f}"
+                    break
+                per_need.append(opts)
+            if fail:
+                if record:
+                    pruned.append((f"{op.name}[{c.strategy.name}]", fail))
+                continue
+            for combo in itertools.product(*per_need):
+                loads = tuple(x for x, _, _ in combo if isinstance(x, Load))
+                convs = tuple(x for x, _, _ in combo if isinstance(x, Conversion))
+                ct = [x.tensor for x in convs]
+                if len(ct) != len(set(ct)):
+                    continue  # one tensor converted twice in one step
+                step = Step(op.id, c.strategy, loads, convs)
+                new_props = props | c.out_bits
+                new_comm = comm
+                for _, b, cb in combo:
+                    new_props |= b
+                    new_comm |= cb
+                new_props &= ~self._dies_at[pos]
+                new_comm &= ~self._dies_comm[pos]
+                comm_t = 0.0
+                comp = c.comp
+                for ld in loads:
+                    comm_t += self._terms_time(("L", ld), lambda ld=ld: self.cost_model.load_terms(ld))
+                    if self._has_inner:
+                        comp = tuple(a + b for a, b in zip(comp, self.cost_model.load_comp(ld, self.ratios)))
+                for cv in convs:
+                    comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
+                if c.strategy.sfb:
+                    comm_t += self._terms_time(("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st))
+                if comm_t > 0.0 or node.parent == -1:
+                    base = node.base + max(node.acc) + comm_t
+                    acc = comp
+                else:
+                    base = node.base
+                    acc = tuple(a + b for a, b in zip(node.acc, comp))
+                self._stats.generated += 1
+                npos = pos + 1
+                score = base + self._h(npos, acc)
+                desc = f"{op.name}[{c.strategy.name}]"
+                if score >= best_cost - _EPS and self._best is not None:
+                    self._stats.pruned_bound += 1
+                    if record:
+                        pruned.append((desc, f"score {score:.4g} >= best complete {best_cost:.4g}"))
+                    continue
+                complete = npos == len(g.ops)
+                extra: tuple[Conversion, ...] = ()
+                if complete:
+                    if not new_props & self._loss_bits_R:
+                        extra = (Conversion(g.loss, "to_partial", I, R),)
+                    base = base + max(acc)
+                    acc = (0.0,) * self.n
+                    score = base
+                key = (npos, new_props, new_comm)
+                if self._dominated(key, base, acc):
+                    self._stats.pruned_dominated += 1
+                    if record:
+                        pruned.append((desc, "dominated: same properties reached at no greater cost"))
+                    continue
+                child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
+                cid = self._push(child)
+                if complete and (self._best is None or base < self._nodes[self._best].base - _EPS):
+                    self._best = cid
+                    best_cost = base
+                kids.append(cid)
+        return kids, pruned
+
+    def _pop(self) -> int | None:
+        while self._heap:
+            score, _, nid = heapq.heappop(self._heap)
+            node = self._nodes[nid]
+            entries = self._seen.get((node.pos, node.props, node.comm), [])
+            if not node.complete and not any(b is node.base and a is node.acc for b, a in entries):
+                continue  # superseded by a dominating program with the same properties
+            return nid
+        return None
+
+    @property
+    def done(self) -> bool:
+        if not self._heap:
+            return True
+        if self._best is None:
+            return False
+        return self._heap[0][0] >= self._nodes[self._best].base - _EPS or self._nodes[self._heap[0][2]].complete
+
+    def step(self) -> SearchEvent:
+        """Pop the cheapest partial program and expand it; returns what happened."""
+        t0 = time.perf_counter()
+        if self.done:
+            return SearchEvent(None, (), (), True)
+        nid = self._pop()
+        if nid is None:
+            return SearchEvent(None, (), (), True)
+        node = self._nodes[nid]
+        if node.complete:
+            self._stats.seconds += time.perf_counter() - t0
+            return SearchEvent(self.node(nid), (), (), True)
+        self._stats.expansions += 1
+        kids, pruned = self._children(nid, record=True)
+        self._stats.seconds += time.perf_counter() - t0
+        return SearchEvent(self.node(nid), tuple(self.node(k) for k in kids), tuple(pruned), self.done)
+
+    def run(
+        self, max_expansions: int | None = None, max_seconds: float | None = None, progress: bool = False
+    ) -> SearchResult:
+        """Search until the best complete program is proven optimal (or a limit is hit)."""
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc="A* expansions", unit="exp", leave=False)
+        n = 0
+        try:
+            while not self.done:
+                if max_expansions is not None and n >= max_expansions:
+                    break
+                if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                    break
+                nid = self._pop()
+                if nid is None:
+                    break
+                if self._nodes[nid].complete:
+                    heapq.heappush(self._heap, (self._nodes[nid].score, -1, nid))
+                    break
+                self._stats.expansions += 1
+                n += 1
+                self._children(nid, record=False)
+                if bar is not None and n % 200 == 0:
+                    bar.update(200)
+        finally:
+            if bar is not None:
+                bar.close()
+            self._stats.seconds += time.perf_counter() - t0
+        if self._best is None:
+            if self.done:
+                raise NoProgramError(self._explain_no_program())
+            raise NoProgramError("the search stopped (limit reached) before finding any complete program")
+        return SearchResult(
+            self.program(self._best), self._nodes[self._best].base, self.done, self._stats.expansions,
+            time.perf_counter() - t0,
+        )
+
+    def _explain_no_program(self) -> str:
+        pins = ", ".join(f"{self.graph.tensors[t].name}={f}" for t, f in self.pins.items())
+        return (
+            "no complete distributed program exists"
+            + (f" under the pins {pins}; remove or change a pin" if pins else "")
+            + " (every candidate needed a tensor in a form it could not get)"
+        )
+
+    # ------------------------------------------------------------------ views
+    def program(self, nid: int) -> tuple[Step, ...]:
+        steps = []
+        while nid > 0:
+            node = self._nodes[nid]
+            if node.step is not None:
+                steps.append(node.step)
+            nid = node.parent
+        return tuple(reversed(steps))
+
+    def final_conversions(self, nid: int | None = None) -> tuple[Conversion, ...]:
+        nid = self._best if nid is None else nid
+        return self._nodes[nid].extra if nid is not None else ()
+
+    def node(self, nid: int) -> SearchNode:
+        n = self._nodes[nid]
+        props = []
+        bits = n.props
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            props.append(self._forms_of_bit[low])
+        cost = n.base + (max(n.acc) if not n.complete else 0.0)
+        return SearchNode(nid, n.parent, n.step, cost, n.score, n.pos, tuple(props), n.complete)
+
+    @property
+    def frontier(self) -> list[SearchNode]:
+        """Open partial programs, best score first."""
+        live = []
+        for score, _, nid in sorted(self._heap):
+            node = self._nodes[nid]
+            entries = self._seen.get((node.pos, node.props, node.comm), [])
+            if node.complete or any(b is node.base and a is node.acc for b, a in entries):
+                live.append(self.node(nid))
+        return live
+
+    @property
+    def best(self) -> SearchNode | None:
+        return self.node(self._best) if self._best is not None else None
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        d = self._stats.as_dict()
+        d["frontier"] = len(self._heap)
+        d["nodes"] = len(self._nodes)
+        return d
+
+    def children_of(self, nid: int) -> list[SearchNode]:
+        return [self.node(i) for i, n in enumerate(self._nodes) if n.parent == nid]
+
+    def __repr__(self) -> str:
+        b = self.best
+        return (
+            f"Search({self.graph.name} on {self.cluster.name}: {self._stats.expansions} expansions, "
+            f"frontier {len(self._heap)}, best {'none' if b is None else f'{b.cost:.4g} s'}"
+            f"{', done' if self.done else ''})"
+        )
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(display.search_html, self)
+
+
+def normalize_ratios(
+    ratios: Sequence[float] | Sequence[Sequence[float]] | None, cluster: Cluster, n_segments: int
+) -> tuple[tuple[float, ...], ...]:
+    """Ratios per segment; default throughput-proportional; a flat list applies to every segment."""
+    n = cluster.n
+    if ratios is None:
+        tot = sum(d.flops for d in cluster.devices)
+        row = tuple(d.flops / tot for d in cluster.devices)
+        return (row,) * n_segments
+    rows = list(ratios)
+    if rows and not isinstance(rows[0], (list, tuple)):
+        rows = [rows] * n_segments  # type: ignore[list-item]
+    if len(rows) != n_segments:
+        raise ValueError(f"ratios: expected {n_segments} segment(s), got {len(rows)}")
+    out = []
+    for k, row in enumerate(rows):
+        row = [float(x) for x in row]  # type: ignore[union-attr]
+        if len(row) != n:
+            raise ValueError(f"ratios for segment {k}: expected {n} values (one per device), got {len(row)}")
+        if any(x < 0 for x in row) or sum(row) <= 0:
+            raise ValueError(f"ratios for segment {k} must be non-negative and not all zero: {row}")
+        s = sum(row)
+        out.append(tuple(x / s for x in row))
+    return tuple(out)
+
+
+def resolve_pins(th: Theory, pins: Mapping[str, Form]) -> dict[int, Form]:
+    """Map pin names to tensor ids and check each form is one the tensor can take."""
+    g = th.graph
+    out: dict[int, Form] = {}
+    for name, form in pins.items():
+        if isinstance(form, str):
+            from .forms import parse_form
+
+            form = parse_form(form)
+        try:
+            t = g.tensor(name)
+        except KeyError:
+            t = _module_output(g, name)
+            if t is None:
+                params = [x.name for x in g.tensors if x.role in ("param", "input")][:12]
+                raise PinError(
+                    f"pin {name}={form}: no tensor of that name. Pins name parameters (e.g. {params[:6]}), "
+                    "inputs, op outputs (fx node names) or '<module>.out' for a module's output."
+                ) from None
+        if form not in th.forms[t.id]:
+            raise PinError(
+                f"pin {name}={form}: tensor {t.name} has shape {tuple(t.shape)} and can take only "
+                f"{', '.join(map(str, th.forms[t.id]))} (G(d) needs a dim of size >= 2; R only for computed "
+                "floating tensors)"
+            )
+        out[t.id] = form
+    return out
+
+
+def _module_output(g: Graph, name: str) -> Any:
+    if not name.endswith(".out"):
+        return None
+    mod = name[: -len(".out")]
+    ops = [op for op in g.ops if op.module == mod or op.module.startswith(mod + ".")]
+    if not ops:
+        return None
+    return g.tensors[ops[-1].outputs[0]]

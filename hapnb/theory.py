@@ -1,0 +1,285 @@
+"""The background theory: every Hoare triple the rules generate for one single-device program.
+
+A *property* ``(t, f)`` says a distributed tensor relates to reference tensor ``t`` by form ``f``
+(:mod:`hapnb.forms`). A triple ``{pre} instruction {post}`` says that running the instruction on every
+device when ``pre`` holds establishes ``post`` (paper §4.2). The theory holds three kinds of triples:
+
+* **compute**: one per (op, strategy) from :mod:`hapnb.rules`;
+* **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs;
+* **collective**: ``{G(d)} all_gather {I}`` (padded) and ``{G(d)} grouped_all_gather {I}``,
+  ``{R} all_reduce {I}``, ``{R} reduce_scatter(d) {G(d)}`` (padded and grouped),
+  ``{G(a)} all_to_all(a,b) {G(b)}``, ``{I} slice(d) {G(d)}`` (free), and for the loss ``{I} to_partial {R}``
+  (rank 0 keeps the value, the others hold zero).
+
+The theory also fixes how G(d) shards are cut: all G-form dims that one strategy shards together are
+the same partition, so they form a *dim class*; a class shares a base length (the gcd of its dims'
+lengths) and each dim is ``unit * base`` with lengths ``unit * shard_lengths(base, ratios)``.
+
+>>> import torch, hapnb
+>>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+>>> t = hapnb.theory(g)
+>>> any(tr.instr.kind == "collective" for tr in t)
+True
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .forms import Form, G, I, R, shard_lengths
+from .graph import Graph, Op, TensorRef
+from .rules import Strategy
+
+__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "COLLECTIVES", "LOADABLE_ROLES"]
+
+Prop = tuple[int, Form]
+LOADABLE_ROLES = ("input", "param", "buffer", "const")
+
+#: collective name -> (source form kind, destination form kind, description)
+COLLECTIVES: dict[str, tuple[str, str, str]] = {
+    "all_gather": ("G", "I", "padded all-gather: pad shards to the largest, gather, trim"),
+    "grouped_all_gather": ("G", "I", "grouped broadcast: one exact-size broadcast per device"),
+    "all_reduce": ("R", "I", "sum the partial tensors on every device"),
+    "reduce_scatter": ("R", "G", "padded reduce-scatter: sum and keep the own slice"),
+    "grouped_reduce_scatter": ("R", "G", "grouped reduce: one exact-size reduce per device"),
+    "all_to_all": ("G", "G", "switch the sharded dim"),
+    "slice": ("I", "G", "keep the own slice (no communication)"),
+    "to_partial": ("I", "R", "rank 0 keeps the value, others hold zero (no communication)"),
+}
+
+
+@dataclass(frozen=True)
+class Instr:
+    """An instruction of a distributed program.
+
+    ``kind`` is ``compute`` (``op`` and ``strategy`` set), ``load`` (``tensor`` and ``form``) or
+    ``collective`` (``tensor``, ``name`` from :data:`COLLECTIVES`, ``src`` and ``form``).
+    """
+
+    kind: str
+    name: str
+    op: int = -1
+    tensor: int = -1
+    strategy: Strategy | None = None
+    src: Form | None = None
+    form: Form | None = None
+
+
+@dataclass(frozen=True)
+class Triple:
+    """A Hoare triple ``{pre} instr {post}`` over properties ``(tensor id, form)``."""
+
+    id: int
+    pre: tuple[Prop, ...]
+    instr: Instr
+    post: tuple[Prop, ...]
+
+    def format(self, graph: Graph) -> str:
+        def props(ps: Sequence[Prop]) -> str:
+            return ", ".join(f"{graph.tensors[t].name}:{f}" for t, f in ps)
+
+        i = self.instr
+        if i.kind == "compute":
+            label = f"{graph.ops[i.op].target.split('.')[1] if '.' in graph.ops[i.op].target else ''}"
+            label = f"{graph.ops[i.op].name}[{i.strategy.name}]" if i.strategy else label
+        elif i.kind == "load":
+            label = f"load {graph.tensors[i.tensor].name}"
+        else:
+            label = f"{i.name}"
+        return f"{{{props(self.pre)}}} {label} {{{props(self.post)}}}"
+
+
+def _valid_forms(t: TensorRef) -> list[Form]:
+    forms = [I]
+    if t.is_float and t.role not in LOADABLE_ROLES:
+        forms.append(R)
+    forms += [G(d) for d, s in enumerate(t.shape) if s >= 2]
+    return forms
+
+
+class _DimClasses:
+    """Union-find over (tensor, dim) pairs that one strategy shards as the same partition."""
+
+    def __init__(self) -> None:
+        self.parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(self, x: tuple[int, int]) -> tuple[int, int]:
+        p = self.parent.setdefault(x, x)
+        while p != x:
+            gp = self.parent.setdefault(p, p)
+            self.parent[x] = gp
+            x, p = p, gp
+        return x
+
+    def union(self, a: tuple[int, int], b: tuple[int, int]) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+@dataclass(eq=False)
+class Theory:
+    """All triples of one program, indexed for the search and filterable for display."""
+
+    graph: Graph
+    triples: tuple[Triple, ...]
+    strategies: tuple[tuple[Strategy, ...], ...]  # per op
+    forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
+    units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
+    requires_grad: tuple[bool, ...] = ()
+
+    def __iter__(self) -> Iterator[Triple]:
+        return iter(self.triples)
+
+    def __len__(self) -> int:
+        return len(self.triples)
+
+    def __getitem__(self, i: int) -> Triple:
+        return self.triples[i]
+
+    def filter(
+        self, *, op: str | int | None = None, tensor: str | int | None = None, kind: str | None = None
+    ) -> list[Triple]:
+        """Triples of one op (name or id), touching one tensor (name or id), or of one kind."""
+        g = self.graph
+        op_id = g.ops[op].id if isinstance(op, int) else None
+        if isinstance(op, str):
+            op_id = next((o.id for o in g.ops if o.name == op or o.target == op), None)
+            if op_id is None and not any(op in o.target for o in g.ops):
+                raise KeyError(f"no op named {op!r}")
+        t_id = g.tensor(tensor).id if tensor is not None else None
+        out = []
+        for tr in self.triples:
+            if kind is not None and tr.instr.kind != kind:
+                continue
+            if op is not None:
+                if tr.instr.kind != "compute":
+                    continue
+                o = g.ops[tr.instr.op]
+                if op_id is not None and o.id != op_id:
+                    continue
+                if op_id is None and isinstance(op, str) and op not in o.target:
+                    continue
+            if t_id is not None and all(t != t_id for t, _ in tr.pre + tr.post):
+                continue
+            out.append(tr)
+        return out
+
+    def lengths(self, tensor: int, dim: int, ratios: Sequence[float]) -> tuple[int, ...]:
+        """Integer shard lengths of ``tensor`` on ``dim`` for one segment's ``ratios``."""
+        size = self.graph.tensors[tensor].shape[dim]
+        unit, base = self.units.get((tensor, dim), (1, size))
+        return tuple(unit * n for n in shard_lengths(base, ratios))
+
+    def format(self, tr: Triple) -> str:
+        return tr.format(self.graph)
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for tr in self.triples:
+            kinds[tr.instr.kind] = kinds.get(tr.instr.kind, 0) + 1
+        parts = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+        return f"Theory of {self.graph.name}: {len(self.triples)} triples ({parts})"
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(display.theory_html, self)
+
+
+def _requires_grad(g: Graph) -> tuple[bool, ...]:
+    rg = [t.role == "param" for t in g.tensors]
+    for op in g.ops:
+        if any(rg[t] for t in op.inputs):
+            for t in op.outputs:
+                rg[t] = g.tensors[t].is_float
+    return tuple(rg)
+
+
+def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] | None = None) -> Theory:
+    """Build the theory of ``graph``: compute triples from the rules plus loader and collective triples."""
+    if strategies is None:
+        from . import rules
+
+        strategies = rules.strategies
+    g = graph
+    forms = [tuple(_valid_forms(t)) for t in g.tensors]
+    classes = _DimClasses()
+    per_op: list[tuple[Strategy, ...]] = []
+    for op in g.ops:
+        ok = []
+        for s in strategies(g, op):
+            pairs = [(t, f) for t, f in zip(op.inputs, s.inputs)] + [(t, f) for t, f in zip(op.outputs, s.outputs)]
+            if any(f not in forms[t] for t, f in pairs):
+                continue  # a form the tensor cannot take (e.g. G on a size-1 dim)
+            ok.append(s)
+            gdims = [(t, f.dim) for t, f in pairs if f.kind == "G"]
+            for a in gdims[1:]:
+                classes.union(gdims[0], a)
+        if not ok:
+            raise ValueError(f"op {op.name} ({op.target}) has no valid strategy; its rule is broken")
+        per_op.append(tuple(ok))
+    # every (t, d) gets unit/base from its class's gcd
+    members: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for t, fs in enumerate(forms):
+        for f in fs:
+            if f.kind == "G":
+                members.setdefault(classes.find((t, f.dim)), []).append((t, f.dim))
+    units: dict[tuple[int, int], tuple[int, int]] = {}
+    for ms in members.values():
+        base = 0
+        for t, d in ms:
+            base = math.gcd(base, g.tensors[t].shape[d])
+        for t, d in ms:
+            units[(t, d)] = (g.tensors[t].shape[d] // base, base)
+
+    triples: list[Triple] = []
+
+    def add(pre: Sequence[Prop], instr: Instr, post: Sequence[Prop]) -> None:
+        triples.append(Triple(len(triples), tuple(pre), instr, tuple(post)))
+
+    for t in g.tensors:
+        if t.role in LOADABLE_ROLES:
+            for f in forms[t.id]:
+                add((), Instr("load", "load", tensor=t.id, form=f), ((t.id, f),))
+    for op, ss in zip(g.ops, per_op):
+        for s in ss:
+            add(
+                tuple(zip(op.inputs, s.inputs)),
+                Instr("compute", s.name, op=op.id, strategy=s),
+                tuple(zip(op.outputs, s.outputs)),
+            )
+    for t in g.tensors:
+        if t.role in LOADABLE_ROLES or not t.is_float:
+            continue  # parameters and inputs are loaded in the form they are needed, never communicated
+        fs = forms[t.id]
+        gs = [f for f in fs if f.kind == "G"]
+        for f in gs:
+            for name in ("all_gather", "grouped_all_gather"):
+                add(((t.id, f),), Instr("collective", name, tensor=t.id, src=f, form=I), ((t.id, I),))
+            add(((t.id, I),), Instr("collective", "slice", tensor=t.id, src=I, form=f), ((t.id, f),))
+            if R in fs:
+                for name in ("reduce_scatter", "grouped_reduce_scatter"):
+                    add(((t.id, R),), Instr("collective", name, tensor=t.id, src=R, form=f), ((t.id, f),))
+            for f2 in gs:
+                if f2 != f:
+                    add(((t.id, f),), Instr("collective", "all_to_all", tensor=t.id, src=f, form=f2), ((t.id, f2),))
+        if R in fs:
+            add(((t.id, R),), Instr("collective", "all_reduce", tensor=t.id, src=R, form=I), ((t.id, I),))
+        if t.id == g.loss:
+            add(((t.id, I),), Instr("collective", "to_partial", tensor=t.id, src=I, form=R), ((t.id, R),))
+    return Theory(g, tuple(triples), tuple(per_op), tuple(forms), units, _requires_grad(g))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hapnb.theory --check [OP ...]``: check every rule against ground truth."""
+    from . import rules
+
+    return rules.main(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""A* against brute force, determinism, pins, step events."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import synthetic as S
+
+from hapnb.cluster import Cluster
+from hapnb.cost import Conversion, CostModel, Load, Step
+from hapnb.forms import G, I, R
+from hapnb.search import PinError, Search
+from hapnb.theory import LOADABLE_ROLES, theory
+
+CONV = {("G", "I"): ["all_gather", "grouped_all_gather"], ("R", "I"): ["all_reduce"],
+        ("R", "G"): ["reduce_scatter", "grouped_reduce_scatter"], ("G", "G"): ["all_to_all"], ("I", "G"): ["slice"]}
+
+
+def brute_force(th, cluster, ratios, sfb=True):
+    """Enumerate every program in the search space (ops in order; every strategy; every way to get each
+    input form: load once, or at most one collective per tensor) and evaluate each with the cost model."""
+    g = th.graph
+    cm = CostModel(th, cluster)
+    best = [math.inf, None]
+    n_cons = {t.id: len(set(c for c in t.consumers)) for t in g.tensors}
+
+    def rec(i, forms, converted, program):
+        if i == len(g.ops):
+            cost = cm.evaluate(program, ratios).cost_s
+            if cost < best[0]:
+                best[0], best[1] = cost, list(program)
+            return
+        op = g.ops[i]
+        for s in th.strategies[i]:
+            if s.sfb and (not sfb or any(g.tensors[t].role == "param" and f == I and n_cons[t] > 1
+                                         for t, f in zip(op.inputs, s.inputs))):
+                continue
+            needs = list(dict.fromkeys(zip(op.inputs, s.inputs)))
+            options = []
+            ok = True
+            for t, f in needs:
+                have = forms.get(t, set())
+                if f in have:
+                    options.append([None])
+                elif g.tensors[t].role in LOADABLE_ROLES:
+                    if have:
+                        ok = False
+                        break
+                    options.append([Load(t, f, s.sfb and f == I and g.tensors[t].role == "param")])
+                elif t in converted or not have:
+                    ok = False
+                    break
+                else:
+                    opts = [Conversion(t, n, src, f) for src in sorted(have) for n in CONV.get((src.kind, f.kind), [])]
+                    if not opts:
+                        ok = False
+                        break
+                    options.append(opts)
+            if not ok:
+                continue
+            for combo in itertools.product(*options):
+                loads = tuple(x for x in combo if isinstance(x, Load))
+                convs = tuple(x for x in combo if isinstance(x, Conversion))
+                if len({c.tensor for c in convs}) != len(convs):
+                    continue
+                nf = {k: set(v) for k, v in forms.items()}
+                for ld in loads:
+                    nf.setdefault(ld.tensor, set()).add(ld.form)
+                for c in convs:
+                    nf[c.tensor].add(c.dst)
+                for t, f in zip(op.outputs, s.outputs):
+                    nf.setdefault(t, set()).add(f)
+                rec(i + 1, nf, converted | {c.tensor for c in convs}, program + [Step(op.id, s, loads, convs)])
+
+    rec(0, {}, frozenset(), [])
+    return best[0], best[1]
+
+
+CLUSTERS = ["2xV100+2xP100", "V100+P100", "4xA100", "1x5e12+1x1e12+1x2e12"]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_astar_matches_brute_force(seed):
+    g = S.random_graph(seed)
+    th = theory(g, S.strategies)
+    c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
+    # also uneven, non-proportional ratios
+    ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
+    s = Search(th, c, ratios=ratios)
+    res = s.run()
+    assert res.optimal
+    bf_cost, bf_prog = brute_force(th, c, s.ratios)
+    assert res.cost == pytest.approx(bf_cost, rel=1e-9)
+    # the program found evaluates to the cost reported
+    assert CostModel(th, c).evaluate(res.program, s.ratios).cost_s == pytest.approx(res.cost, rel=1e-9)
+
+
+def test_megatron_style_program_for_mlp():
+    g = S.mlp_graph(batch=8, dims=(1024, 4096, 1024))
+    th = theory(g, S.strategies)
+    res = Search(th, Cluster.parse("4xA100")).run()
+    names = [st.strategy.name for st in res.program]
+    assert names[0] == "column" and names[2] == "row"  # small batch, big weights: tensor parallel wins
+
+
+def test_deterministic():
+    g = S.random_graph(3)
+    th = theory(g, S.strategies)
+    c = Cluster.parse("2xV100+2xP100")
+    a = Search(th, c).run()
+    b = Search(theory(g, S.strategies), c).run()
+    assert a.program == b.program and a.cost == b.cost
+
+
+def test_pins_honoured_and_rejected():
+    g = S.mlp_graph(batch=8, dims=(1024, 4096, 1024))
+    th = theory(g, S.strategies)
+    c = Cluster.parse("4xA100")
+    res = Search(th, c, pins={"w0": G(0)}).run()
+    loads = {ld.tensor: ld.form for st in res.program for ld in st.loads}
+    assert loads[g.tensor("w0").id] == G(0)
+    res = Search(th, c, pins={"x": G(0)}).run()
+    loads = {ld.tensor: ld.form for st in res.program for ld in st.loads}
+    assert loads[g.tensor("x").id] == G(0)
+    with pytest.raises(PinError, match="w0"):
+        Search(th, c, pins={"w0": G(5)})
+    with pytest.raises(PinError, match="nope"):
+        Search(th, c, pins={"nope": I})
+    with pytest.raises(PinError, match="cannot be satisfied"):
+        Search(th, c, pins={"mm_0": R, "x": G(0)})
+
+
+def test_step_events_and_frontier():
+    g = S.mlp_graph()
+    th = theory(g, S.strategies)
+    s = Search(th, Cluster.parse("2xV100+2xP100"))
+    e = s.step()
+    assert e.popped is not None and e.popped.position == 0
+    assert e.children and all(ch.parent == e.popped.id for ch in e.children)
+    assert s.frontier and s.frontier[0].score <= s.frontier[-1].score
+    while not s.step().done:
+        pass
+    assert s.done and s.best is not None and s.best.complete
+    assert s.best.cost == pytest.approx(Search(th, Cluster.parse("2xV100+2xP100")).run().cost)
+    assert s.stats["expansions"] >= 1
