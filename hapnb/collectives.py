@@ -582,7 +582,8 @@ def replicate(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (Megatron's "f"); wrap replicated parameters.
 
     After ``loss.backward()`` every rank's parameter gradient is the complete (summed) gradient: this is
-    the whole of data-parallel gradient synchronisation.
+    the whole of data-parallel gradient synchronisation. The result is a view of ``x`` (no copy), so
+    autograd refuses in-place ops on it; clone it first if you need one.
     """
     g = _group_ctx(group)
     _check_tensor("replicate", x, g)

@@ -1,0 +1,351 @@
+"""The Plan: a synthesized distributed program with its ratios, stages, history and provenance.
+
+A plan is a frozen value and saves to a versioned, self-contained JSON (``"format": 1``; DESIGN §3.4):
+cluster, ratios, program (instructions with their tensors, forms, collective kinds and static shard
+lengths), per-stage costs, pins, search stats and the graph fingerprint it was made for. Loading never
+executes code.
+
+>>> import hapnb
+>>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)  # doctest: +SKIP
+>>> hapnb.Plan.from_json(plan.to_json()) == plan  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .cluster import Cluster
+from .forms import parse_form
+
+__all__ = ["Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One instruction of the distributed program, by names (self-contained, JSON-able).
+
+    ``kind``: ``load`` (``tensor`` loaded in ``form``; ``name`` is ``load`` or ``load_sfb``),
+    ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
+    ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
+    """
+
+    kind: str
+    name: str
+    stage: int
+    tensor: str = ""
+    src: str = ""
+    form: str = ""
+    op: str = ""
+    target: str = ""
+    inputs: tuple[tuple[str, str], ...] = ()
+    outputs: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind == "compute":
+            ins = ", ".join(f"{t}:{f}" for t, f in self.inputs)
+            outs = ", ".join(f"{t}:{f}" for t, f in self.outputs)
+            return f"{outs} = {self.target.replace('aten.', '').replace('.default', '')}[{self.name}]({ins})"
+        if self.kind == "load":
+            return f"{self.tensor}:{self.form} = {self.name}({self.tensor})"
+        return f"{self.tensor}:{self.form} = {self.name}({self.tensor}:{self.src})"
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "name": self.name, "stage": self.stage}
+        for k in ("tensor", "src", "form", "op", "target"):
+            v = getattr(self, k)
+            if v:
+                d[k] = v
+        if self.inputs:
+            d["inputs"] = [list(p) for p in self.inputs]
+        if self.outputs:
+            d["outputs"] = [list(p) for p in self.outputs]
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Instruction:
+        return Instruction(
+            kind=str(d["kind"]), name=str(d["name"]), stage=int(d["stage"]), tensor=str(d.get("tensor", "")),
+            src=str(d.get("src", "")), form=str(d.get("form", "")), op=str(d.get("op", "")),
+            target=str(d.get("target", "")),
+            inputs=tuple((str(a), str(b)) for a, b in d.get("inputs", ())),
+            outputs=tuple((str(a), str(b)) for a, b in d.get("outputs", ())),
+        )
+
+    @property
+    def communicates(self) -> bool:
+        return self.kind == "collective" and self.name not in ("slice", "to_partial")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage: communication first (all devices synchronise), then computation until the next one."""
+
+    index: int
+    comm_s: float
+    comp_s: tuple[float, ...]  # per device
+    instructions: tuple[int, ...]  # indices into Plan.program
+    comm: tuple[str, ...] = ()  # what communicates, e.g. "all_gather h (padded)"
+
+    @property
+    def time_s(self) -> float:
+        return self.comm_s + (max(self.comp_s) if self.comp_s else 0.0)
+
+    def idle_s(self) -> tuple[float, ...]:
+        m = max(self.comp_s) if self.comp_s else 0.0
+        return tuple(m - c for c in self.comp_s)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One Q/B iteration: the program searched at the previous ratios, then the LP's ratios for it."""
+
+    iteration: int
+    search_cost_s: float  # cost of Q_k at B_{k-1}
+    balanced_cost_s: float  # cost of Q_k at B_k
+    ratios: tuple[tuple[float, ...], ...]  # B_k
+    expansions: int
+    search_s: float
+    balance_s: float
+    instructions: int
+    accepted: bool
+
+
+def _tuplify(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_tuplify(v) for v in x)
+    return x
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A synthesized plan (program Q paired with the ratios B optimised for it)."""
+
+    name: str
+    graph_fingerprint: str
+    cluster: Cluster
+    ratios: tuple[tuple[float, ...], ...]
+    program: tuple[Instruction, ...]
+    lengths: tuple[tuple[str, int, tuple[int, ...]], ...]  # (tensor, dim, per-rank lengths)
+    stages: tuple[Stage, ...]
+    cost_s: float
+    lower_bound_s: float
+    history: tuple[Round, ...] = ()
+    pins: tuple[tuple[str, str], ...] = ()
+    ratio_pins: tuple[tuple[str, float, float], ...] = ()
+    search: tuple[tuple[str, Any], ...] = ()
+    fallback_ops: tuple[tuple[str, str], ...] = ()
+    memory_bytes: tuple[int, ...] = ()
+    model: tuple[tuple[str, Any], ...] = ()  # how to rebuild: {"name": zoo name or factory, "options": {...}}
+    options: tuple[tuple[str, Any], ...] = ()
+    synthesis_s: float = 0.0
+    graph: Any = field(default=None, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.cluster.names
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return dict(self.search)
+
+    @property
+    def model_spec(self) -> dict[str, Any] | None:
+        return dict(self.model) if self.model else None
+
+    def lengths_of(self, tensor: str, dim: int) -> tuple[int, ...]:
+        for t, d, ls in self.lengths:
+            if t == tensor and d == dim:
+                return ls
+        raise KeyError(f"plan has no shard lengths for {tensor} dim {dim}")
+
+    def form_of(self, tensor: str) -> list[str]:
+        """Every form the program gives ``tensor`` (in program order)."""
+        out = []
+        for ins in self.program:
+            if ins.kind in ("load", "collective") and ins.tensor == tensor:
+                out.append(ins.form)
+            for t, f in ins.outputs:
+                if t == tensor:
+                    out.append(f)
+        return out
+
+    def batch_slice(self, rank: int, input_name: str | None = None) -> slice:
+        """The slice of the global batch that ``rank`` loads for a G-loaded input (full batch if I)."""
+        for ins in self.program:
+            if ins.kind == "load" and (input_name is None or ins.tensor == input_name):
+                if input_name is None and not self._is_input(ins.tensor):
+                    continue
+                f = parse_form(ins.form)
+                if f.kind != "G":
+                    return slice(None)
+                ls = self.lengths_of(ins.tensor, f.dim)
+                start = sum(ls[:rank])
+                return slice(start, start + ls[rank])
+        return slice(None)
+
+    def _is_input(self, name: str) -> bool:
+        return name in dict(self.options).get("inputs", ())
+
+    def gantt(self, **kw: Any) -> Any:
+        """A bokeh Gantt chart of the stages per device (needs bokeh)."""
+        from . import display
+
+        return display.gantt(self, **kw)
+
+    def summary(self) -> str:
+        lines = [
+            f"Plan for {self.name} on {self.cluster.name} ({self.cluster.n} devices)",
+            f"  cost {self.cost_s * 1e3:.3f} ms/iteration (lower bound {self.lower_bound_s * 1e3:.3f} ms), "
+            f"{len(self.stages)} stages, {len(self.program)} instructions",
+            "  ratios: " + "; ".join(", ".join(f"{x:.3f}" for x in row) for row in self.ratios),
+        ]
+        if self.history:
+            lines.append(
+                "  Q/B rounds: "
+                + " -> ".join(f"{r.balanced_cost_s * 1e3:.3f}" + ("" if r.accepted else " (stop)") for r in self.history)
+                + " ms"
+            )
+        comm = sum(1 for i in self.program if i.communicates)
+        lines.append(f"  {comm} collectives; synthesis {self.synthesis_s:.2f} s")
+        if self.fallback_ops:
+            lines.append(f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}")
+        if self.pins:
+            lines.append("  pins: " + ", ".join(f"{t}={f}" for t, f in self.pins))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + "\n".join(f"  [{i.stage:3d}] {i}" for i in self.program)
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(display.plan_html, self)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "name": self.name,
+            "graph_fingerprint": self.graph_fingerprint,
+            "model": self.model_spec,
+            "cluster": self.cluster.to_json(),
+            "ratios": [list(r) for r in self.ratios],
+            "program": [i.to_json() for i in self.program],
+            "lengths": [[t, d, list(ls)] for t, d, ls in self.lengths],
+            "stages": [
+                {"index": s.index, "comm_s": s.comm_s, "comp_s": list(s.comp_s), "instructions": list(s.instructions),
+                 "comm": list(s.comm)}
+                for s in self.stages
+            ],
+            "cost_s": self.cost_s,
+            "lower_bound_s": self.lower_bound_s,
+            "history": [
+                {**{f.name: getattr(r, f.name) for f in fields(Round)}, "ratios": [list(x) for x in r.ratios]}
+                for r in self.history
+            ],
+            "pins": {t: f for t, f in self.pins},
+            "ratio_pins": [[d, lo, hi] for d, lo, hi in self.ratio_pins],
+            "search": dict(self.search),
+            "fallback_ops": [list(p) for p in self.fallback_ops],
+            "memory_bytes": list(self.memory_bytes),
+            "options": _jsonable(dict(self.options)),
+            "synthesis_s": self.synthesis_s,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any], source: str = "<plan JSON>") -> Plan:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
+        fmt = d.get("format")
+        if fmt != PLAN_FORMAT:
+            raise ValueError(f"{source}: plan format {fmt!r} is not supported (this hapnb reads format {PLAN_FORMAT})")
+        try:
+            return Plan(
+                name=str(d["name"]),
+                graph_fingerprint=str(d["graph_fingerprint"]),
+                cluster=Cluster.from_json(d["cluster"], source=source),
+                ratios=tuple(tuple(float(x) for x in r) for r in d["ratios"]),
+                program=tuple(Instruction.from_json(i) for i in d["program"]),
+                lengths=tuple((str(t), int(dm), tuple(int(x) for x in ls)) for t, dm, ls in d["lengths"]),
+                stages=tuple(
+                    Stage(int(s["index"]), float(s["comm_s"]), tuple(float(x) for x in s["comp_s"]),
+                          tuple(int(x) for x in s["instructions"]), tuple(str(x) for x in s.get("comm", ())))
+                    for s in d["stages"]
+                ),
+                cost_s=float(d["cost_s"]),
+                lower_bound_s=float(d["lower_bound_s"]),
+                history=tuple(
+                    Round(**{**{k: v for k, v in r.items() if k != "ratios"},
+                             "ratios": tuple(tuple(float(x) for x in row) for row in r["ratios"])})
+                    for r in d.get("history", ())
+                ),
+                pins=tuple((str(k), str(v)) for k, v in d.get("pins", {}).items()),
+                ratio_pins=tuple((str(a), float(b), float(c)) for a, b, c in d.get("ratio_pins", ())),
+                search=tuple(sorted((str(k), _tuplify(v)) for k, v in d.get("search", {}).items())),
+                fallback_ops=tuple((str(a), str(b)) for a, b in d.get("fallback_ops", ())),
+                memory_bytes=tuple(int(x) for x in d.get("memory_bytes", ())),
+                model=tuple(sorted((str(k), _freeze(v)) for k, v in (d.get("model") or {}).items())),
+                options=tuple(sorted((str(k), _freeze(v)) for k, v in d.get("options", {}).items())),
+                synthesis_s=float(d.get("synthesis_s", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ValueError) and str(e).startswith(source):
+                raise
+            raise ValueError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        p = Path(path)
+        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return p
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Plan:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no plan file at {p}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e})") from None
+        return Plan.from_json(data, source=str(p))
+
+    def bundle(self, directory: str | os.PathLike[str]) -> Path:
+        """Write plan.json + the traced program (torch.export format) + cluster.json into ``directory``."""
+        from . import runtime
+
+        return runtime.write_bundle(self, directory)
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        # frozen dicts are tuples of (str, value) pairs
+        if v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in v):
+            return {k: _jsonable(x) for k, x in v}
+        return [_jsonable(x) for x in v]
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def freeze_mapping(m: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """A mapping as sorted (key, frozen value) pairs, the way plans store options."""
+    return tuple(sorted((str(k), _freeze(v)) for k, v in (m or {}).items()))
