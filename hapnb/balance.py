@@ -31,7 +31,11 @@ class RatioPin:
     hi: float = 1.0
 
     def __str__(self) -> str:
-        return f"{self.device}={self.lo:g}" if self.lo == self.hi else f"{self.device} in [{self.lo:g}, {self.hi:g}]"
+        return (
+            f"{self.device}={self.lo:g}"
+            if self.lo == self.hi
+            else f"{self.device} in [{self.lo:g}, {self.hi:g}]"
+        )
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,9 @@ def _solver():  # noqa: ANN202
     return pulp.PULP_CBC_CMD(msg=False)
 
 
-def parse_ratio_pins(pins: Mapping[str, object] | Sequence[RatioPin] | None, names: Sequence[str]) -> tuple[RatioPin, ...]:
+def parse_ratio_pins(
+    pins: Mapping[str, object] | Sequence[RatioPin] | None, names: Sequence[str]
+) -> tuple[RatioPin, ...]:
     """Ratio pins from ``{"v100-0": 0.4, "p100-1": (0.05, 0.2)}`` (or RatioPin values); checks names/values."""
     if not pins:
         return ()
@@ -120,7 +126,11 @@ def apply_ratio_pins(
 
 
 def balance(
-    cm: CostModel, program: Sequence[Step], ratio_pins: Sequence[RatioPin] = (), *, fixed_segments: int | None = None
+    cm: CostModel,
+    program: Sequence[Step],
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    fixed_segments: int | None = None,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)``."""
     import pulp
@@ -161,7 +171,10 @@ def balance(
         P = pulp.LpVariable(f"P_{k}", 0)
         objective.append(P)
         for j in range(n):
-            prob += P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j], f"comp_{k}_{j}"
+            prob += (
+                P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j],
+                f"comp_{k}_{j}",
+            )
         for c, tm in enumerate(cm.step_terms(program[idx[0]])):
             if tm.slope == 0.0:
                 constant += tm.const

@@ -159,19 +159,29 @@ class CostModel:
             return ()
         c = self._coll
         if name in ("all_gather", "reduce_scatter"):
-            fwd_k, bwd_k = ("all_gather", "reduce_scatter") if name == "all_gather" else ("reduce_scatter", "all_gather")
+            fwd_k, bwd_k = (
+                ("all_gather", "reduce_scatter") if name == "all_gather" else ("reduce_scatter", "all_gather")
+            )
             const = c[fwd_k].latency_s + (c[bwd_k].latency_s if bwd else 0.0)
-            slope = n * nbytes / c[fwd_k].bandwidth_Bps + (n * nbytes / c[bwd_k].bandwidth_Bps if bwd else 0.0)
+            slope = n * nbytes / c[fwd_k].bandwidth_Bps + (
+                n * nbytes / c[bwd_k].bandwidth_Bps if bwd else 0.0
+            )
             return (Term(name, const, slope, seg, what),)
         if name in ("grouped_all_gather", "grouped_reduce_scatter"):
-            fwd_k, bwd_k = ("broadcast", "reduce") if name == "grouped_all_gather" else ("reduce", "broadcast")
+            fwd_k, bwd_k = (
+                ("broadcast", "reduce") if name == "grouped_all_gather" else ("reduce", "broadcast")
+            )
             const = self._t(fwd_k, nbytes, n) + (self._t(bwd_k, nbytes, n) if bwd else 0.0)
             return (Term(name, const, 0.0, seg, what),)
         if name == "all_reduce":
             return (Term(name, self._t("all_reduce", nbytes) * (2 if bwd else 1), 0.0, seg, what),)
         if name == "all_to_all":
             k = 2 if bwd else 1
-            return (Term(name, k * c["all_to_all"].latency_s, k * nbytes / c["all_to_all"].bandwidth_Bps, seg, what),)
+            return (
+                Term(
+                    name, k * c["all_to_all"].latency_s, k * nbytes / c["all_to_all"].bandwidth_Bps, seg, what
+                ),
+            )
         raise ValueError(f"unknown collective {name!r}")
 
     def load_terms(self, ld: Load) -> tuple[Term, ...]:
@@ -179,7 +189,9 @@ class CostModel:
         t = self.graph.tensors[ld.tensor]
         if t.role != "param" or ld.form.kind != "I" or ld.sfb:
             return ()
-        return (Term("all_reduce", self._t("all_reduce", float(t.nbytes)), 0.0, 0, f"grad all_reduce {t.name}"),)
+        return (
+            Term("all_reduce", self._t("all_reduce", float(t.nbytes)), 0.0, 0, f"grad all_reduce {t.name}"),
+        )
 
     def sfb_terms(self, step: Step) -> tuple[Term, ...]:
         """SFB: all-gather the G input and the output gradient (padded) in the backward."""
@@ -193,7 +205,11 @@ class CostModel:
         for t, f in list(zip(op.inputs, step.strategy.inputs)) + list(zip(op.outputs, step.strategy.outputs)):
             tr = g.tensors[t]
             if f.kind == "G" and tr.role not in ("param",):
-                out.append(Term("all_gather", c.latency_s, self.n * tr.nbytes / c.bandwidth_Bps, seg, f"sfb {tr.name}"))
+                out.append(
+                    Term(
+                        "all_gather", c.latency_s, self.n * tr.nbytes / c.bandwidth_Bps, seg, f"sfb {tr.name}"
+                    )
+                )
         return tuple(out)
 
     def step_terms(self, step: Step) -> tuple[Term, ...]:

@@ -490,7 +490,11 @@ def _normalize(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _loss_of(b: _Builder, out_ids: list[int], where: str) -> int:
-    cands = [t for t in out_ids if b.tensors[t]["shape"] == () and b.tensors[t]["dtype"].startswith(("float", "bfloat"))]
+    cands = [
+        t
+        for t in out_ids
+        if b.tensors[t]["shape"] == () and b.tensors[t]["dtype"].startswith(("float", "bfloat"))
+    ]
     if len(cands) != 1:
         desc = ", ".join(f"{b.tensors[t]['name']}{list(b.tensors[t]['shape'])}" for t in out_ids) or "nothing"
         raise TraceError(
@@ -791,9 +795,13 @@ def trace(
 
     torch.export (non-strict, then strict) runs in train mode; if both fail, torch.fx.symbolic_trace with
     ShapeProp is tried (it covers torch functions, Tensor methods and common leaf modules).
+    ``model`` may also be a ``torch.export.ExportedProgram`` that returns the scalar loss.
     """
     import torch
 
+    if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
+        specs = model.graph_signature.user_inputs
+        return _from_export(model, list(specs), name or "model")
     if not isinstance(example_inputs, (list, tuple)):
         example_inputs = (example_inputs,)
     inputs = tuple(example_inputs)

@@ -40,6 +40,8 @@ __all__ = [
     "loss_partial",
     "mse_partial",
     "created_slice",
+    "conv_local",
+    "pool_local",
     "global_sum",
     "all_gather_dim",
     "sfb_linear",
@@ -116,9 +118,7 @@ def masked_fill_partial(x: torch.Tensor, mask: torch.Tensor, value: float, keep:
     return x.masked_fill(mask, value if keep else 0)
 
 
-def linear_partial(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, with_bias: bool
-) -> torch.Tensor:
+def linear_partial(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, with_bias: bool) -> torch.Tensor:
     """``F.linear`` whose bias is added only when ``with_bias`` (rank 0 of an R-form result)."""
     if b is None:
         return F.linear(x, w)
@@ -147,14 +147,12 @@ def conv_partial(
     with_bias: bool,
 ) -> torch.Tensor:
     """conv1d/2d on in-channel shards (an R-form result): the bias is added on rank 0 only."""
-    fn = F.conv2d if x.dim() in (3, 4) and w.dim() == 4 else F.conv1d
+    fn = F.conv2d if w.dim() == 4 else F.conv1d
     out = fn(x, w, None, stride, padding, dilation, groups)
     if b is None:
         return out
     if with_bias:
-        shape = [1] * out.dim()
-        shape[1 if out.dim() == w.dim() else 0] = -1
-        return out + b.view(shape)
+        return out + _bias_view(b, out, 1 if x.dim() == w.dim() else 0)
     return out + _drop(b).to(out.dtype)
 
 
@@ -171,9 +169,7 @@ def mean_partial(
     return s / count
 
 
-def embedding_vocab(
-    w: torch.Tensor, idx: torch.Tensor, offset: int, padding_idx: int = -1
-) -> torch.Tensor:
+def embedding_vocab(w: torch.Tensor, idx: torch.Tensor, offset: int, padding_idx: int = -1) -> torch.Tensor:
     """Vocab-parallel embedding: rows ``[offset, offset+len(w))`` live here; other ids give zeros.
 
     Summing the result over ranks gives the full lookup (an R-form output).
@@ -373,3 +369,49 @@ def sfb_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dim: in
 def sfb_matmul(x: torch.Tensor, w: torch.Tensor, dim: int, lengths: tuple) -> Any:
     """``x @ w`` (2-D ``w``) with SFB backward; ``x`` is sharded on batch dim ``dim``."""
     return _SFB.apply(x, w, None, dim, tuple(lengths), False)
+
+
+def conv_local(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Any,
+    dilation: Sequence[int],
+    groups: int,
+    with_bias: bool = True,
+) -> torch.Tensor:
+    """conv1d/2d on a shard that may be EMPTY (zero batch, in- or out-channels): PyTorch's conv
+    rejects zero channels, so a zero-length shard computes on a 1-channel zero stand-in instead."""
+    fn = F.conv2d if w.dim() == 4 else F.conv1d
+    ch = 1 if x.dim() == w.dim() else 0
+    if w.shape[0] == 0:  # no output channels here
+        stand = w.new_zeros((1, *w.shape[1:]))
+        out = fn(x, stand, None, stride, padding, dilation, groups).narrow(ch, 0, 0)
+        return out + _drop(w).to(out.dtype) + (_drop(b).to(out.dtype) if b is not None else 0)
+    if x.shape[ch] == 0:  # no input channels here: the partial sum is zero
+        xs = x.new_zeros((*x.shape[:ch], 1, *x.shape[ch + 1 :]))
+        ws = w.new_zeros((w.shape[0], 1, *w.shape[2:]))
+        out = fn(xs, ws, None, stride, padding, dilation, 1) + _drop(x).to(x.dtype) + _drop(w).to(x.dtype)
+        if b is not None:
+            out = out + (_bias_view(b, out, ch) if with_bias else _drop(b).to(out.dtype))
+        return out
+    return conv_partial(x, w, b, stride, padding, dilation, groups, with_bias)
+
+
+def _bias_view(b: torch.Tensor, out: torch.Tensor, ch: int) -> torch.Tensor:
+    shape = [1] * out.dim()
+    shape[ch] = -1
+    return b.view(shape)
+
+
+def pool_local(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """A pooling op on a shard that may have zero channels (PyTorch rejects those)."""
+    if x.numel() == 0 and x.dim() >= 3 and any(s == 0 for s in x.shape[:-2]):
+        shape = [max(s, 1) for s in x.shape[:-2]] + list(x.shape[-2:])
+        out = fn(x.new_zeros(shape), *args)
+        for d, s in enumerate(x.shape[:-2]):
+            if s == 0:
+                out = out.narrow(d, 0, 0)
+        return out + _drop(x).to(out.dtype)
+    return fn(x, *args)

@@ -105,10 +105,19 @@ def synthesize(
         B = fixed
     history: list[Round] = []
     best: tuple[float, tuple[Step, ...], tuple[Conversion, ...], tuple[tuple[float, ...], ...]] | None = None
-    stats = {"expansions": 0, "generated": 0, "pruned_dominated": 0, "pruned_bound": 0, "search_s": 0.0,
-             "balance_s": 0.0, "optimal": True}
+    stats = {
+        "expansions": 0,
+        "generated": 0,
+        "pruned_dominated": 0,
+        "pruned_bound": 0,
+        "search_s": 0.0,
+        "balance_s": 0.0,
+        "optimal": True,
+    }
 
-    def search(ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None) -> tuple[Any, Search]:
+    def search(
+        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None
+    ) -> tuple[Any, Search]:
         s = Search(th, c, ratios=ratios_, pins=pins_, options={**(options or {}), **(opts or {})})
         res = s.run(max_expansions=max_expansions, max_seconds=max_seconds, progress=progress)
         st = s.stats
@@ -118,8 +127,14 @@ def synthesize(
         stats["optimal"] = stats["optimal"] and res.optimal
         return res, s
 
-    def consider(prog: tuple[Step, ...], extra: tuple[Conversion, ...], cost_before: float, it: int,
-                 exp: int, s_sec: float) -> bool:
+    def consider(
+        prog: tuple[Step, ...],
+        extra: tuple[Conversion, ...],
+        cost_before: float,
+        it: int,
+        exp: int,
+        s_sec: float,
+    ) -> bool:
         nonlocal best
         if fixed is not None:
             ratios_k, cost_k, b_sec = fixed, cm.evaluate(prog, fixed).cost_s, 0.0
@@ -137,7 +152,9 @@ def synthesize(
     while it < max_iterations:
         it += 1
         res, s = search(B, form_pins)
-        improved = consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds)
+        improved = consider(
+            res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds
+        )
         if fixed is not None or not improved:
             break
         B = best[3]  # type: ignore[index]
@@ -154,16 +171,27 @@ def synthesize(
                 while it < 3 * max_iterations:
                     it += 1
                     res, s = search(B, form_pins)
-                    if not consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"],
-                                    res.seconds):
+                    if not consider(
+                        res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds
+                    ):
                         break
                     B = best[3]  # type: ignore[index]
     assert best is not None
     cost, prog, extra, ratios_best = best
     elapsed = time.perf_counter() - t0
     plan = make_plan(
-        th, c, prog, extra, ratios_best, history=tuple(history), pins=form_pins, ratio_pins=ratio_pins,
-        stats=stats, model=spec, options=options, synthesis_s=elapsed,
+        th,
+        c,
+        prog,
+        extra,
+        ratios_best,
+        history=tuple(history),
+        pins=form_pins,
+        ratio_pins=ratio_pins,
+        stats=stats,
+        model=spec,
+        options=options,
+        synthesis_s=elapsed,
     )
     if check_memory:
         _check_memory(plan)
@@ -193,7 +221,11 @@ def _baseline_specs(
 
 
 def baselines(
-    model_or_graph: Any, cluster: Cluster | str, *, example_inputs: Sequence[Any] | None = None, **zoo_options: Any
+    model_or_graph: Any,
+    cluster: Cluster | str,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    **zoo_options: Any,
 ) -> dict[str, Plan]:
     """Data parallel with even (``dp_ev``) and throughput-proportional (``dp_cp``) ratios, and Megatron-style
     tensor parallel (``tp_ev``: replicated batch, weights split by the search, even ratios), all under the
@@ -213,8 +245,16 @@ def baselines(
         stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
         stats["optimal"] = res.optimal
         out[name] = make_plan(
-            th, c, res.program, s.final_conversions(), s.ratios, pins=pins, stats=stats, model=spec,
-            options={**opts, "baseline": name}, synthesis_s=time.perf_counter() - t0,
+            th,
+            c,
+            res.program,
+            s.final_conversions(),
+            s.ratios,
+            pins=pins,
+            stats=stats,
+            model=spec,
+            options={**opts, "baseline": name},
+            synthesis_s=time.perf_counter() - t0,
         )
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
@@ -266,13 +306,21 @@ def make_plan(
         stage = stage_of_step[k]
         op = g.ops[st.op]
         for ld in st.loads:
-            emit(Instruction("load", "load_sfb" if ld.sfb else "load", stage, tensor=name(ld.tensor), form=str(ld.form)))
+            emit(
+                Instruction(
+                    "load", "load_sfb" if ld.sfb else "load", stage, tensor=name(ld.tensor), form=str(ld.form)
+                )
+            )
             if ld.form.kind == "G":
                 used.add((ld.tensor, ld.form.dim))
             for tm in cm.load_terms(ld):
                 stage_comm.setdefault(stage, []).append(tm.what)
         for cv in st.conversions:
-            emit(Instruction("collective", cv.name, stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)))
+            emit(
+                Instruction(
+                    "collective", cv.name, stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
+                )
+            )
             for f in (cv.src, cv.dst):
                 if f.kind == "G":
                     used.add((cv.tensor, f.dim))
@@ -284,19 +332,33 @@ def make_plan(
         for t, f in list(zip(op.inputs, s.inputs)) + list(zip(op.outputs, s.outputs)):
             if f.kind == "G":
                 used.add((t, f.dim))
-        emit(Instruction(
-            "compute", s.name, stage, op=op.name, target=op.target,
-            inputs=tuple((name(t), str(f)) for t, f in zip(op.inputs, s.inputs)),
-            outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
-        ))
+        emit(
+            Instruction(
+                "compute",
+                s.name,
+                stage,
+                op=op.name,
+                target=op.target,
+                inputs=tuple((name(t), str(f)) for t, f in zip(op.inputs, s.inputs)),
+                outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
+            )
+        )
     last_stage = ev.stages[-1].index if ev.stages else 0
     for cv in extra:
-        emit(Instruction("collective", cv.name, last_stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)))
-    lengths = tuple(
-        (name(t), d, th.lengths(t, d, ratios[cm.segment_of[t]])) for t, d in sorted(used)
-    )
+        emit(
+            Instruction(
+                "collective", cv.name, last_stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
+            )
+        )
+    lengths = tuple((name(t), d, th.lengths(t, d, ratios[cm.segment_of[t]])) for t, d in sorted(used))
     stages = tuple(
-        Stage(sc.index, sc.comm_s, sc.comp_s, tuple(stage_instrs.get(sc.index, ())), tuple(stage_comm.get(sc.index, ())))
+        Stage(
+            sc.index,
+            sc.comm_s,
+            sc.comp_s,
+            tuple(stage_instrs.get(sc.index, ())),
+            tuple(stage_comm.get(sc.index, ())),
+        )
         for sc in ev.stages
     )
     fallback = tuple((op.name, op.target) for op in g.ops if op.family == "unknown")
@@ -316,7 +378,9 @@ def make_plan(
         search=freeze_mapping(stats),
         fallback_ops=fallback,
         model=freeze_mapping(model),
-        options=freeze_mapping({**(options or {}), "inputs": [t.name for t in g.tensors if t.role == "input"]}),
+        options=freeze_mapping(
+            {**(options or {}), "inputs": [t.name for t in g.tensors if t.role == "input"]}
+        ),
         synthesis_s=synthesis_s,
         graph=g,
     )
@@ -367,7 +431,8 @@ def _check_memory(plan: Plan) -> None:
             bad.append(f"{d.name} needs {m / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
     if bad:
         raise OutOfMemoryError(
-            "the best plan does not fit in device memory: " + "; ".join(bad)
+            "the best plan does not fit in device memory: "
+            + "; ".join(bad)
             + ". Use a smaller batch or model, more or larger devices, or pin large weights to be sharded "
             "(e.g. pins={'<weight>': hapnb.Shard(0)}); pass check_memory=False to get the plan anyway."
         )

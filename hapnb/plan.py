@@ -72,8 +72,13 @@ class Instruction:
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> Instruction:
         return Instruction(
-            kind=str(d["kind"]), name=str(d["name"]), stage=int(d["stage"]), tensor=str(d.get("tensor", "")),
-            src=str(d.get("src", "")), form=str(d.get("form", "")), op=str(d.get("op", "")),
+            kind=str(d["kind"]),
+            name=str(d["name"]),
+            stage=int(d["stage"]),
+            tensor=str(d.get("tensor", "")),
+            src=str(d.get("src", "")),
+            form=str(d.get("form", "")),
+            op=str(d.get("op", "")),
             target=str(d.get("target", "")),
             inputs=tuple((str(a), str(b)) for a, b in d.get("inputs", ())),
             outputs=tuple((str(a), str(b)) for a, b in d.get("outputs", ())),
@@ -211,13 +216,17 @@ class Plan:
         if self.history:
             lines.append(
                 "  Q/B rounds: "
-                + " -> ".join(f"{r.balanced_cost_s * 1e3:.3f}" + ("" if r.accepted else " (stop)") for r in self.history)
+                + " -> ".join(
+                    f"{r.balanced_cost_s * 1e3:.3f}" + ("" if r.accepted else " (stop)") for r in self.history
+                )
                 + " ms"
             )
         comm = sum(1 for i in self.program if i.communicates)
         lines.append(f"  {comm} collectives; synthesis {self.synthesis_s:.2f} s")
         if self.fallback_ops:
-            lines.append(f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}")
+            lines.append(
+                f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}"
+            )
         if self.pins:
             lines.append("  pins: " + ", ".join(f"{t}={f}" for t, f in self.pins))
         return "\n".join(lines)
@@ -242,8 +251,13 @@ class Plan:
             "program": [i.to_json() for i in self.program],
             "lengths": [[t, d, list(ls)] for t, d, ls in self.lengths],
             "stages": [
-                {"index": s.index, "comm_s": s.comm_s, "comp_s": list(s.comp_s), "instructions": list(s.instructions),
-                 "comm": list(s.comm)}
+                {
+                    "index": s.index,
+                    "comm_s": s.comm_s,
+                    "comp_s": list(s.comp_s),
+                    "instructions": list(s.instructions),
+                    "comm": list(s.comm),
+                }
                 for s in self.stages
             ],
             "cost_s": self.cost_s,
@@ -267,7 +281,9 @@ class Plan:
             raise ValueError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
         fmt = d.get("format")
         if fmt != PLAN_FORMAT:
-            raise ValueError(f"{source}: plan format {fmt!r} is not supported (this hapnb reads format {PLAN_FORMAT})")
+            raise ValueError(
+                f"{source}: plan format {fmt!r} is not supported (this hapnb reads format {PLAN_FORMAT})"
+            )
         try:
             return Plan(
                 name=str(d["name"]),
@@ -277,15 +293,24 @@ class Plan:
                 program=tuple(Instruction.from_json(i) for i in d["program"]),
                 lengths=tuple((str(t), int(dm), tuple(int(x) for x in ls)) for t, dm, ls in d["lengths"]),
                 stages=tuple(
-                    Stage(int(s["index"]), float(s["comm_s"]), tuple(float(x) for x in s["comp_s"]),
-                          tuple(int(x) for x in s["instructions"]), tuple(str(x) for x in s.get("comm", ())))
+                    Stage(
+                        int(s["index"]),
+                        float(s["comm_s"]),
+                        tuple(float(x) for x in s["comp_s"]),
+                        tuple(int(x) for x in s["instructions"]),
+                        tuple(str(x) for x in s.get("comm", ())),
+                    )
                     for s in d["stages"]
                 ),
                 cost_s=float(d["cost_s"]),
                 lower_bound_s=float(d["lower_bound_s"]),
                 history=tuple(
-                    Round(**{**{k: v for k, v in r.items() if k != "ratios"},
-                             "ratios": tuple(tuple(float(x) for x in row) for row in r["ratios"])})
+                    Round(
+                        **{
+                            **{k: v for k, v in r.items() if k != "ratios"},
+                            "ratios": tuple(tuple(float(x) for x in row) for row in r["ratios"]),
+                        }
+                    )
                     for r in d.get("history", ())
                 ),
                 pins=tuple((str(k), str(v)) for k, v in d.get("pins", {}).items()),

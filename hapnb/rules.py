@@ -35,6 +35,7 @@ import random
 import string
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,10 +152,18 @@ class _Rule:
 
 
 _RULES: dict[str, _Rule] = {}
+_STRICT = False  # check() turns rule-generator errors into failures instead of warnings
 
 
-def _register(targets: Iterable[str], family: str, gen: Gen, *, local: Loc | None = None,
-              flops: Flops | None = None, reason: str = "") -> None:  # fmt: skip
+def _register(
+    targets: Iterable[str],
+    family: str,
+    gen: Gen,
+    *,
+    local: Loc | None = None,
+    flops: Flops | None = None,
+    reason: str = "",
+) -> None:
     for t in targets:
         _RULES[t] = _Rule(family, gen, local, flops or _f_out, reason)
 
@@ -256,8 +265,13 @@ def _f_scale(c: float, base: Flops) -> Flops:
     return lambda i, o, a, k: c * base(i, o, a, k)
 
 
-def flops(op_target: str, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]],
-          args: Sequence[Any] = (), kwargs: Any = ()) -> float:  # fmt: skip
+def flops(
+    op_target: str,
+    in_shapes: Sequence[Sequence[int]],
+    out_shapes: Sequence[Sequence[int]],
+    args: Sequence[Any] = (),
+    kwargs: Any = (),
+) -> float:
     """Analytic forward flops of one op (a multiply-add counts as 2).
 
     Matmul-like ops: 2 x the product of all index extents (+ the bias adds); SDPA: 2·B·H·L·S·(E+Ev)
@@ -265,7 +279,7 @@ def flops(op_target: str, in_shapes: Sequence[Sequence[int]], out_shapes: Sequen
     flops per output element; views and creation ops: 0.
 
     >>> flops("aten.scaled_dot_product_attention.default", [(2, 4, 5, 8)] * 3, [(2, 4, 5, 8)])
-    6800.0
+    7400.0
     """
     r = _RULES.get(op_target)
     if r is None:
@@ -294,8 +308,10 @@ def _broadcast_cands(g: Graph, op: Op, skip: Sequence[int] = ()) -> list[_Cand]:
             t = g.tensors[tid]
             dk = d - (nd - t.ndim)
             ins.append(G(dk) if k not in skip and dk >= 0 and t.shape[dk] == out.shape[d] else I)
-        outs = tuple(G(d) if len(o_shape := g.tensors[o].shape) == nd and o_shape[d] == out.shape[d] else I
-                     for o in op.outputs)  # fmt: skip
+        outs = tuple(
+            G(d) if len(o_shape := g.tensors[o].shape) == nd and o_shape[d] == out.shape[d] else I
+            for o in op.outputs
+        )
         cands.append(_Cand(f"shard{d}", tuple(ins), outs))
     return cands
 
@@ -388,20 +404,83 @@ def _local_masked_fill(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> Loca
 
 
 _UNARY_CHEAP = (
-    "relu", "neg", "abs", "sign", "floor", "ceil", "round", "trunc", "logical_not", "bitwise_not",
-    "square", "reciprocal", "positive", "relu_", "hardtanh", "clamp", "clamp_min", "clamp_max",
-    "leaky_relu", "hardsigmoid", "hardswish", "isnan", "isinf", "nan_to_num", "frac",
-)  # fmt: skip
+    "relu",
+    "neg",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "logical_not",
+    "bitwise_not",
+    "square",
+    "reciprocal",
+    "positive",
+    "relu_",
+    "hardtanh",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "leaky_relu",
+    "hardsigmoid",
+    "hardswish",
+    "isnan",
+    "isinf",
+    "nan_to_num",
+    "frac",
+)
 _UNARY_TRANS = (
-    "gelu", "silu", "tanh", "sigmoid", "exp", "log", "sqrt", "rsqrt", "erf", "sin", "cos",
-    "softplus", "elu", "mish", "log1p", "expm1", "gelu_", "silu_", "tanh_", "sigmoid_", "log2",
-    "pow", "exp2", "atan", "selu", "celu",
-)  # fmt: skip
+    "gelu",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "erf",
+    "sin",
+    "cos",
+    "softplus",
+    "elu",
+    "mish",
+    "log1p",
+    "expm1",
+    "gelu_",
+    "silu_",
+    "tanh_",
+    "sigmoid_",
+    "log2",
+    "pow",
+    "exp2",
+    "atan",
+    "selu",
+    "celu",
+)
 _BINARY = (
-    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "remainder", "fmod", "floor_divide",
-    "atan2", "pow", "rsub", "div",
-)  # fmt: skip
+    "maximum",
+    "minimum",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "remainder",
+    "fmod",
+    "floor_divide",
+    "atan2",
+    "pow",
+    "rsub",
+    "div",
+)
 
 
 def _overloads(names: Iterable[str], kinds: Sequence[str]) -> list[str]:
@@ -419,53 +498,85 @@ def _overloads(names: Iterable[str], kinds: Sequence[str]) -> list[str]:
 
 _register(
     _overloads(_UNARY_CHEAP, ("default", "Scalar", "Tensor")),
-    "pointwise", _gen_pointwise, reason="elementwise: commutes with slicing on any dim",
-)  # fmt: skip
+    "pointwise",
+    _gen_pointwise,
+    reason="elementwise: commutes with slicing on any dim",
+)
 _register(
     _overloads(_UNARY_TRANS, ("default", "Tensor_Scalar", "Scalar")),
-    "pointwise", _gen_pointwise, flops=_f_scale(4, _f_out),
+    "pointwise",
+    _gen_pointwise,
+    flops=_f_scale(4, _f_out),
     reason="elementwise (transcendental, ~4 flops/element): commutes with slicing on any dim",
-)  # fmt: skip
+)
 _register(
     _overloads(_BINARY, ("Tensor", "Scalar", "Tensor_Tensor", "Tensor_mode", "Scalar_Tensor", "other")),
-    "pointwise", _gen_pointwise,
+    "pointwise",
+    _gen_pointwise,
     reason="elementwise binary with broadcasting: a broadcast (size-1) dim of an operand stays I",
-)  # fmt: skip
+)
 _register(
     ["aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"],
-    "pointwise", _gen_pointwise, flops=_f_scale(2, _f_out),
+    "pointwise",
+    _gen_pointwise,
+    flops=_f_scale(2, _f_out),
     reason="dropout is elementwise (independent mask per element); not exact on R (the mask differs)",
-)  # fmt: skip
+)
 _register(
-    ["aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
-     "aten.lift_fresh_copy.default", "aten.zeros_like.default", "aten.fill.Scalar",
-     "aten.positive.default"],
-    "linear", _gen_linear_unary, flops=_f_zero,
+    [
+        "aten.clone.default",
+        "aten.contiguous.default",
+        "aten.alias.default",
+        "aten.detach.default",
+        "aten.lift_fresh_copy.default",
+        "aten.zeros_like.default",
+        "aten.fill.Scalar",
+        "aten.positive.default",
+    ],
+    "linear",
+    _gen_linear_unary,
+    flops=_f_zero,
     reason="linear unary: commutes with slicing and with the rank sum (R -> R)",
-)  # fmt: skip
+)
 _register(
-    ["aten.neg.default"], "linear", _gen_linear_unary,
+    ["aten.neg.default"],
+    "linear",
+    _gen_linear_unary,
     reason="negation is linear: commutes with slicing and with the rank sum",
-)  # fmt: skip
+)
 _register(
-    ["aten.add.Tensor", "aten.sub.Tensor"], "additive", _gen_add, local=_local_add,
+    ["aten.add.Tensor", "aten.sub.Tensor"],
+    "additive",
+    _gen_add,
+    local=_local_add,
     reason="sum of R is R; an I operand added to an R is added on rank 0 only",
-)  # fmt: skip
+)
 _register(
-    ["aten.add.Scalar", "aten.sub.Scalar", "aten.rsub.Scalar"], "additive", _gen_scalar_add,
-    local=_local_scalar_add, reason="a scalar added to an R tensor is added on rank 0 only",
-)  # fmt: skip
+    ["aten.add.Scalar", "aten.sub.Scalar", "aten.rsub.Scalar"],
+    "additive",
+    _gen_scalar_add,
+    local=_local_scalar_add,
+    reason="a scalar added to an R tensor is added on rank 0 only",
+)
 _register(
-    ["aten.mul.Tensor", "aten.div.Tensor", "aten.mul.Scalar", "aten.div.Scalar"], "multiplicative",
-    _gen_mul, reason="multiplication is bilinear: R times I (or a scalar) stays R; R*R is not",
-)  # fmt: skip
-_register(["aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar"],
-          "select", _gen_where,
-          reason="where is elementwise; with an I condition it is linear in both value operands")  # fmt: skip
+    ["aten.mul.Tensor", "aten.div.Tensor", "aten.mul.Scalar", "aten.div.Scalar"],
+    "multiplicative",
+    _gen_mul,
+    reason="multiplication is bilinear: R times I (or a scalar) stays R; R*R is not",
+)
 _register(
-    ["aten.masked_fill.Scalar", "aten.masked_fill.Tensor"], "select", _gen_masked_fill,
-    local=_local_masked_fill, reason="elementwise; on R the fill value lands on rank 0 only",
-)  # fmt: skip
+    ["aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar"],
+    "select",
+    _gen_where,
+    reason="where is elementwise; with an I condition it is linear in both value operands",
+)
+_register(
+    ["aten.masked_fill.Scalar", "aten.masked_fill.Tensor"],
+    "select",
+    _gen_masked_fill,
+    local=_local_masked_fill,
+    reason="elementwise; on R the fill value lands on rank 0 only",
+)
 
 
 # ---- dtype conversion: linear for float -> float
@@ -481,11 +592,20 @@ def _gen_to(g: Graph, op: Op) -> list[_Cand]:
 
 
 _register(
-    ["aten.to.dtype", "aten._to_copy.default", "aten.to.dtype_layout", "aten.to.device",
-     "aten.to.other", "aten.type_as.default", "aten._to_dtype.default"],
-    "convert", _gen_to, flops=_f_zero,
+    [
+        "aten.to.dtype",
+        "aten._to_copy.default",
+        "aten.to.dtype_layout",
+        "aten.to.device",
+        "aten.to.other",
+        "aten.type_as.default",
+        "aten._to_dtype.default",
+    ],
+    "convert",
+    _gen_to,
+    flops=_f_zero,
     reason="dtype conversion is elementwise; float -> float is linear (R -> R)",
-)  # fmt: skip
+)
 
 
 # ===================================================================================== reductions
@@ -497,8 +617,17 @@ _register(
 
 def _red_dims(g: Graph, op: Op) -> tuple[tuple[int, ...], bool]:
     t = _tin(g, op, 0)
-    if op.target.endswith(".default") and op.target.split(".")[1] in ("sum", "mean", "amax", "amin",
-                                                                      "prod", "any", "all", "max", "min"):
+    if op.target.endswith(".default") and op.target.split(".")[1] in (
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "prod",
+        "any",
+        "all",
+        "max",
+        "min",
+    ):
         if op.target.split(".")[1] in ("amax", "amin"):
             return _dims(_arg(op, 1, ()), t.ndim), bool(_arg(op, 2, False))
         return tuple(range(t.ndim)), False
@@ -541,23 +670,46 @@ def _local_mean(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
 
 
 _register(
-    ["aten.sum.default", "aten.sum.dim_IntList"], "reduction", lambda g, op: _gen_reduce(g, op, True),
-    flops=_f_in, reason="sum is linear: a sum over a sharded dim is a partial sum (R)",
-)  # fmt: skip
+    ["aten.sum.default", "aten.sum.dim_IntList"],
+    "reduction",
+    lambda g, op: _gen_reduce(g, op, True),
+    flops=_f_in,
+    reason="sum is linear: a sum over a sharded dim is a partial sum (R)",
+)
 _register(
-    ["aten.mean.default", "aten.mean.dim"], "reduction", lambda g, op: _gen_reduce(g, op, True),
-    local=_local_mean, flops=_f_in,
+    ["aten.mean.default", "aten.mean.dim"],
+    "reduction",
+    lambda g, op: _gen_reduce(g, op, True),
+    local=_local_mean,
+    flops=_f_in,
     reason="mean = sum / static global count: over a sharded dim it is R (local sum / global count)",
-)  # fmt: skip
+)
 _register(
-    ["aten.amax.default", "aten.amin.default", "aten.max.dim", "aten.min.dim", "aten.prod.dim_int",
-     "aten.any.dim", "aten.all.dim", "aten.var.correction", "aten.std.correction", "aten.var.dim",
-     "aten.std.dim", "aten.logsumexp.default", "aten.var_mean.correction", "aten.std_mean.correction",
-     "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.argmax.default",
-     "aten.argmin.default"],
-    "reduction", lambda g, op: _gen_reduce(g, op, False), flops=_f_in,
+    [
+        "aten.amax.default",
+        "aten.amin.default",
+        "aten.max.dim",
+        "aten.min.dim",
+        "aten.prod.dim_int",
+        "aten.any.dim",
+        "aten.all.dim",
+        "aten.var.correction",
+        "aten.std.correction",
+        "aten.var.dim",
+        "aten.std.dim",
+        "aten.logsumexp.default",
+        "aten.var_mean.correction",
+        "aten.std_mean.correction",
+        "aten.norm.ScalarOpt_dim",
+        "aten.linalg_vector_norm.default",
+        "aten.argmax.default",
+        "aten.argmin.default",
+    ],
+    "reduction",
+    lambda g, op: _gen_reduce(g, op, False),
+    flops=_f_in,
     reason="nonlinear reduction: only dims that are not reduced may be sharded",
-)  # fmt: skip
+)
 
 
 # ================================================================================ dim-wise ops
@@ -566,8 +718,14 @@ _register(
 # across every other dim: G(d) for d != dim passes through.
 
 
-def _gen_dimwise(g: Graph, op: Op, dim_arg: int = 1, default_dim: int = -1, linear: bool = False,
-                 extra_out_dim: bool = False) -> list[_Cand]:  # fmt: skip
+def _gen_dimwise(
+    g: Graph,
+    op: Op,
+    dim_arg: int = 1,
+    default_dim: int = -1,
+    linear: bool = False,
+    extra_out_dim: bool = False,
+) -> list[_Cand]:
     t = _tin(g, op, 0)
     dim = _ndim_dim(int(_arg(op, dim_arg, default_dim)), t.ndim) if dim_arg >= 0 else None
     nout = len(op.outputs)
@@ -582,29 +740,43 @@ def _gen_dimwise(g: Graph, op: Op, dim_arg: int = 1, default_dim: int = -1, line
 
 
 _register(
-    ["aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
-     "aten._safe_softmax.default"],
-    "dimwise", lambda g, op: _gen_dimwise(g, op), flops=_f_scale(5, _f_out),
+    [
+        "aten.softmax.int",
+        "aten._softmax.default",
+        "aten.log_softmax.int",
+        "aten._log_softmax.default",
+        "aten._safe_softmax.default",
+    ],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op),
+    flops=_f_scale(5, _f_out),
     reason="softmax normalizes along one dim; every other dim is independent",
-)  # fmt: skip
+)
 _register(
-    ["aten.cumsum.default"], "dimwise", lambda g, op: _gen_dimwise(g, op, linear=True),
+    ["aten.cumsum.default"],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, linear=True),
     reason="a prefix sum along one dim; independent across others, and linear (R -> R)",
-)  # fmt: skip
+)
 _register(
     ["aten.cumprod.default", "aten.sort.default", "aten.argsort.default", "aten.sort.stable"],
-    "dimwise", lambda g, op: _gen_dimwise(g, op, dim_arg=1 if op.target != "aten.sort.stable" else -1),
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, dim_arg=1 if op.target != "aten.sort.stable" else -1),
     reason="a scan / sort along one dim; independent across the others",
-)  # fmt: skip
+)
 _register(
-    ["aten.topk.default"], "dimwise", lambda g, op: _gen_dimwise(g, op, dim_arg=2),
-    flops=_f_scale(2, _f_in), reason="top-k along one dim; independent across the others",
-)  # fmt: skip
+    ["aten.topk.default"],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, dim_arg=2),
+    flops=_f_scale(2, _f_in),
+    reason="top-k along one dim; independent across the others",
+)
 _register(
-    ["aten.one_hot.default"], "dimwise",
+    ["aten.one_hot.default"],
+    "dimwise",
     lambda g, op: [_Cand(f"shard{d}", (G(d),), (G(d),)) for d in range(_tin(g, op, 0).ndim)],
     reason="one_hot adds a class dim at the end; every index dim is independent",
-)  # fmt: skip
+)
 
 
 def _gen_flip(g: Graph, op: Op) -> list[_Cand]:
@@ -615,8 +787,13 @@ def _gen_flip(g: Graph, op: Op) -> list[_Cand]:
     ]
 
 
-_register(["aten.flip.default"], "dimwise", _gen_flip, flops=_f_zero,
-          reason="flip reverses some dims; the others stay in place; linear")  # fmt: skip
+_register(
+    ["aten.flip.default"],
+    "dimwise",
+    _gen_flip,
+    flops=_f_zero,
+    reason="flip reverses some dims; the others stay in place; linear",
+)
 
 
 # ======================================================================== matmul-like (einsum)
@@ -646,7 +823,8 @@ def _einsum_cands(e: _Ein, out_shape: Sequence[int], float_ops: Sequence[bool]) 
             if out_shape[p] < 2:
                 continue
             ins = tuple(
-                G(s.index(c)) if c in s and sz[s.index(c)] == out_shape[p] else I for s, sz in zip(e.ins, e.sizes)
+                G(s.index(c)) if c in s and sz[s.index(c)] == out_shape[p] else I
+                for s, sz in zip(e.ins, e.sizes)
             )
             cands.append(_Cand(f"shard:{c}", ins, (G(p),)))
         else:
@@ -697,8 +875,13 @@ def _ein_for(g: Graph, op: Op) -> _Ein:
         if len(w) == 1:
             return _Ein((batch + "k", "k"), batch, (x, w))
         return _Ein((batch + "k", "nk"), batch + "n", (x, w))
-    if tgt in ("aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.mv.default",
-               "aten.dot.default"):  # fmt: skip
+    if tgt in (
+        "aten.mm.default",
+        "aten.bmm.default",
+        "aten.matmul.default",
+        "aten.mv.default",
+        "aten.dot.default",
+    ):
         return _matmul_ein(shp[0], shp[1])
     if tgt in ("aten.addmm.default", "aten.baddbmm.default"):
         return _matmul_ein(shp[1], shp[2])
@@ -749,8 +932,11 @@ def _gen_matmul(g: Graph, op: Op) -> list[_Cand]:
             extra: tuple[Form, ...] = ()
             if len(op.inputs) == 3:  # bias [N]: follows n, else I (rank 0 only under R)
                 o = c.outputs[0]
-                extra = (G(0) if o.is_gather and o.dim == out.ndim - 1 and len(e.out) == out.ndim and
-                         e.out[-1] == "n" else I,)  # fmt: skip
+                extra = (
+                    G(0)
+                    if o.is_gather and o.dim == out.ndim - 1 and len(e.out) == out.ndim and e.out[-1] == "n"
+                    else I,
+                )
             cands.append(_Cand(c.name, c.inputs + extra, c.outputs, c.cost))
         elif tgt in ("aten.addmm.default", "aten.baddbmm.default"):
             bias = _tin(g, op, 0)
@@ -771,8 +957,13 @@ def _gen_matmul(g: Graph, op: Op) -> list[_Cand]:
         x = _tin(g, op, 0)
         if w.ndim == 2 and x.ndim >= 2 and _is_float(w):
             for c in cands:
-                if c.cost == "shard" and c.inputs[1] is I and c.inputs[0].is_gather and \
-                        c.inputs[0].dim < x.ndim - 1 and c.outputs[0].is_gather:  # fmt: skip
+                if (
+                    c.cost == "shard"
+                    and c.inputs[1] is I
+                    and c.inputs[0].is_gather
+                    and c.inputs[0].dim < x.ndim - 1
+                    and c.outputs[0].is_gather
+                ):
                     cands.append(_Cand("sfb:" + c.name.split(":")[-1], c.inputs, c.outputs, "sfb"))
     return cands
 
@@ -810,8 +1001,9 @@ def _f_ein(target: str) -> Flops:
         elif target == "aten.linear.default":
             x, w = ins[0], ins[1]
             batch = _ein_letters(len(x) - 1, "kn")
-            e = _Ein((batch + "k", "nk" if len(w) == 2 else "k"), batch + ("n" if len(w) == 2 else ""),
-                     (x, w))  # fmt: skip
+            e = _Ein(
+                (batch + "k", "nk" if len(w) == 2 else "k"), batch + ("n" if len(w) == 2 else ""), (x, w)
+            )
         else:
             e = _matmul_ein(ins[0], ins[1])
         size: dict[str, int] = {}
@@ -828,11 +1020,25 @@ def _f_ein(target: str) -> Flops:
     return f
 
 
-for _t in ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
-           "aten.addmm.default", "aten.baddbmm.default", "aten.einsum.default", "aten.mv.default",
-           "aten.dot.default"):  # fmt: skip
-    _register([_t], "matmul", _gen_matmul, local=_local_matmul, flops=_f_ein(_t),
-              reason="one einsum generator: kept index -> G, contracted index -> R, one R operand -> R")  # fmt: skip
+for _t in (
+    "aten.linear.default",
+    "aten.mm.default",
+    "aten.bmm.default",
+    "aten.matmul.default",
+    "aten.addmm.default",
+    "aten.baddbmm.default",
+    "aten.einsum.default",
+    "aten.mv.default",
+    "aten.dot.default",
+):
+    _register(
+        [_t],
+        "matmul",
+        _gen_matmul,
+        local=_local_matmul,
+        flops=_f_ein(_t),
+        reason="one einsum generator: kept index -> G, contracted index -> R, one R operand -> R",
+    )
 
 
 # ========================================================================================== views
@@ -904,12 +1110,25 @@ def _local_view(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
 
 
 _register(
-    ["aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
-     "aten.unflatten.int", "aten.view_as.default", "aten.reshape_as.default", "aten.squeeze.default",
-     "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default"],
-    "view", _gen_view, local=_local_view, flops=_f_zero,
+    [
+        "aten.view.default",
+        "aten.reshape.default",
+        "aten._unsafe_view.default",
+        "aten.flatten.using_ints",
+        "aten.unflatten.int",
+        "aten.view_as.default",
+        "aten.reshape_as.default",
+        "aten.squeeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.unsqueeze.default",
+    ],
+    "view",
+    _gen_view,
+    local=_local_view,
+    flops=_f_zero,
     reason="a view regroups contiguous dims: the outer dim of a regrouped block can stay sharded",
-)  # fmt: skip
+)
 
 
 def _gen_transpose(g: Graph, op: Op) -> list[_Cand]:
@@ -920,8 +1139,11 @@ def _gen_transpose(g: Graph, op: Op) -> list[_Cand]:
     else:
         perm = list(range(nd))
         if op.target != "aten.t.default" or nd == 2:
-            d0, d1 = (0, 1) if op.target == "aten.t.default" else (_ndim_dim(op.args[1], nd),
-                                                                     _ndim_dim(op.args[2], nd))  # fmt: skip
+            d0, d1 = (
+                (0, 1)
+                if op.target == "aten.t.default"
+                else (_ndim_dim(op.args[1], nd), _ndim_dim(op.args[2], nd))
+            )
             perm[d0], perm[d1] = perm[d1], perm[d0]
     cands = [_Cand(f"shard{perm[j]}->{j}", (G(perm[j]),), (G(j),)) for j in range(nd)]
     return cands + [_Cand("partial", (R,), (R,), "full")]
@@ -929,18 +1151,18 @@ def _gen_transpose(g: Graph, op: Op) -> list[_Cand]:
 
 _register(
     ["aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.swapaxes.default"],
-    "view", _gen_transpose, flops=_f_zero,
+    "view",
+    _gen_transpose,
+    flops=_f_zero,
     reason="a permutation of dims moves the sharded dim with it; linear",
-)  # fmt: skip
+)
 
 
 def _gen_expand(g: Graph, op: Op) -> list[_Cand]:
     t, out = _tin(g, op, 0), _tout(g, op)
     off = out.ndim - t.ndim
     cands = [
-        _Cand(f"shard{d}", (G(d),), (G(d + off),))
-        for d in range(t.ndim)
-        if t.shape[d] == out.shape[d + off]
+        _Cand(f"shard{d}", (G(d),), (G(d + off),)) for d in range(t.ndim) if t.shape[d] == out.shape[d + off]
     ]
     return cands + [_Cand("partial", (R,), (R,), "full")]
 
@@ -950,14 +1172,24 @@ def _local_expand(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall
     return LocalCall(_aten("aten.expand.default"), (op.args[0], shape))
 
 
-_register(["aten.expand.default", "aten.expand_as.default", "aten.broadcast_to.default"], "view",
-          _gen_expand, local=_local_expand, flops=_f_zero,
-          reason="expand repeats size-1 dims; kept dims stay sharded; linear")  # fmt: skip
+_register(
+    ["aten.expand.default", "aten.expand_as.default", "aten.broadcast_to.default"],
+    "view",
+    _gen_expand,
+    local=_local_expand,
+    flops=_f_zero,
+    reason="expand repeats size-1 dims; kept dims stay sharded; linear",
+)
 
 
 def _gen_select_slice(g: Graph, op: Op) -> list[_Cand]:
     t = _tin(g, op, 0)
-    dim = _ndim_dim(int(_arg(op, 1, 0)), t.ndim)
+    dim_pos = (
+        2
+        if op.target.split(".")[1] in ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split")
+        else 1
+    )
+    dim = _ndim_dim(int(_arg(op, dim_pos, 0)), t.ndim)
     drop = op.target.startswith(("aten.select.", "aten.unbind."))
     nout = len(op.outputs)
     cands = []
@@ -972,12 +1204,24 @@ def _gen_select_slice(g: Graph, op: Op) -> list[_Cand]:
 
 
 _register(
-    ["aten.select.int", "aten.slice.Tensor", "aten.narrow.default", "aten.split.Tensor",
-     "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int", "aten.unsafe_split.Tensor",
-     "aten.split.sizes", "aten.tensor_split.sections", "aten.index_select.default"],
-    "view", _gen_select_slice, flops=_f_zero,
+    [
+        "aten.select.int",
+        "aten.slice.Tensor",
+        "aten.narrow.default",
+        "aten.split.Tensor",
+        "aten.split_with_sizes.default",
+        "aten.chunk.default",
+        "aten.unbind.int",
+        "aten.unsafe_split.Tensor",
+        "aten.split.sizes",
+        "aten.tensor_split.sections",
+        "aten.index_select.default",
+    ],
+    "view",
+    _gen_select_slice,
+    flops=_f_zero,
     reason="indexing along one dim: every other dim stays sharded; linear",
-)  # fmt: skip
+)
 
 
 def _gen_cat(g: Graph, op: Op) -> list[_Cand]:
@@ -1000,8 +1244,13 @@ def _gen_cat(g: Graph, op: Op) -> list[_Cand]:
     return cands
 
 
-_register(["aten.cat.default", "aten.stack.default", "aten.concat.default"], "view", _gen_cat,
-          flops=_f_zero, reason="concatenation along one dim: the other dims stay sharded; linear")  # fmt: skip
+_register(
+    ["aten.cat.default", "aten.stack.default", "aten.concat.default"],
+    "view",
+    _gen_cat,
+    flops=_f_zero,
+    reason="concatenation along one dim: the other dims stay sharded; linear",
+)
 
 
 def _gen_pad(g: Graph, op: Op) -> list[_Cand]:
@@ -1014,12 +1263,17 @@ def _gen_pad(g: Graph, op: Op) -> list[_Cand]:
     return cands
 
 
-_register(["aten.constant_pad_nd.default"], "view", _gen_pad, flops=_f_zero,
-          reason="padding some dims leaves the others sliceable; zero padding is linear")  # fmt: skip
+_register(
+    ["aten.constant_pad_nd.default"],
+    "view",
+    _gen_pad,
+    flops=_f_zero,
+    reason="padding some dims leaves the others sliceable; zero padding is linear",
+)
 
 
 def _gen_repeat(g: Graph, op: Op) -> list[_Cand]:
-    t, out = _tin(g, op, 0), _tout(g, op)
+    t = _tin(g, op, 0)
     reps = list(op.args[1])
     off = len(reps) - t.ndim
     return [_Cand(f"shard{d}", (G(d),), (G(d + off),)) for d in range(t.ndim) if reps[d + off] == 1] + [
@@ -1031,8 +1285,14 @@ def _local_repeat(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall
     return _default_local(g, op, s, ctx)
 
 
-_register(["aten.repeat.default"], "view", _gen_repeat, local=_local_repeat, flops=_f_zero,
-          reason="dims repeated once keep their shards; linear")  # fmt: skip
+_register(
+    ["aten.repeat.default"],
+    "view",
+    _gen_repeat,
+    local=_local_repeat,
+    flops=_f_zero,
+    reason="dims repeated once keep their shards; linear",
+)
 
 
 def _gen_tri(g: Graph, op: Op) -> list[_Cand]:
@@ -1053,8 +1313,13 @@ def _local_tri(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
     return LocalCall(_aten(op.target), (op.args[0], diag), op.kwargs)
 
 
-_register(["aten.triu.default", "aten.tril.default"], "view", _gen_tri, local=_local_tri,
-          reason="triu/tril keep j - i >= k: a row/column shard shifts the diagonal by its offset")  # fmt: skip
+_register(
+    ["aten.triu.default", "aten.tril.default"],
+    "view",
+    _gen_tri,
+    local=_local_tri,
+    reason="triu/tril keep j - i >= k: a row/column shard shifts the diagonal by its offset",
+)
 
 
 # =========================================================================== creation ops
@@ -1074,12 +1339,18 @@ def _local_create(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall
     if not f.is_gather:
         return _default_local(g, op, s, ctx)
     tid = op.outputs[0]
-    if op.target in ("aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
-                     "aten.full.default"):  # fmt: skip
+    if op.target in (
+        "aten.zeros.default",
+        "aten.ones.default",
+        "aten.empty.memory_format",
+        "aten.full.default",
+    ):
         shape = _local_shape(g, tid, f, ctx)
         return LocalCall(_aten(op.target), (shape, *op.args[1:]), op.kwargs)
-    return LocalCall(hops.created_slice, (_aten(op.target), op.args, dict(op.kwargs), f.dim,
-                                          ctx.offset(tid, f.dim), ctx.local(tid, f.dim)))  # fmt: skip
+    return LocalCall(
+        hops.created_slice,
+        (_aten(op.target), op.args, dict(op.kwargs), f.dim, ctx.offset(tid, f.dim), ctx.local(tid, f.dim)),
+    )
 
 
 def _gen_like(g: Graph, op: Op) -> list[_Cand]:
@@ -1091,26 +1362,56 @@ def _gen_like(g: Graph, op: Op) -> list[_Cand]:
 
 
 _register(
-    ["aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.zeros.default",
-     "aten.ones.default", "aten.full.default", "aten.empty.memory_format", "aten.scalar_tensor.default",
-     "aten.eye.default", "aten.linspace.default"],
-    "creation", _gen_create, local=_local_create, flops=_f_zero,
+    [
+        "aten.arange.default",
+        "aten.arange.start",
+        "aten.arange.start_step",
+        "aten.zeros.default",
+        "aten.ones.default",
+        "aten.full.default",
+        "aten.empty.memory_format",
+        "aten.scalar_tensor.default",
+        "aten.eye.default",
+        "aten.linspace.default",
+    ],
+    "creation",
+    _gen_create,
+    local=_local_create,
+    flops=_f_zero,
     reason="no tensor inputs: create the full tensor (I) or only the local slice (G)",
-)  # fmt: skip
+)
 _register(
-    ["aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default",
-     "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
-     "aten.new_empty.default"],
-    "creation", lambda g, op: _gen_like(g, op) if op.target.endswith("_like.default") else [],
-    flops=_f_zero, reason="a constant shaped like its input: follows the input's shards",
-)  # fmt: skip
+    [
+        "aten.ones_like.default",
+        "aten.empty_like.default",
+        "aten.full_like.default",
+        "aten.new_zeros.default",
+        "aten.new_ones.default",
+        "aten.new_full.default",
+        "aten.new_empty.default",
+    ],
+    "creation",
+    lambda g, op: _gen_like(g, op) if op.target.endswith("_like.default") else [],
+    flops=_f_zero,
+    reason="a constant shaped like its input: follows the input's shards",
+)
 _register(
-    ["aten.rand.default", "aten.randn.default", "aten.randint.default", "aten.randint.low",
-     "aten.rand_like.default", "aten.randn_like.default", "aten.randperm.default",
-     "aten.bernoulli.default", "aten.bernoulli.p"],
-    "random", lambda g, op: [], flops=_f_zero,
+    [
+        "aten.rand.default",
+        "aten.randn.default",
+        "aten.randint.default",
+        "aten.randint.low",
+        "aten.rand_like.default",
+        "aten.randn_like.default",
+        "aten.randperm.default",
+        "aten.bernoulli.default",
+        "aten.bernoulli.p",
+    ],
+    "random",
+    lambda g, op: [],
+    flops=_f_zero,
     reason="random creation: replicated only (every rank must draw the same numbers from one seed)",
-)  # fmt: skip
+)
 
 
 # =============================================================================== norms
@@ -1126,9 +1427,13 @@ def _gen_norm(g: Graph, op: Op) -> list[_Cand]:
     return [_Cand(f"shard{d}", (G(d),) + rest, (G(d),) * len(op.outputs)) for d in range(lead)]
 
 
-_register(["aten.layer_norm.default", "aten.rms_norm.default"], "norm", _gen_norm,
-          flops=_f_scale(8, _f_in),
-          reason="normalizes over the trailing dims: leading dims shard, weight/bias stay I")  # fmt: skip
+_register(
+    ["aten.layer_norm.default", "aten.rms_norm.default"],
+    "norm",
+    _gen_norm,
+    flops=_f_scale(8, _f_in),
+    reason="normalizes over the trailing dims: leading dims shard, weight/bias stay I",
+)
 
 
 def _gen_group_norm(g: Graph, op: Op) -> list[_Cand]:
@@ -1136,8 +1441,13 @@ def _gen_group_norm(g: Graph, op: Op) -> list[_Cand]:
     return [_Cand("shard0", (G(0),) + rest, (G(0),))]
 
 
-_register(["aten.group_norm.default"], "norm", _gen_group_norm, flops=_f_scale(8, _f_in),
-          reason="group norm statistics are per sample: the batch dim shards")  # fmt: skip
+_register(
+    ["aten.group_norm.default"],
+    "norm",
+    _gen_group_norm,
+    flops=_f_scale(8, _f_in),
+    reason="group norm statistics are per sample: the batch dim shards",
+)
 
 
 # ============================================================================ attention
@@ -1180,8 +1490,13 @@ def _f_sdpa(ins: list, outs: list, args: tuple, kw: dict) -> float:
     return float(2 * lead * L * S * (E + Ev) + 5 * lead * L * S)
 
 
-_register(["aten.scaled_dot_product_attention.default"], "attention", _gen_sdpa, flops=_f_sdpa,
-          reason="attention is independent across batch and heads, and across query rows (non-causal)")  # fmt: skip
+_register(
+    ["aten.scaled_dot_product_attention.default"],
+    "attention",
+    _gen_sdpa,
+    flops=_f_sdpa,
+    reason="attention is independent across batch and heads, and across query rows (non-causal)",
+)
 
 
 # ============================================================================= embedding
@@ -1206,8 +1521,13 @@ def _local_embedding(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalC
     return _default_local(g, op, s, ctx)
 
 
-_register(["aten.embedding.default"], "embedding", _gen_embedding, local=_local_embedding,
-          reason="lookup is independent per index and per hidden unit; vocab shards sum (masked) to R")  # fmt: skip
+_register(
+    ["aten.embedding.default"],
+    "embedding",
+    _gen_embedding,
+    local=_local_embedding,
+    reason="lookup is independent per index and per hidden unit; vocab shards sum (masked) to R",
+)
 
 
 # ================================================================================ losses
@@ -1243,15 +1563,26 @@ def _local_loss(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
     x = _tin(g, op, 0)
     count = x.numel // (x.shape[1] if x.ndim > 1 else x.numel)
     smoothing = float(_arg(op, 5, 0.0)) if kind == "ce" else 0.0
-    return LocalCall(hops.loss_partial, (kind, op.args[0], op.args[1], op.args[2], int(op.args[3]),
-                                         int(op.args[4]), smoothing, count))  # fmt: skip
+    return LocalCall(
+        hops.loss_partial,
+        (kind, op.args[0], op.args[1], op.args[2], int(op.args[3]), int(op.args[4]), smoothing, count),
+    )
 
 
-_register(["aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default",
-           "aten.nll_loss2d.default"], "loss", _gen_loss, local=_local_loss,
-          flops=lambda i, o, a, k: 6.0 * _numel(i[0]),
-          reason="per-sample losses: a sharded batch (or extra dim) sums to R; mean divides by the "
-                 "global count of non-ignored targets")  # fmt: skip
+_register(
+    [
+        "aten.cross_entropy_loss.default",
+        "aten.nll_loss_nd.default",
+        "aten.nll_loss.default",
+        "aten.nll_loss2d.default",
+    ],
+    "loss",
+    _gen_loss,
+    local=_local_loss,
+    flops=lambda i, o, a, k: 6.0 * _numel(i[0]),
+    reason="per-sample losses: a sharded batch (or extra dim) sums to R; mean divides by the "
+    "global count of non-ignored targets",
+)
 
 
 def _gen_mse(g: Graph, op: Op) -> list[_Cand]:
@@ -1270,9 +1601,14 @@ def _local_mse(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
     return LocalCall(hops.mse_partial, (op.args[0], op.args[1], int(op.args[2]), _tin(g, op, 0).numel))
 
 
-_register(["aten.mse_loss.default"], "loss", _gen_mse, local=_local_mse,
-          flops=lambda i, o, a, k: 3.0 * _numel(i[0]),
-          reason="elementwise squared error: shards sum to R (mean divides by the static global count)")  # fmt: skip
+_register(
+    ["aten.mse_loss.default"],
+    "loss",
+    _gen_mse,
+    local=_local_mse,
+    flops=lambda i, o, a, k: 3.0 * _numel(i[0]),
+    reason="elementwise squared error: shards sum to R (mean divides by the static global count)",
+)
 
 
 # ============================================================================ conv / pooling
@@ -1297,8 +1633,25 @@ def _gen_conv(g: Graph, op: Op) -> list[_Cand]:
 def _local_conv(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
     import hapnb.ops as hops
 
+    if _has_empty_shard(op, s, ctx):
+        return LocalCall(hops.conv_local, (*op.args[:7], ctx.rank == 0))
     if s.outputs[0].is_reduce and len(op.inputs) == 3:
         return LocalCall(hops.conv_partial, (*op.args[:7], ctx.rank == 0))
+    return _default_local(g, op, s, ctx)
+
+
+def _has_empty_shard(op: Op, s: Strategy, ctx: LocalContext) -> bool:
+    """Whether this rank's shard of some G-form tensor of the op is empty."""
+    return any(
+        f.is_gather and ctx.local(t, f.dim) == 0 for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs)
+    )
+
+
+def _local_pool(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    import hapnb.ops as hops
+
+    if _has_empty_shard(op, s, ctx):
+        return LocalCall(hops.pool_local, (_aten(op.target), *op.args), op.kwargs)
     return _default_local(g, op, s, ctx)
 
 
@@ -1308,10 +1661,15 @@ def _f_conv(ins: list, outs: list, args: tuple, kw: dict) -> float:
     return float(2 * _numel(out) * per_out + (_numel(out) if len(ins) == 3 else 0))
 
 
-_register(["aten.conv2d.default", "aten.conv1d.default"], "conv", _gen_conv, local=_local_conv,
-          flops=_f_conv,
-          reason="conv is a contraction over in-channels: batch -> G0, out-channel -> G1, in-channel -> R "
-                 "(spatial dims are never sharded, so padding needs no halo)")  # fmt: skip
+_register(
+    ["aten.conv2d.default", "aten.conv1d.default"],
+    "conv",
+    _gen_conv,
+    local=_local_conv,
+    flops=_f_conv,
+    reason="conv is a contraction over in-channels: batch -> G0, out-channel -> G1, in-channel -> R "
+    "(spatial dims are never sharded, so padding needs no halo)",
+)
 
 
 def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
@@ -1324,13 +1682,27 @@ def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
     return cands
 
 
-_register(["aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default"],
-          "pool", lambda g, op: _gen_pool(g, op, False), flops=_f_in,
-          reason="pooling acts on the spatial dims: batch and channel shard")  # fmt: skip
-_register(["aten.adaptive_avg_pool2d.default", "aten.avg_pool2d.default", "aten.adaptive_avg_pool1d.default",
-           "aten.avg_pool1d.default"],
-          "pool", lambda g, op: _gen_pool(g, op, True), flops=_f_in,
-          reason="average pooling is linear and spatial: batch/channel shard, R -> R")  # fmt: skip
+_register(
+    ["aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default"],
+    "pool",
+    lambda g, op: _gen_pool(g, op, False),
+    local=_local_pool,
+    flops=_f_in,
+    reason="pooling acts on the spatial dims: batch and channel shard",
+)
+_register(
+    [
+        "aten.adaptive_avg_pool2d.default",
+        "aten.avg_pool2d.default",
+        "aten.adaptive_avg_pool1d.default",
+        "aten.avg_pool1d.default",
+    ],
+    "pool",
+    lambda g, op: _gen_pool(g, op, True),
+    local=_local_pool,
+    flops=_f_in,
+    reason="average pooling is linear and spatial: batch/channel shard, R -> R",
+)
 
 
 # ============================================================================== public API
@@ -1354,7 +1726,7 @@ def strategies(graph: Graph, op: Op) -> tuple[Strategy, ...]:
     >>> import torch, hapnb
     >>> g = hapnb.trace(torch.nn.Linear(4, 3), (torch.randn(8, 4),), loss=lambda o: o.sum())
     >>> [str(s) for s in strategies(g, g.ops[0])][:3]
-    ['replicate: (I,I,I) -> (I)', 'shard:a: (G0,I,I) -> (G0)', 'shard:n: (I,G0,G0) -> (G1)']
+    ['replicate: (I,I,I) -> (I)', 'shard:a: (G0,I,I) -> (G0)', 'reduce:k: (G1,G1,I) -> (R)']
     """
     F = op.flops
     out = [Strategy("replicate", (I,) * len(op.inputs), (I,) * len(op.outputs), 0.0, 3.0 * F)]
@@ -1362,7 +1734,18 @@ def strategies(graph: Graph, op: Op) -> tuple[Strategy, ...]:
     if rule is None:
         return tuple(out)
     seen = {(out[0].inputs, out[0].outputs, False)}
-    for c in rule.gen(graph, op):
+    try:
+        cands = list(rule.gen(graph, op))
+    except Exception as exc:
+        if _STRICT:
+            raise
+        warnings.warn(
+            f"hapnb.rules: the {rule.family} rule of {op.name} ({op.target}) failed ({_short(exc)}); "
+            "the op runs replicated. Please report this with the op's shapes.",
+            stacklevel=2,
+        )
+        return tuple(out)
+    for c in cands:
         if not _valid(graph, op, c):
             continue
         key = (c.inputs, c.outputs, c.cost == "sfb")
@@ -1387,3 +1770,630 @@ def localize(graph: Graph, op: Op, strategy: Strategy, ctx: LocalContext) -> Loc
             raise KeyError(f"op {op.name} ({op.target}) has no aten overload to run")
         return LocalCall(_aten(op.target), op.args, op.kwargs)
     return (rule.local or _default_local)(graph, op, strategy, ctx)
+
+
+# ======================================================================== ground-truth checker
+#
+# strategy_validation, HAP style: for every registered op family, build sample inputs, and for every
+# strategy split random full inputs per its input forms with UNEVEN ratios (zero-length shards
+# included): G narrows by the class lengths, R gets asymmetric random partials that sum to the full
+# tensor, I is a full copy. Run localize(...) per simulated rank, reassemble (G: concat in rank
+# order, R: sum, I: every rank must equal the full result) and compare with the full op in float64.
+# Backward: grads of G inputs must concat to the full grad, of R inputs be complete on every rank, of
+# I inputs sum to the full grad (SFB weights: complete on every rank).
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One checked (op case, strategy): status is 'ok', 'wrong' or 'crash'."""
+
+    target: str
+    case: str
+    strategy: str
+    status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """All rows of a :func:`check` run; ``ok`` when no rule is wrong or crashes."""
+
+    rows: tuple[CheckRow, ...]
+    seconds: float = 0.0
+    unchecked: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status == "ok" for r in self.rows) and bool(self.rows)
+
+    @property
+    def wrong(self) -> tuple[CheckRow, ...]:
+        return tuple(r for r in self.rows if r.status == "wrong")
+
+    @property
+    def crashed(self) -> tuple[CheckRow, ...]:
+        return tuple(r for r in self.rows if r.status == "crash")
+
+    def by_target(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for r in self.rows:
+            d = out.setdefault(r.target, {"ok": 0, "wrong": 0, "crash": 0})
+            d[r.status] += 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"{'op':44s} {'ok':>5s} {'wrong':>6s} {'crash':>6s}"]
+        for t, d in sorted(self.by_target().items()):
+            lines.append(f"{t:44s} {d['ok']:5d} {d['wrong']:6d} {d['crash']:6d}")
+        if self.wrong:
+            lines.append("\nWRONG rules (output differs from the single-device op):")
+            lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.wrong[:40])
+        if self.crashed:
+            lines.append("\nCRASHING rules (localized op raised):")
+            lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.crashed[:40])
+        if self.unchecked:
+            lines.append(f"\nregistered but without a sample case: {', '.join(self.unchecked)}")
+        n_ok = sum(r.status == "ok" for r in self.rows)
+        lines.append(
+            f"\n{len(self.rows)} checks, {n_ok} ok, {len(self.wrong)} wrong, {len(self.crashed)} crashed "
+            f"({self.seconds:.1f} s): {'PASS' if self.ok else 'FAIL'}"
+        )
+        return "\n".join(lines)
+
+
+def _single_op(target: str, args: tuple, kwargs: dict) -> tuple[Graph, Op, list[Any]]:
+    """A one-op Graph for ``target(*args, **kwargs)`` with real tensors as its inputs."""
+    import torch
+
+    from .graph import _normalize
+
+    fn = _aten(target)
+    args, kwargs = _normalize(fn, tuple(args), dict(kwargs))
+    tensors: list[TensorRef] = []
+    full: list[Any] = []
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            k = len(full)
+            full.append(v)
+            tensors.append(TensorRef(k, f"in{k}", tuple(v.shape), str(v.dtype)[6:], "input"))
+            return TensorArg(k)
+        if isinstance(v, (list, tuple)):
+            return tuple(conv(x) for x in v)
+        return v
+
+    cargs = tuple(conv(a) for a in args)
+    ckw = tuple(sorted((k, conv(v)) for k, v in kwargs.items()))
+    res = fn(*args, **kwargs)
+    outs = list(res) if isinstance(res, (tuple, list)) else [res]
+    items = tuple(range(len(outs))) if isinstance(res, (tuple, list)) else ()
+    out_ids = []
+    for k, o in enumerate(outs):
+        tid = len(tensors)
+        tensors.append(TensorRef(tid, f"out{k}", tuple(o.shape), str(o.dtype)[6:], "activation", producer=0))
+        out_ids.append(tid)
+    in_ids = tuple(range(len(full)))
+    fl = flops(
+        target, [t.shape for t in tensors[: len(full)]], [tensors[t].shape for t in out_ids], cargs, ckw
+    )
+    op = Op(
+        0,
+        "op",
+        target,
+        in_ids,
+        tuple(out_ids),
+        cargs,
+        ckw,
+        flops=fl,
+        family=family(target),
+        output_items=items,
+    )
+    g = Graph(tuple(tensors), (op,), in_ids, (), out_ids[0], name=target)
+    return g, op, full
+
+
+def _class_lengths(g: Graph, op: Op, s: Strategy, ratios: Sequence[float]) -> Callable[[int, int], tuple]:
+    pairs = [(t, f.dim) for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs) if f.is_gather]
+    if not pairs:
+        return lambda t, d: ()
+    base = 0
+    for t, d in pairs:
+        base = math.gcd(base, g.tensors[t].shape[d])
+    lens = shard_lengths(base, ratios)
+
+    def lengths(t: int, d: int) -> tuple[int, ...]:
+        unit = g.tensors[t].shape[d] // base
+        return tuple(unit * x for x in lens)
+
+    return lengths
+
+
+def _close(a: Any, b: Any, tol: float = 1e-9) -> tuple[bool, str]:
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False, f"not tensors: {type(a).__name__} vs {type(b).__name__}"
+    if tuple(a.shape) != tuple(b.shape):
+        return False, f"shape {tuple(a.shape)} != expected {tuple(b.shape)}"
+    if not (a.is_floating_point() or b.is_floating_point()):
+        same = bool(torch.equal(a, b.to(a.dtype)))
+        return same, "" if same else "integer values differ"
+    a64, b64 = a.double(), b.double()
+    fin = torch.isfinite(b64)
+    if not torch.equal(fin, torch.isfinite(a64)):
+        return False, "non-finite entries differ"
+    if min(a.dtype.itemsize, b.dtype.itemsize) < 8:
+        tol = max(tol, 1e-5)
+    scale = float(b64[fin].abs().max()) if fin.any() else 0.0
+    err = float((a64[fin] - b64[fin]).abs().max()) if fin.any() else 0.0
+    ok = err <= tol * max(1.0, scale)
+    return ok, "" if ok else f"max abs error {err:.3g} (scale {scale:.3g})"
+
+
+# inputs that never take a gradient (class weights of losses)
+_NON_DIFF_INPUTS: dict[str, tuple[int, ...]] = {
+    "aten.cross_entropy_loss.default": (2,),
+    "aten.nll_loss_nd.default": (2,),
+    "aten.nll_loss.default": (2,),
+}
+
+
+def _split_input(x: Any, f: Form, tid: int, lengths: Callable, n: int, gen: Any) -> list[Any]:
+    import torch
+
+    if f.is_gather:
+        lens = lengths(tid, f.dim)
+        offs = shard_offsets(lens)
+        return [x.narrow(f.dim, o, k).clone() for o, k in zip(offs, lens)]
+    if f.is_reduce:
+        parts = []
+        for j in range(n - 1):
+            parts.append(torch.randn(x.shape, dtype=x.dtype, generator=gen) * (j + 1.5))
+        last = x - sum(parts) if parts else x.clone()
+        return [*parts, last]
+    return [x.clone() for _ in range(n)]
+
+
+def _outputs_of(res: Any, op: Op) -> list[Any]:
+    if op.output_items:
+        return [res[k] for k in op.output_items]
+    return [res]
+
+
+def _check_strategy(
+    g: Graph, op: Op, full: list[Any], s: Strategy, n: int, ratios: Sequence[float], seed: int, backward: bool
+) -> tuple[str, str]:
+    import torch
+
+    from . import ops as hops
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = _class_lengths(g, op, s, ratios)
+    full_call = LocalCall(_aten(op.target), op.args, op.kwargs)
+    no_grad = _NON_DIFF_INPUTS.get(op.target, ())
+    diff = [backward and x.is_floating_point() and k not in no_grad for k, x in enumerate(full)]
+    want_in = [x.detach().clone().requires_grad_(d) for x, d in zip(full, diff)]
+    low = any(g.tensors[t].itemsize < 8 and g.tensors[t].is_float for t in op.inputs + op.outputs)
+    tol = 1e-5 if low else 1e-9
+    want = _outputs_of(full_call.run(want_in), op)
+    local_ins = [_split_input(x, f, t, lengths, n, gen) for x, f, t in zip(full, s.inputs, op.inputs)]
+    cots = [
+        torch.randn(w.shape, dtype=w.dtype, generator=gen) if w.is_floating_point() else None for w in want
+    ]
+    do_bwd = backward and any(w.requires_grad for w in want)
+    if do_bwd:
+        loss = sum((w * c).sum() for w, c in zip(want, cots) if c is not None and w.requires_grad)
+        loss.backward()  # type: ignore[union-attr]
+    sim = hops.RankSimulator(n)
+    calls = [localize(g, op, s, LocalContext(r, n, lengths)) for r in range(n)]
+    for _pass in range(2):
+        got: list[list[Any]] = []
+        grads: list[list[Any]] = []
+        for r in range(n):
+            xs = [v[r].detach().clone().requires_grad_(do_bwd and d) for v, d in zip(local_ins, diff)]
+            with sim.rank(r):
+                outs = _outputs_of(calls[r].run(xs), op)
+                if do_bwd:
+                    lsum: Any = 0
+                    for tid, o, f, c in zip(op.outputs, outs, s.outputs, cots):
+                        if c is None or not o.requires_grad:
+                            continue
+                        if f.is_gather:
+                            lens = lengths(tid, f.dim)
+                            lc = c.narrow(f.dim, shard_offsets(lens)[r], lens[r])
+                        elif f.is_reduce:
+                            lc = c
+                        else:
+                            lc = c / n
+                        lsum = lsum + (o * lc).sum()
+                    if isinstance(lsum, torch.Tensor) and lsum.requires_grad:
+                        lsum.backward()
+            got.append([o.detach() for o in outs])
+            grads.append([x.grad if x.requires_grad else None for x in xs])
+        if not sim.records:
+            break
+        sim.next_pass()
+    # forward
+    for k, (w, f) in enumerate(zip(want, s.outputs)):
+        tid = op.outputs[k]
+        parts = [got[r][k] for r in range(n)]
+        if f.is_gather:
+            lens = lengths(tid, f.dim)
+            for r in range(n):
+                if parts[r].shape[f.dim] != lens[r]:
+                    return "wrong", f"output {k} rank {r}: local length {parts[r].shape[f.dim]} != {lens[r]}"
+            ok, why = _close(torch.cat(parts, f.dim), w.detach(), tol)
+        elif f.is_reduce:
+            ok, why = _close(sum(parts[1:], parts[0]), w.detach(), tol)
+        else:
+            ok, why = True, ""
+            for r in range(n):
+                ok, why = _close(parts[r], w.detach(), tol)
+                if not ok:
+                    why = f"rank {r}: {why}"
+                    break
+        if not ok:
+            return "wrong", f"output {k} ({f}): {why}"
+    if not do_bwd:
+        return "ok", ""
+    for k, (x, f) in enumerate(zip(want_in, s.inputs)):
+        if not x.requires_grad:
+            continue
+        ref = x.grad if x.grad is not None else torch.zeros_like(x)
+        gs = [grads[r][k] if grads[r][k] is not None else torch.zeros_like(local_ins[k][r]) for r in range(n)]
+        if f.is_gather:
+            ok, why = _close(torch.cat(gs, f.dim), ref, tol)
+        elif f.is_reduce or (s.sfb and k > 0):
+            ok, why = True, ""
+            for r in range(n):
+                ok, why = _close(gs[r], ref, tol)
+                if not ok:
+                    why = f"rank {r}: {why}"
+                    break
+        else:
+            ok, why = _close(sum(gs[1:], gs[0]), ref, tol)
+        if not ok:
+            return "wrong", f"grad of input {k} ({f}): {why}"
+    return "ok", ""
+
+
+# -------------------------------------------------------------------------------- sample cases
+
+
+def _cases() -> list[tuple[str, Callable[[Any], tuple[tuple, dict]]]]:
+    """(target, builder(rng) -> (args, kwargs)) with float64 tensors; shapes drawn from ``rng``."""
+    import torch
+
+    f64 = torch.float64
+
+    def T(*shape: int) -> Any:  # noqa: N802
+        return torch.randn(*shape, dtype=f64)
+
+    def dims(r: Any, k: int, lo: int = 2, hi: int = 6) -> list[int]:
+        return [r.randint(lo, hi) for _ in range(k)]
+
+    C: list[tuple[str, Callable[[Any], tuple[tuple, dict]]]] = []
+
+    def add(target: str, fn: Callable[[Any], tuple[tuple, dict]]) -> None:
+        C.append((target, fn))
+
+    def bsh(r: Any) -> tuple[int, int, int]:
+        b, s, h = dims(r, 3)
+        return b, s, h
+
+    for u in ("relu", "gelu", "silu", "tanh", "sigmoid", "exp", "neg", "abs", "rsqrt", "erf", "log"):
+        add(
+            f"aten.{u}.default",
+            lambda r, u=u: ((T(*bsh(r)).abs() + 0.5 if u in ("rsqrt", "log") else T(*bsh(r)),), {}),
+        )
+    add("aten.gelu.default", lambda r: ((T(*bsh(r)),), {"approximate": "tanh"}))
+    add("aten.dropout.default", lambda r: ((T(*bsh(r)), 0.0, True), {}))
+    add("aten.pow.Tensor_Scalar", lambda r: ((T(*bsh(r)), 2), {}))
+    for b_op in ("add", "sub"):
+        add(f"aten.{b_op}.Tensor", lambda r, o=b_op: ((T(*(s := bsh(r))), T(s[2])), {"alpha": 2}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[0], 1, s[2])), {}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*bsh(r)), 2.5), {}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*(s := bsh(r))), T(*s)), {}))
+    add("aten.mul.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[1], s[2])), {}))
+    add("aten.mul.Tensor", lambda r: ((T(*bsh(r)), 3.0), {}))
+    add("aten.div.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[2]).abs() + 1), {}))
+    add("aten.div.Tensor", lambda r: ((T(*bsh(r)), 4.0), {}))
+    add("aten.add.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.rsub.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.maximum.default", lambda r: ((T(*(s := bsh(r))), T(*s)), {}))
+    add("aten.gt.Scalar", lambda r: ((T(*bsh(r)), 0.0), {}))
+    add("aten.eq.Tensor", lambda r: ((torch.randint(0, 3, (s := bsh(r))), torch.randint(0, 3, s[1:])), {}))
+    add("aten.where.self", lambda r: ((T((s := bsh(r))[1], 1) > 0, T(*s), T(*s)), {}))
+    add("aten.masked_fill.Scalar", lambda r: ((T(*(s := bsh(r))), T(s[1], s[2]) > 0, -1.5), {}))
+    add("aten.clone.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.contiguous.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.alias.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.to.dtype", lambda r: ((T(*bsh(r)), torch.float32), {}))
+    add("aten._to_copy.default", lambda r: ((T(*bsh(r)),), {"dtype": torch.float32}))
+    add("aten.zeros_like.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.ones_like.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.full_like.default", lambda r: ((T(*bsh(r)), 2.0), {}))
+    # reductions
+    add("aten.sum.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.sum.dim_IntList", lambda r: ((T(*bsh(r)), [1]), {}))
+    add("aten.sum.dim_IntList", lambda r: ((T(*bsh(r)), [0, 2], True), {}))
+    add("aten.mean.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.mean.dim", lambda r: ((T(*bsh(r)), [-1], True), {}))
+    add("aten.mean.dim", lambda r: ((T(*bsh(r)), [0, 1]), {}))
+    add("aten.amax.default", lambda r: ((T(*bsh(r)), [1]), {}))
+    add("aten.max.dim", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.argmax.default", lambda r: ((T(*bsh(r)), 2), {}))
+    # dim-wise
+    add("aten.softmax.int", lambda r: ((T(*bsh(r)), -1), {}))
+    add("aten.log_softmax.int", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten._softmax.default", lambda r: ((T(*bsh(r)), 2, False), {}))
+    add("aten.cumsum.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.topk.default", lambda r: ((T(*bsh(r)), 2, -1), {}))
+    add("aten.one_hot.default", lambda r: ((torch.randint(0, 5, dims(r, 2)), 5), {}))
+    add("aten.flip.default", lambda r: ((T(*bsh(r)), [1]), {}))
+    # matmul family
+    add("aten.linear.default", lambda r: _lin(r, T, False))
+    add("aten.linear.default", lambda r: _lin(r, T, True))
+    add("aten.linear.default", lambda r: _lin(r, T, False, two_d=True))
+    add("aten.mm.default", lambda r: ((T((m := dims(r, 3))[0], m[1]), T(m[1], m[2])), {}))
+    add("aten.bmm.default", lambda r: ((T((m := dims(r, 4))[0], m[1], m[2]), T(m[0], m[2], m[3])), {}))
+    add("aten.matmul.default", lambda r: ((T((m := dims(r, 4))[0], m[1], m[2]), T(m[2], m[3])), {}))
+    add(
+        "aten.matmul.default",
+        lambda r: ((T((m := dims(r, 5, 2, 4))[0], m[1], m[2], m[3]), T(m[0], m[1], m[3], m[4])), {}),
+    )
+    add("aten.matmul.default", lambda r: ((T((m := dims(r, 4))[0], 1, m[1], m[2]), T(m[3], m[2], 3)), {}))
+    add("aten.addmm.default", lambda r: ((T((m := dims(r, 3))[2]), T(m[0], m[1]), T(m[1], m[2])), {}))
+    for eq, spec in (
+        ("bsd,bsec->becd", ("bsd", "bsec")),
+        ("edh,becd->bech", ("edh", "becd")),
+        ("ehd,bech->becd", ("ehd", "bech")),
+        ("becd,bsec->bsd", ("becd", "bsec")),
+        ("bhqd,bhkd->bhqk", ("bhqd", "bhkd")),
+    ):
+        add("aten.einsum.default", lambda r, eq=eq, spec=spec: _ein_case(r, eq, spec, T))
+    # views
+    add("aten.view.default", lambda r: ((T(*(s := bsh(r))), [s[0] * s[1], s[2]]), {}))
+    add("aten.view.default", lambda r: ((T((s := bsh(r))[0] * s[1], s[2]), list(s)), {}))
+    add(
+        "aten.view.default",
+        lambda r: ((T(*(s := (r.randint(2, 4), r.randint(2, 4), 6))), [s[0], s[1], 2, 3]), {}),
+    )
+    add("aten.reshape.default", lambda r: ((T(*(s := bsh(r))), [s[0], s[1] * s[2]]), {}))
+    add("aten.view.default", lambda r: ((T(6, 4), [4, 6]), {}))
+    add("aten.flatten.using_ints", lambda r: ((T(*dims(r, 4, 2, 4)), 1), {}))
+    add("aten.unflatten.int", lambda r: ((T(*bsh(r)[:2], 6), -1, [2, 3]), {}))
+    add("aten.transpose.int", lambda r: ((T(*bsh(r)), 1, 2), {}))
+    add("aten.permute.default", lambda r: ((T(*bsh(r)), [2, 0, 1]), {}))
+    add("aten.t.default", lambda r: ((T(*dims(r, 2)),), {}))
+    add("aten.unsqueeze.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.squeeze.dim", lambda r: ((T((s := bsh(r))[0], 1, s[2]), 1), {}))
+    add("aten.expand.default", lambda r: ((T((s := bsh(r))[0], 1, s[2]), list(s)), {}))
+    add("aten.expand.default", lambda r: ((T((s := bsh(r))[1], s[2]), list(s)), {}))
+    add("aten.select.int", lambda r: ((T(*bsh(r)), 1, 1), {}))
+    add("aten.slice.Tensor", lambda r: ((T(*bsh(r)), 1, 1, 3), {}))
+    add("aten.split.Tensor", lambda r: ((T(*bsh(r)[:2], 5), 2, -1), {}))
+    add("aten.chunk.default", lambda r: ((T(*bsh(r)), 2, 1), {}))
+    add("aten.split_with_sizes.default", lambda r: ((T(*bsh(r)[:2], 5), [2, 3], 2), {}))
+    add("aten.unbind.int", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.cat.default", lambda r: (([T(*(s := bsh(r))), T(s[0], 3, s[2])], 1), {}))
+    add("aten.stack.default", lambda r: (([T(*(s := bsh(r))), T(*s)], 1), {}))
+    add("aten.triu.default", lambda r: ((T(*[r.randint(3, 7)] * 2), 1), {}))
+    add("aten.tril.default", lambda r: ((T(r.randint(2, 4), *[r.randint(3, 7)] * 2), -1), {}))
+    add("aten.constant_pad_nd.default", lambda r: ((T(*bsh(r)), [1, 1]), {}))
+    add("aten.repeat.default", lambda r: ((T(*bsh(r)), [1, 2, 1]), {}))
+    # creation
+    add("aten.arange.default", lambda r: ((r.randint(2, 9),), {"dtype": f64}))
+    add("aten.arange.start_step", lambda r: ((1, 2 * r.randint(2, 9) + 1, 2), {"dtype": f64}))
+    add("aten.zeros.default", lambda r: ((dims(r, 2),), {"dtype": f64}))
+    add("aten.ones.default", lambda r: ((dims(r, 2),), {"dtype": f64}))
+    add("aten.full.default", lambda r: ((dims(r, 2), 3.0), {"dtype": f64}))
+    # norms
+    add("aten.layer_norm.default", lambda r: ((T(*(s := bsh(r))), [s[2]], T(s[2]), T(s[2])), {}))
+    add("aten.layer_norm.default", lambda r: ((T(*(s := bsh(r))), [s[1], s[2]], None, None), {}))
+    add("aten.rms_norm.default", lambda r: ((T(*(s := bsh(r))), [s[2]], T(s[2]), 1e-6), {}))
+    # attention
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, None))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "float"))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "bool"))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "causal"))
+    # embedding
+    add(
+        "aten.embedding.default",
+        lambda r: ((T(v := r.randint(2, 9), r.randint(2, 6)), torch.randint(0, v, dims(r, 2))), {}),
+    )
+    # losses
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 2))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 0))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, weight=True))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, smoothing=0.1))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, extra=True))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, prob=True))
+    add("aten.nll_loss_nd.default", lambda r: _ce_case(r, T, 1, nll=True))
+    add("aten.nll_loss_nd.default", lambda r: _ce_case(r, T, 2, nll=True, extra=True))
+    add("aten.mse_loss.default", lambda r: ((T(*(s := bsh(r))), T(*s), 1), {}))
+    add("aten.mse_loss.default", lambda r: ((T(*(s := bsh(r))), T(*s), 2), {}))
+    # conv / pool
+    add("aten.conv2d.default", lambda r: _conv_case(r, T, 1, 1))
+    add("aten.conv2d.default", lambda r: _conv_case(r, T, 2, 0))
+    add("aten.max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2], [2, 2]), {}))
+    add("aten.adaptive_avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [1, 1]), {}))
+    add("aten.avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    return C
+
+
+def _lin(r: Any, T: Callable, bias: bool, two_d: bool = False) -> tuple[tuple, dict]:  # noqa: N803
+    k, n = r.randint(2, 6), r.randint(2, 6)
+    x = T(r.randint(2, 6), k) if two_d else T(r.randint(2, 5), r.randint(2, 5), k)
+    return ((x, T(n, k), T(n)) if bias else (x, T(n, k))), {}
+
+
+def _ein_case(r: Any, eq: str, spec: tuple[str, ...], T: Callable) -> tuple[tuple, dict]:  # noqa: N803
+    size = {c: r.randint(2, 4) for c in set("".join(spec))}
+    return (eq, [T(*[size[c] for c in s]) for s in spec]), {}
+
+
+def _sdpa_case(r: Any, T: Callable, mask: str | None) -> tuple[tuple, dict]:  # noqa: N803
+    import torch
+
+    b, h, lq, s, e = r.randint(2, 4), r.randint(2, 4), r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
+    if mask == "causal":
+        s = lq
+    q, k, v = T(b, h, lq, e), T(b, h, s, e), T(b, h, s, e + 1)
+    if mask == "float":
+        return (q, k, v, T(lq, s)), {}
+    if mask == "bool":
+        m = torch.rand(b, 1, lq, s) > 0.3
+        m[..., 0] = True
+        return (q, k, v, m), {}
+    return (q, k, v, None, 0.0, mask == "causal"), {}
+
+
+def _ce_case(
+    r: Any,
+    T: Callable,
+    red: int,
+    weight: bool = False,
+    smoothing: float = 0.0,
+    extra: bool = False,
+    prob: bool = False,
+    nll: bool = False,
+) -> tuple[tuple, dict]:  # noqa: N803
+    import torch
+
+    n, c = r.randint(2, 7), r.randint(2, 5)
+    shape = (n, c, r.randint(2, 4)) if extra else (n, c)
+    x = T(*shape)
+    if prob:
+        tgt = torch.softmax(T(*shape), 1)
+    else:
+        tshape = (shape[0],) + shape[2:]
+        tgt = torch.randint(0, c, tshape)
+        tgt[torch.rand(tshape) < 0.25] = -100
+    if nll:
+        return (torch.log_softmax(x, 1), tgt, None, red, -100), {}
+    w = T(c).abs() + 0.5 if weight else None
+    return (x, tgt, w, red, -100, smoothing), {}
+
+
+def _conv_case(r: Any, T: Callable, stride: int, pad: int) -> tuple[tuple, dict]:  # noqa: N803
+    n, ci, co = r.randint(2, 4), r.randint(2, 4), r.randint(2, 4)
+    return (T(n, ci, 5, 6), T(co, ci, 3, 3), T(co), [stride, stride], [pad, pad], [1, 1], 1), {}
+
+
+_FIXED_RATIOS: tuple[tuple[float, ...], ...] = ((0.7, 0.3), (0.5, 0.0, 0.5), (0.4, 0.3, 0.2, 0.1))
+
+
+def check(
+    targets: Sequence[str] | None = None,
+    *,
+    trials: int = 20,
+    seed: int = 0,
+    shapes_per_case: int = 2,
+    backward: bool = True,
+) -> CheckReport:
+    """Check every rule against the single-device op (see the section comment above).
+
+    ``targets`` restricts the check to those ops (``"linear"`` matches ``aten.linear.*``); ``trials``
+    random (n, ratios) draws per strategy (n = 2..4, zero ratios included) on top of three fixed
+    uneven ones; backward is checked on the fixed draws.
+    """
+    import torch
+
+    global _STRICT
+    t0 = time.perf_counter()
+    _STRICT = True
+    try:
+        return _check(targets, trials, seed, shapes_per_case, backward, t0)
+    finally:
+        _STRICT = False
+
+
+def _check(
+    targets: Sequence[str] | None, trials: int, seed: int, shapes_per_case: int, backward: bool, t0: float
+) -> CheckReport:
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    rows: list[CheckRow] = []
+    cases = _cases()
+    want = None
+    if targets:
+        want = [t if t.startswith("aten.") else f"aten.{t}." for t in targets]
+    checked: set[str] = set()
+    for target, build in cases:
+        if want and not any(target == w or target.startswith(w) for w in want):
+            continue
+        checked.add(target)
+        for _shape in range(shapes_per_case):
+            try:
+                args, kwargs = build(rng)
+                g, op, full = _single_op(target, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - a broken sample is reported, not fatal
+                rows.append(CheckRow(target, "?", "-", "crash", f"building the sample: {_short(exc)}"))
+                continue
+            case = " ".join(f"{list(t.shape)}" for t in (g.tensors[i] for i in op.inputs))
+            try:
+                strats = strategies(g, op)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(CheckRow(target, case, "-", "crash", f"generating strategies: {_short(exc)}"))
+                continue
+            for s in strats:
+                draws = [(r_, True) for r_ in _FIXED_RATIOS]
+                for _ in range(max(0, trials // shapes_per_case - len(draws))):
+                    nn = rng.randint(2, 4)
+                    rs = [rng.choice((0.0, rng.random() + 0.05, rng.random() + 0.05)) for _ in range(nn)]
+                    if sum(rs) == 0:
+                        rs[0] = 1.0
+                    draws.append((tuple(rs), False))
+                status, detail = "ok", ""
+                for ratios, fixed in draws:
+                    try:
+                        status, detail = _check_strategy(
+                            g, op, full, s, len(ratios), ratios, rng.randrange(1 << 30), backward and fixed
+                        )
+                    except Exception as exc:  # noqa: BLE001
+                        status, detail = "crash", _short(exc)
+                    if status != "ok":
+                        detail = f"ratios {list(ratios)}: {detail}"
+                        break
+                rows.append(CheckRow(target, case, str(s), status, detail))
+    unchecked = () if want else tuple(sorted(set(_RULES) - checked))
+    return CheckReport(tuple(rows), time.perf_counter() - t0, unchecked)
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0][:240] if text else type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI body: ``python -m hapnb.theory --check [OP ...] [--trials N] [--seed S] [--list]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m hapnb.theory", description="check hapnb's per-op sharding rules"
+    )
+    p.add_argument(
+        "--check", nargs="*", metavar="OP", help="check all rules, or only these ops (e.g. linear)"
+    )
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="list the rule tables")
+    a = p.parse_args(argv)
+    if a.list:
+        for t, (fam, why) in registered().items():
+            print(f"{fam:14s} {t:44s} {why}")
+        return 0
+    if a.check is None:
+        p.print_help()
+        return 2
+    report = check(a.check or None, trials=a.trials, seed=a.seed)
+    print(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -242,7 +242,9 @@ class Search:
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
 
-    def _pins_ok(self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]) -> bool:
+    def _pins_ok(
+        self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
+    ) -> bool:
         for t, f in zip(outs, out_forms):
             p = self.pins.get(t)
             if p is not None and p != f:
@@ -261,10 +263,12 @@ class Search:
         g = self.graph
         op = g.ops[op_id]
         pinned = [(g.tensors[t].name, str(self.pins[t])) for t in op.inputs + op.outputs if t in self.pins]
-        forms = sorted({
-            ", ".join(f"{g.tensors[t].name}:{f}" for t, f in zip(op.outputs, s.outputs))
-            for s in self.theory.strategies[op_id]
-        })
+        forms = sorted(
+            {
+                ", ".join(f"{g.tensors[t].name}:{f}" for t, f in zip(op.outputs, s.outputs))
+                for s in self.theory.strategies[op_id]
+            }
+        )
         return (
             f"pin(s) {', '.join(f'{n}={f}' for n, f in pinned)} cannot be satisfied: op {op.name} ({op.target}) "
             f"has no strategy that takes/produces these forms. Its strategies produce: {'; '.join(forms)}. "
@@ -307,7 +311,10 @@ class Search:
         keep = [
             (b0, a0)
             for b0, a0 in entries
-            if not (base <= b0 + _EPS and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0))))
+            if not (
+                base <= b0 + _EPS
+                and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0)))
+            )
         ]
         keep.append((base, acc))
         self._seen[key] = keep
@@ -385,7 +392,9 @@ class Search:
                 for cv in convs:
                     comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
                 if c.strategy.sfb:
-                    comm_t += self._terms_time(("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st))
+                    comm_t += self._terms_time(
+                        ("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st)
+                    )
                 if comm_t > 0.0 or node.parent == -1:
                     base = node.base + max(node.acc) + comm_t
                     acc = comp
@@ -439,7 +448,9 @@ class Search:
             return True
         if self._best is None:
             return False
-        return self._heap[0][0] >= self._nodes[self._best].base - _EPS or self._nodes[self._heap[0][2]].complete
+        return (
+            self._heap[0][0] >= self._nodes[self._best].base - _EPS or self._nodes[self._heap[0][2]].complete
+        )
 
     def step(self) -> SearchEvent:
         """Pop the cheapest partial program and expand it; returns what happened."""
@@ -495,7 +506,10 @@ class Search:
                 raise NoProgramError(self._explain_no_program())
             raise NoProgramError("the search stopped (limit reached) before finding any complete program")
         return SearchResult(
-            self.program(self._best), self._nodes[self._best].base, self.done, self._stats.expansions,
+            self.program(self._best),
+            self._nodes[self._best].base,
+            self.done,
+            self._stats.expansions,
             time.perf_counter() - t0,
         )
 

@@ -212,7 +212,9 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
     for op in g.ops:
         ok = []
         for s in strategies(g, op):
-            pairs = [(t, f) for t, f in zip(op.inputs, s.inputs)] + [(t, f) for t, f in zip(op.outputs, s.outputs)]
+            pairs = [(t, f) for t, f in zip(op.inputs, s.inputs)] + [
+                (t, f) for t, f in zip(op.outputs, s.outputs)
+            ]
             if any(f not in forms[t] for t, f in pairs):
                 continue  # a form the tensor cannot take (e.g. G on a size-1 dim)
             ok.append(s)
@@ -266,7 +268,11 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
                     add(((t.id, R),), Instr("collective", name, tensor=t.id, src=R, form=f), ((t.id, f),))
             for f2 in gs:
                 if f2 != f:
-                    add(((t.id, f),), Instr("collective", "all_to_all", tensor=t.id, src=f, form=f2), ((t.id, f2),))
+                    add(
+                        ((t.id, f),),
+                        Instr("collective", "all_to_all", tensor=t.id, src=f, form=f2),
+                        ((t.id, f2),),
+                    )
         if R in fs:
             add(((t.id, R),), Instr("collective", "all_reduce", tensor=t.id, src=R, form=I), ((t.id, I),))
         if t.id == g.loss:

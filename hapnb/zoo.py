@@ -31,15 +31,16 @@ Options (``build`` keywords): ``devices`` (default 8), ``seed`` (0), ``dtype`` (
 mlp        layers 4, hidden 1024, input 1024, classes 10
 vgg19      image 32 (>= 32), classes 10, width 1.0 (channel multiplier), hidden 4096, dropout 0.1
 vit        layers 12, hidden 768, heads 12, ff 4*hidden, dropout 0.1, image 32, patch 4, classes 10,
-           attention "torch"
+           attention "sdpa"
 bert       layers 12, seq 128, hidden 768, heads 12, ff 4*hidden, dropout 0.1, vocab 33280,
-           attention "torch"
+           attention "sdpa"
 bert-moe   as bert, plus experts 2*devices, capacity_factor 2.5 (capacity = ceil(seq/experts*factor))
 gpt        layers 12, seq 128, hidden 768, heads 12, ff 4*hidden, dropout 0.1, vocab 32000
 =========  ====================================================================================
 
-``attention="torch"`` uses ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` as the paper
-does; their export transposes to sequence-first and folds batch into other dims (``view [S, B*H, hd]``,
+The default ``attention="sdpa"`` builds the encoder layers from :class:`PostLNEncoderLayer`; the
+alternative ``attention="torch"`` uses ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` as the
+paper does (still planned and verified, but less shardable): their export transposes to sequence-first and folds batch into other dims (``view [S, B*H, hd]``,
 ``permute`` + ``reshape [S*B, D]``), which hides the batch dim from sharding rules. ``attention="sdpa"``
 swaps in :class:`PostLNEncoderLayer` / :class:`SelfAttention`: same parameters, same math, and a
 batch-major graph (linear, split, view, transpose, SDPA, transpose, reshape, linear).
@@ -56,24 +57,22 @@ depend on sizes) — see also docs/briefs/zoo-ops.md:
 * ``vgg19``: aten.adaptive_avg_pool2d.default, aten.conv2d.default, aten.dropout.default,
   aten.flatten.using_ints, aten.linear.default, aten.log_softmax.int, aten.max_pool2d.default,
   aten.nll_loss_nd.default, aten.relu.default
-* ``vit``: aten.add.Tensor, aten.cat.default, aten.contiguous.default, aten.conv2d.default,
+* ``vit``: operator.getitem, aten.add.Tensor, aten.cat.default, aten.conv2d.default,
   aten.cross_entropy_loss.default, aten.dropout.default, aten.expand.default, aten.flatten.using_ints,
-  aten.layer_norm.default, aten.linear.default, aten.permute.default, aten.relu.default,
-  aten.reshape.default, aten.scaled_dot_product_attention.default, aten.select.int, aten.squeeze.dim,
-  aten.transpose.int, aten.unflatten.int, aten.unsqueeze.default, aten.view.default
-* ``bert``: aten.add.Tensor, aten.contiguous.default, aten.cross_entropy_loss.default,
-  aten.dropout.default, aten.embedding.default, aten.layer_norm.default, aten.linear.default,
-  aten.mul.Tensor, aten.permute.default, aten.relu.default, aten.reshape.default,
-  aten.scaled_dot_product_attention.default, aten.select.int, aten.squeeze.dim, aten.transpose.int,
-  aten.unflatten.int, aten.unsqueeze.default, aten.view.default
+  aten.layer_norm.default, aten.linear.default, aten.relu.default, aten.reshape.default,
+  aten.scaled_dot_product_attention.default, aten.select.int, aten.split.Tensor, aten.transpose.int,
+  aten.view.default
+* ``bert``: operator.getitem, aten.add.Tensor, aten.cross_entropy_loss.default, aten.dropout.default,
+  aten.embedding.default, aten.layer_norm.default, aten.linear.default, aten.mul.Tensor,
+  aten.relu.default, aten.reshape.default, aten.scaled_dot_product_attention.default, aten.split.Tensor,
+  aten.transpose.int, aten.view.default
 * ``bert-moe``: operator.getitem, aten._assert_tensor_metadata.default, aten.add.Tensor,
-  aten.clamp.default, aten.contiguous.default, aten.cross_entropy_loss.default, aten.cumsum.default,
-  aten.div.Tensor, aten.dropout.default, aten.einsum.default, aten.embedding.default, aten.gt.Scalar,
+  aten.clamp.default, aten.cross_entropy_loss.default, aten.cumsum.default, aten.div.Tensor,
+  aten.dropout.default, aten.einsum.default, aten.embedding.default, aten.gt.Scalar,
   aten.layer_norm.default, aten.linear.default, aten.lt.Scalar, aten.mul.Tensor, aten.one_hot.default,
-  aten.permute.default, aten.relu.default, aten.reshape.default,
-  aten.scaled_dot_product_attention.default, aten.select.int, aten.softmax.int, aten.squeeze.dim,
-  aten.sub.Tensor, aten.sum.dim_IntList, aten.to.dtype, aten.topk.default, aten.transpose.int,
-  aten.unflatten.int, aten.unsqueeze.default, aten.view.default
+  aten.relu.default, aten.reshape.default, aten.scaled_dot_product_attention.default, aten.select.int,
+  aten.softmax.int, aten.split.Tensor, aten.sub.Tensor, aten.sum.dim_IntList, aten.to.dtype,
+  aten.topk.default, aten.transpose.int, aten.unsqueeze.default, aten.view.default
 * ``gpt``: operator.getitem, aten.add.Tensor, aten.arange.start, aten.cross_entropy_loss.default,
   aten.dropout.default, aten.embedding.default, aten.gelu.default, aten.layer_norm.default,
   aten.linear.default, aten.reshape.default, aten.scaled_dot_product_attention.default,
@@ -612,12 +611,12 @@ def _resolve(name: str, given: dict[str, Any]) -> dict[str, Any]:
         cfg.update(image=32, classes=10, width=1.0, hidden=4096, dropout=0.1)
     elif name == "vit":
         cfg.update(layers=12, hidden=768, heads=12, ff=None, dropout=0.1, image=32, patch=4, classes=10)
-        cfg.update(attention="torch")
+        cfg.update(attention="sdpa")
     else:
         vocab = devices * (_WIKITEXT2_WORDS // devices + 1) if name != "gpt" else 32000
         cfg.update(layers=12, seq=128, hidden=768, heads=12, ff=None, dropout=0.1, vocab=vocab)
         if name != "gpt":
-            cfg.update(attention="torch")
+            cfg.update(attention="sdpa")
         if name == "bert-moe":
             cfg.update(experts=2 * devices, capacity_factor=2.5)
     cfg.update({k: v for k, v in given.items() if v is not None})

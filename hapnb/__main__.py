@@ -1,0 +1,5 @@
+"""``python -m hapnb ...`` is the same program as the ``hapnb`` console script."""
+
+from .cli import main
+
+raise SystemExit(main())
