@@ -688,13 +688,27 @@ def _fx_target(node: Any) -> str:
     return f"aten.{name}.{overloads[0]}" if overloads else f"aten.{name}.default"
 
 
+def _named_forward(wrapper: Any, names: list[str]) -> Any:
+    """fx cannot trace ``forward(*args)``: give the wrapper a forward with one named arg per input."""
+    import keyword
+
+    safe = [n if n.isidentifier() and not keyword.iskeyword(n) else f"arg{i}" for i, n in enumerate(names)]
+    params = ", ".join(safe)
+    scope: dict[str, Any] = {}
+    exec(f"def forward(self, {params}):\n    return self._forward_all({params})\n", scope)  # noqa: S102
+    cls = type(wrapper)
+    named = type(cls.__name__, (cls,), {"forward": scope["forward"], "_forward_all": cls.forward})
+    wrapper.__class__ = named
+    return wrapper
+
+
 def _from_fx(wrapper: Any, example: tuple, names: list[str], name: str) -> Graph:
     import operator
 
     import torch.fx as fx
     from torch.fx.passes.shape_prop import ShapeProp
 
-    gm = fx.symbolic_trace(wrapper)
+    gm = fx.symbolic_trace(_named_forward(wrapper, names))
     ShapeProp(gm).propagate(*example)
     b = _Builder()
     in_ids: list[int] = []
@@ -811,7 +825,7 @@ def trace(
     wrapper = _make_wrapper(model, loss, n_in)
     names = _input_names(model, n_in, len(targets))
     example = inputs + targets
-    was_training = wrapper.training if isinstance(model, torch.nn.Module) else True
+    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
     wrapper.train()
     errors: list[str] = []
     where = "<top-level model>"
@@ -841,10 +855,10 @@ def trace(
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx.symbolic_trace: {_first_line(exc)}")
     finally:
-        if isinstance(model, torch.nn.Module):
-            model.train(was_training)
+        for m, mode in modes:  # restore every submodule's own train/eval flag
+            m.training = mode
     reason = errors[0]
     raise TraceError(
         f"cannot trace {gname}: module {where!r} failed — {reason}\n"
-        f"  hint: {_hint(' '.join(errors))}\n  all attempts:\n    " + "\n    ".join(errors)
+        f"  hint: {_hint(reason)}\n  all attempts:\n    " + "\n    ".join(errors)
     )

@@ -130,10 +130,14 @@ def linear_partial(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wit
 def addmm_partial(
     bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, alpha: float, with_bias: bool
 ) -> torch.Tensor:
-    """``addmm`` whose bias term counts only when ``with_bias`` (rank 0 of an R-form result)."""
+    """``addmm`` / ``baddbmm`` whose bias term counts only when ``with_bias`` (rank 0 of an R-form
+    result): ``beta * bias + alpha * (m1 @ m2)``."""
+    prod = torch.matmul(m1, m2)
+    if alpha != 1:
+        prod = prod * alpha
     if with_bias:
-        return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha)
-    return torch.mm(m1, m2) * alpha + _drop(bias).to(m1.dtype)
+        return prod + (bias * beta if beta != 1 else bias)
+    return prod + _drop(bias).to(prod.dtype)
 
 
 def conv_partial(
@@ -226,9 +230,22 @@ def mse_partial(a: torch.Tensor, b: torch.Tensor, reduction: int, count: int) ->
     return s / count if reduction == 1 else s
 
 
-def created_slice(fn: Any, args: tuple, kwargs: dict, dim: int, start: int, length: int) -> torch.Tensor:
-    """Run a creation op ``fn(*args, **kwargs)`` and keep the slice ``[start, start+length)`` of ``dim``."""
-    return fn(*args, **dict(kwargs)).narrow(dim, start, length).contiguous()
+def created_slice(target: str, args: tuple, kwargs: tuple, dim: int, start: int, length: int) -> torch.Tensor:
+    """Run the creation op named ``target`` (``"aten.eye.default"``) with ``args``/``kwargs`` (pairs)
+    and keep the slice ``[start, start+length)`` of ``dim``. ``arange`` creates only its slice."""
+    _, name, overload = target.split(".")
+    kw = dict(kwargs)
+    if name == "arange":
+        a = list(args)
+        lo, hi, step = (0, a[0], 1) if overload == "default" else (a[0], a[1], a[2] if len(a) > 2 else 1)
+        first = lo + start * step
+        if all(isinstance(v, int) for v in (lo, hi, step)):
+            end = first + length * step  # exact for integers (and keeps the int64 dtype)
+        else:
+            end = first + (length - 0.5) * step if length else first
+        return torch.ops.aten.arange.start_step(first, end, step, **kw)
+    fn = getattr(getattr(torch.ops.aten, name), overload)
+    return fn(*args, **kw).narrow(dim, start, length).contiguous()
 
 
 # ------------------------------------------------------------------------ collectives + simulation
@@ -407,11 +424,17 @@ def _bias_view(b: torch.Tensor, out: torch.Tensor, ch: int) -> torch.Tensor:
 
 def pool_local(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
     """A pooling op on a shard that may have zero channels (PyTorch rejects those)."""
-    if x.numel() == 0 and x.dim() >= 3 and any(s == 0 for s in x.shape[:-2]):
-        shape = [max(s, 1) for s in x.shape[:-2]] + list(x.shape[-2:])
-        out = fn(x.new_zeros(shape), *args)
-        for d, s in enumerate(x.shape[:-2]):
-            if s == 0:
-                out = out.narrow(d, 0, 0)
-        return out + _drop(x).to(out.dtype)
+    sp = 1 if "1d" in str(fn) else 2  # number of spatial dims
+    lead = x.shape[:-sp]
+    if x.numel() == 0 and any(s == 0 for s in lead):
+        shape = [max(s, 1) for s in lead] + list(x.shape[-sp:])
+        res = fn(x.new_zeros(shape), *args)
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            for d, s in enumerate(lead):
+                if s == 0:
+                    t = t.narrow(d, 0, 0)
+            return t + _drop(x).to(t.dtype) if t.is_floating_point() else t
+
+        return tuple(empty(t) for t in res) if isinstance(res, (tuple, list)) else empty(res)
     return fn(x, *args)

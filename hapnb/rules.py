@@ -427,6 +427,7 @@ _UNARY_CHEAP = (
     "hardswish",
     "isnan",
     "isinf",
+    "fill",
     "nan_to_num",
     "frac",
 )
@@ -530,7 +531,6 @@ _register(
         "aten.detach.default",
         "aten.lift_fresh_copy.default",
         "aten.zeros_like.default",
-        "aten.fill.Scalar",
         "aten.positive.default",
     ],
     "linear",
@@ -586,7 +586,7 @@ def _gen_to(g: Graph, op: Op) -> list[_Cand]:
     cands = [c for c in _broadcast_cands(g, op)]
     if _is_float(_tin(g, op, 0)) and _is_float(_tout(g, op)) and len(op.inputs) == 1:
         cands.append(_Cand("partial", (R,), (R,), "full"))
-    if op.target == "aten.type_as.default":
+    if op.target in ("aten.type_as.default", "aten.to.other"):
         cands = [_Cand(c.name, (c.inputs[0], I), c.outputs) for c in _broadcast_cands(g, op, skip=(1,))]
     return cands
 
@@ -631,6 +631,8 @@ def _red_dims(g: Graph, op: Op) -> tuple[tuple[int, ...], bool]:
         if op.target.split(".")[1] in ("amax", "amin"):
             return _dims(_arg(op, 1, ()), t.ndim), bool(_arg(op, 2, False))
         return tuple(range(t.ndim)), False
+    if op.target in ("aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim"):
+        return _dims(_arg(op, 2), t.ndim), bool(_arg(op, 3, False))
     if op.target.startswith(("aten.var.", "aten.std.", "aten.var_mean.", "aten.std_mean.")):
         return _dims(_arg(op, 1), t.ndim), bool(_kw(op, "keepdim", False))
     return _dims(_arg(op, 1), t.ndim), bool(_arg(op, 2, False))
@@ -759,9 +761,9 @@ _register(
     reason="a prefix sum along one dim; independent across others, and linear (R -> R)",
 )
 _register(
-    ["aten.cumprod.default", "aten.sort.default", "aten.argsort.default", "aten.sort.stable"],
+    ["aten.cumprod.default", "aten.sort.default", "aten.argsort.default"],
     "dimwise",
-    lambda g, op: _gen_dimwise(g, op, dim_arg=1 if op.target != "aten.sort.stable" else -1),
+    lambda g, op: _gen_dimwise(g, op, dim_arg=1),
     reason="a scan / sort along one dim; independent across the others",
 )
 _register(
@@ -982,7 +984,7 @@ def _local_matmul(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall
     out_r = s.outputs[0].is_reduce
     if tgt == "aten.linear.default" and len(op.inputs) == 3 and out_r:
         return LocalCall(hops.linear_partial, (op.args[0], op.args[1], op.args[2], ctx.rank == 0))
-    if tgt == "aten.addmm.default" and out_r:
+    if tgt in ("aten.addmm.default", "aten.baddbmm.default") and out_r:
         beta, alpha = _kw(op, "beta", 1), _kw(op, "alpha", 1)
         return LocalCall(hops.addmm_partial, (*op.args[:3], beta, alpha, ctx.rank == 0))
     return _default_local(g, op, s, ctx)
@@ -1349,7 +1351,7 @@ def _local_create(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall
         return LocalCall(_aten(op.target), (shape, *op.args[1:]), op.kwargs)
     return LocalCall(
         hops.created_slice,
-        (_aten(op.target), op.args, dict(op.kwargs), f.dim, ctx.offset(tid, f.dim), ctx.local(tid, f.dim)),
+        (op.target, op.args, op.kwargs, f.dim, ctx.offset(tid, f.dim), ctx.local(tid, f.dim)),
     )
 
 
@@ -1674,7 +1676,7 @@ _register(
 
 def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
     x = _tin(g, op, 0)
-    lead = x.ndim - 2
+    lead = x.ndim - (1 if "1d" in op.target else 2)  # spatial dims are never sharded
     nout = len(op.outputs)
     cands = [_Cand(f"shard{d}", (G(d),), (G(d),) * nout) for d in range(lead)]
     if linear:
@@ -2182,6 +2184,40 @@ def _cases() -> list[tuple[str, Callable[[Any], tuple[tuple, dict]]]]:
     add("aten.tril.default", lambda r: ((T(r.randint(2, 4), *[r.randint(3, 7)] * 2), -1), {}))
     add("aten.constant_pad_nd.default", lambda r: ((T(*bsh(r)), [1, 1]), {}))
     add("aten.repeat.default", lambda r: ((T(*bsh(r)), [1, 2, 1]), {}))
+    # more ops the zoo models export (and close relatives)
+    add("aten.clamp.default", lambda r: ((T(*bsh(r)), -0.5, 0.7), {}))
+    add("aten.lt.Scalar", lambda r: ((T(*bsh(r)), 0.1), {}))
+    add("aten.bitwise_not.default", lambda r: ((T(*bsh(r)) > 0,), {}))
+    add("aten.sqrt.default", lambda r: ((T(*bsh(r)).abs(),), {}))
+    add("aten.mul.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.sub.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.div.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add(
+        "aten.masked_fill.Tensor",
+        lambda r: ((T(*(s := bsh(r))), T(s[2]) > 0, torch.tensor(2.0, dtype=f64)), {}),
+    )
+    add("aten.squeeze.default", lambda r: ((T((s := bsh(r))[0], 1, s[2]),), {}))
+    add("aten.index_select.default", lambda r: ((T(*bsh(r)), 1, torch.tensor([1, 0, 1])), {}))
+    add("aten.narrow.default", lambda r: ((T(*bsh(r)), 2, 0, 2), {}))
+    add("aten.logsumexp.default", lambda r: ((T(*bsh(r)), [2]), {}))
+    add("aten.min.dim", lambda r: ((T(*bsh(r)), 0, True), {}))
+    add("aten.amin.default", lambda r: ((T(*bsh(r)), [0, 2]), {}))
+    add("aten._log_softmax.default", lambda r: ((T(*bsh(r)), 0, False), {}))
+    add("aten.sort.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add(
+        "aten.baddbmm.default",
+        lambda r: ((T((m := dims(r, 4))[0], m[1], m[3]), T(*m[:3]), T(m[0], m[2], m[3])), {}),
+    )
+    add("aten.group_norm.default", lambda r: ((T(r.randint(2, 5), 4, 3), 2, T(4), T(4)), {}))
+    add("aten.conv1d.default", lambda r: ((T(3, 4, 7), T(5, 4, 3), T(5)), {}))
+    add("aten.max_pool2d_with_indices.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    add("aten.max_pool1d.default", lambda r: ((T(*dims(r, 2), 6), [2]), {}))
+    add("aten.linalg_vector_norm.default", lambda r: ((T(*bsh(r)), 2, [1]), {}))
+    add("aten.fill.Scalar", lambda r: ((T(*bsh(r)), 2.0), {}))
+    add("aten.to.other", lambda r: ((T(*bsh(r)), torch.ones(2, dtype=torch.float32)), {}))
+    add("aten.detach.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.scalar_tensor.default", lambda r: ((2.5,), {"dtype": f64}))
+    add("aten.arange.start", lambda r: ((2, r.randint(4, 11)), {"dtype": f64}))
     # creation
     add("aten.arange.default", lambda r: ((r.randint(2, 9),), {"dtype": f64}))
     add("aten.arange.start_step", lambda r: ((1, 2 * r.randint(2, 9) + 1, 2), {"dtype": f64}))
@@ -2299,8 +2335,6 @@ def check(
     random (n, ratios) draws per strategy (n = 2..4, zero ratios included) on top of three fixed
     uneven ones; backward is checked on the fixed draws.
     """
-    import torch
-
     global _STRICT
     t0 = time.perf_counter()
     _STRICT = True

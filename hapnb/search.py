@@ -174,7 +174,7 @@ class Search:
         self._seen: dict[tuple[int, int, int], list[tuple[float, tuple[float, ...]]]] = {}
         self._best: int | None = None
         self._counter = itertools.count()
-        root = _Node(-1, None, 0.0, (0.0,) * self.n, 0, 0, 0, self._h(0, (0.0,) * self.n))
+        root = _Node(-1, None, 0.0, (0.0,) * self.n, 0, 0, 0, self._h(0, (0.0,) * self.n, 0))
         self._seen[(0, 0, 0)] = [(root.base, root.acc)]
         self._push(root)
         self._stats.seconds += time.perf_counter() - t0
@@ -241,6 +241,7 @@ class Search:
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
+        self._spine_bound()
 
     def _pins_ok(
         self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
@@ -276,9 +277,110 @@ class Search:
         )
 
     # ------------------------------------------------------------------ costs
-    def _h(self, pos: int, acc: tuple[float, ...]) -> float:
+    def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
+        """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
+        bandwidth per device and (b) the spine bound: throughput-weighted computation plus the
+        communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
         rem = self._rem[pos]
-        return max(a + r for a, r in zip(acc, rem))
+        h = max(a + r for a, r in zip(acc, rem))
+        opts = self._spine_opts[pos]
+        if opts:
+            present = [v for bit, v in opts if props & bit]
+            vb = min(present) if present else min(v for _, v in opts)
+            w = self._w
+            h2 = sum(w[j] * acc[j] for j in range(self.n)) + vb
+            if h2 > h:
+                h = h2
+        return h
+
+    def _spine_bound(self) -> None:
+        """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
+
+        Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
+        spine is free to take any form; computation is the throughput-weighted average over devices
+        (a stage's max over devices is at least any weighted average); stages merge freely; tokens
+        (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
+        parameters with one consumer. Along the spine the forms must match: converting the spine
+        tensor costs the cheapest collective between the two forms.
+        """
+        g, th, cm = self.graph, self.theory, self.cost_model
+        n_ops = len(g.ops)
+        tot = sum(self.cost_model.flops)
+        self._w = tuple(f / tot for f in cm.flops)
+        inf = float("inf")
+        # the spine: from the loss backwards, through the input with the longest upstream path
+        depth = [0] * len(g.tensors)
+        for op in g.ops:
+            d = 1 + max((depth[t] for t in op.inputs), default=0)
+            for t in op.outputs:
+                depth[t] = d
+        spine_ops: dict[int, tuple[int, int]] = {}  # op -> (spine input, spine output)
+        t = g.loss
+        while g.tensors[t].producer is not None:
+            op = g.ops[g.tensors[t].producer]
+            acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
+            if not acts:
+                break
+            src = max(acts, key=lambda x: (depth[x], g.tensors[x].numel, -x))
+            spine_ops[op.id] = (src, t)
+            t = src
+        n_cons = [len(set(x.consumers)) for x in g.tensors]
+
+        def local(op_id: int, c: _Compiled) -> float:
+            v = sum(self._w[j] * c.comp[j] for j in range(self.n))
+            op = g.ops[op_id]
+            for ti, f in zip(op.inputs, c.strategy.inputs):
+                tr = g.tensors[ti]
+                if tr.role == "param" and n_cons[ti] == 1:
+                    ld = Load(ti, f, c.strategy.sfb and f.kind == "I")
+                    v += sum(tm.time(self.ratios) for tm in cm.load_terms(ld))
+            if c.strategy.sfb:
+                v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
+            return v
+
+        def conv(ti: int, a: Form, b: Form) -> float:
+            if a == b:
+                return 0.0
+            best = inf
+            for name in _CONVERSIONS.get((a.kind, b.kind), ()):
+                best = min(best, sum(tm.time(self.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b))))
+            return best
+
+        # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
+        spine_at: list[int | None] = [None] * (n_ops + 1)
+        V: list[dict[Form, float]] = [{} for _ in range(n_ops + 1)]
+        V[n_ops] = {f: 0.0 for f in th.forms[g.loss]}
+        spine_at[n_ops] = g.loss
+        cur = g.loss
+        for i in range(n_ops - 1, -1, -1):
+            comp = self._ops[i]
+            if i in spine_ops and spine_ops[i][1] == cur:
+                src, out = spine_ops[i]
+                op = g.ops[i]
+                k_in = op.inputs.index(src)
+                k_out = op.outputs.index(out)
+                nxt = V[i + 1]
+                row: dict[Form, float] = {}
+                for f in th.forms[src]:
+                    best = inf
+                    for c in comp:
+                        cv = conv(src, f, c.strategy.inputs[k_in])
+                        if cv == inf:
+                            continue
+                        best = min(best, cv + local(i, c) + nxt.get(c.strategy.outputs[k_out], inf))
+                    row[f] = best
+                V[i] = row
+                cur = src
+            else:
+                m = min(local(i, c) for c in comp)
+                V[i] = {f: v + m for f, v in V[i + 1].items()}
+            spine_at[i] = cur
+        self._spine_opts: list[list[tuple[int, float]]] = []
+        for i in range(n_ops + 1):
+            ti = spine_at[i]
+            opts = [(self._bit[(ti, f)], v) for f, v in V[i].items() if v < inf and (ti, f) in self._bit]
+            # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
+            self._spine_opts.append(opts)
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
@@ -403,7 +505,7 @@ class Search:
                     acc = tuple(a + b for a, b in zip(node.acc, comp))
                 self._stats.generated += 1
                 npos = pos + 1
-                score = base + self._h(npos, acc)
+                score = base + self._h(npos, acc, new_props)
                 desc = f"{op.name}[{c.strategy.name}]"
                 if score >= best_cost - _EPS and self._best is not None:
                     self._stats.pruned_bound += 1

@@ -1,0 +1,652 @@
+"""Code generation: one plan + the single-device program -> a torch.fx GraphModule per rank.
+
+:func:`generate` walks the plan's instructions in order and keeps ``env[(tensor, form)] -> fx node``:
+
+* ``load``: a user input becomes a placeholder (sliced with :func:`hapnb.collectives.shard` for ``G(d)``,
+  or already the rank's slice with ``inputs="local"``); a parameter loaded ``I`` is
+  ``collectives.replicate(get_attr)`` (identity forward, gradient all-reduce backward), ``load_sfb`` a
+  plain ``get_attr`` (the SFB op makes the full gradient itself), ``G(d)`` the ``get_attr`` of the rank's
+  pre-sliced parameter. Buffers and constants are never replicated (they have no gradient).
+* ``collective``: the matching :mod:`hapnb.collectives` call with static Python-int shard lengths from
+  ``plan.lengths_of``.
+* ``compute``: :func:`hapnb.rules.localize` gives the call the rank runs on its local tensors.
+
+The output is the rank's partial loss (``R`` form): summing it over ranks gives the single-device loss,
+and back-propagating every rank's own partial loss gives correct gradients (DESIGN.md §1).
+
+>>> import hapnb, torch
+>>> from hapnb.codegen import generate
+>>> plan = hapnb.synthesize("mlp", "2xV100", layers=1, hidden=8, input=4, batch=4)  # doctest: +SKIP
+>>> prog = generate(plan, plan.graph, rank=0)  # doctest: +SKIP
+>>> print(prog.module.code)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import keyword
+import operator
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import collectives as C
+from .forms import Form, G, I, R, parse_form, shard_offsets
+from .graph import Graph, Op, TensorArg
+
+__all__ = [
+    "CodegenError",
+    "LocalParam",
+    "RankProgram",
+    "generate",
+    "reference_module",
+    "program_weights",
+    "COLLECTIVE_FUNCTIONS",
+    "DROPOUT_TARGETS",
+    "count_collectives",
+]
+
+
+class CodegenError(ValueError):
+    """The plan cannot be turned into a per-rank program (names the instruction and why)."""
+
+
+#: hapnb.collectives functions that communicate (what the plan's communicating instructions become)
+COLLECTIVE_FUNCTIONS = (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all)
+
+DROPOUT_TARGETS = ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default")
+_NATIVE_DROPOUT = "aten.native_dropout.default"
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """How one parameter/buffer/constant of the model lives on a rank.
+
+    ``local_name`` is the attribute in the rank's GraphModule, ``name`` the model's FQN (graph tensor
+    name), ``kind`` ``param``/``buffer``/``const``. ``form`` is ``"I"`` when the rank holds the full tensor
+    and ``"G<d>"`` when it holds the slice ``[start, start + length)`` of dim ``dim``; ``lengths`` are
+    every rank's slice lengths on that dim (empty for full tensors).
+    """
+
+    local_name: str
+    name: str
+    kind: str
+    form: str
+    full_shape: tuple[int, ...]
+    dim: int = -1
+    start: int = 0
+    length: int = 0
+    lengths: tuple[int, ...] = ()
+    requires_grad: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim >= 0
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor ``full``."""
+        if not self.sharded:
+            return full
+        return full.narrow(self.dim, self.start, self.length)
+
+
+@dataclass(frozen=True, eq=False)
+class RankProgram:
+    """The program one rank runs: ``module(*inputs)`` returns the rank's partial loss (R form).
+
+    ``params`` maps every local weight to its model FQN and slice (see :class:`LocalParam`);
+    ``input_names`` are the placeholders in order; ``input_slices`` gives, per input, ``(dim, start,
+    length)`` of the slice the program expects when ``inputs == "local"`` (``dim == -1``: the full input).
+    """
+
+    module: fx.GraphModule
+    rank: int
+    n: int
+    params: tuple[LocalParam, ...]
+    input_names: tuple[str, ...]
+    input_slices: tuple[tuple[int, int, int], ...]
+    inputs: str
+    loss: str
+    fingerprint: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def code(self) -> str:
+        """The generated Python source of the rank's forward."""
+        return self.module.code
+
+    def param(self, name: str) -> LocalParam:
+        """The local parameter record of model tensor ``name`` (FQN) or of local attribute ``name``."""
+        for p in self.params:
+            if p.name == name or p.local_name == name:
+                return p
+        raise KeyError(f"rank {self.rank} program has no parameter {name!r}")
+
+    def local_inputs(self, *full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Cut the full global inputs to what this program expects (identity when ``inputs='full'``)."""
+        if len(full) != len(self.input_names):
+            raise TypeError(
+                f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                f"got {len(full)}"
+            )
+        if self.inputs == "full":
+            return tuple(full)
+        out = []
+        for x, (d, start, length) in zip(full, self.input_slices):
+            out.append(x if d < 0 else x.narrow(d, start, length))
+        return tuple(out)
+
+    def collective_count(self) -> int:
+        """Number of communicating collective calls in the module's graph."""
+        return count_collectives(self.module)
+
+    def __repr__(self) -> str:
+        nshard = sum(1 for p in self.params if p.sharded)
+        return (
+            f"RankProgram(rank {self.rank}/{self.n}, {len(self.module.graph.nodes)} nodes, "
+            f"{self.collective_count()} collectives, {len(self.params)} weights ({nshard} sharded), "
+            f"inputs={self.inputs!r})"
+        )
+
+
+def count_collectives(gm: fx.GraphModule) -> int:
+    """How many ``call_function`` nodes of ``gm`` call a communicating :mod:`hapnb.collectives` function."""
+    return sum(1 for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in COLLECTIVE_FUNCTIONS)
+
+
+# ------------------------------------------------------------------------------------------- weights
+
+
+def _strip(path: str) -> str:
+    from .graph import _strip as strip
+
+    return strip(path)
+
+
+def program_weights(graph: Graph) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and constant of the traced program by graph tensor name (model FQN)."""
+    prog = graph.program
+    if prog is None:
+        raise CodegenError(
+            f"graph {graph.name} has no traced program to take weights from; pass weights={{name: tensor}}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(prog, torch.export.ExportedProgram):
+        sig = prog.graph_signature
+        src: dict[str, str] = {}
+        src.update(sig.inputs_to_parameters)
+        src.update(sig.inputs_to_buffers)
+        src.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+        state = dict(prog.state_dict)
+        consts = dict(prog.constants)
+        holders = [
+            nd
+            for nd in prog.graph.nodes
+            if nd.op == "placeholder" and nd.name in src and isinstance(nd.meta.get("val"), torch.Tensor)
+        ]
+        if len(holders) != len(graph.params):
+            raise CodegenError(
+                f"graph {graph.name} lists {len(graph.params)} weights but its exported program has "
+                f"{len(holders)}; the graph was not traced from this program"
+            )
+        for nd, tid in zip(holders, graph.params):
+            fqn = src[nd.name]
+            t = state[fqn] if fqn in state else consts.get(fqn)
+            if t is None:
+                raise CodegenError(f"the exported program has no tensor for {fqn}")
+            out[graph.tensors[tid].name] = t
+        return out
+    if isinstance(prog, torch.nn.Module):
+        named = {_strip(k): v for k, v in prog.named_buffers()}
+        named.update({_strip(k): v for k, v in prog.named_parameters()})
+        for tid in graph.params:
+            nm = graph.tensors[tid].name
+            if nm not in named:
+                raise CodegenError(f"the traced module has no parameter or buffer {nm}")
+            out[nm] = named[nm]
+        return out
+    raise CodegenError(f"cannot read weights from a program of type {type(prog).__name__}")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _ident(name: str, used: set[str]) -> str:
+    base = re.sub(r"\W", "_", name) or "t"
+    if base[0].isdigit() or keyword.iskeyword(base) or hasattr(torch.nn.Module, base):
+        base = "w_" + base
+    nm, k = base, 1
+    while nm in used:
+        nm = f"{base}_{k}"
+        k += 1
+    used.add(nm)
+    return nm
+
+
+def _retype(value: Any, dtype: torch.dtype | None) -> Any:
+    """Replace float32 dtype constants in an argument tree by ``dtype`` (for float64 verification)."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.dtype):
+        return dtype if value == torch.float32 else value
+    if type(value) is tuple:
+        return tuple(_retype(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_retype(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _retype(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _subst(value: Any, nodes: Sequence[fx.Node]) -> Any:
+    if isinstance(value, TensorArg):
+        return nodes[value.index]
+    if type(value) is tuple:
+        return tuple(_subst(v, nodes) for v in value)
+    if isinstance(value, list):
+        return [_subst(v, nodes) for v in value]
+    if isinstance(value, dict):
+        return {k: _subst(v, nodes) for k, v in value.items()}
+    return value
+
+
+def _find_strategy(
+    strategies: Sequence[Any], name: str, ins: tuple[Form, ...], outs: tuple[Form, ...]
+) -> Any | None:
+    same = [s for s in strategies if tuple(s.inputs) == ins and tuple(s.outputs) == outs]
+    for s in same:
+        if s.name == name:
+            return s
+    return same[0] if same else None
+
+
+# ------------------------------------------------------------------------------------------ generate
+
+
+def generate(
+    plan: Any,
+    graph: Graph | None = None,
+    rank: int = 0,
+    *,
+    inputs: str = "full",
+    dropout: bool = True,
+    dtype: torch.dtype | str | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    strategies: Callable[[Graph, Op], Sequence[Any]] | None = None,
+    localize: Callable[..., Any] | None = None,
+) -> RankProgram:
+    """Build rank ``rank``'s program for ``plan`` on ``graph`` (default ``plan.graph``).
+
+    ``inputs="full"``: the module takes the full global batch and slices it itself; ``"local"``: it takes
+    the rank's slice of every ``G``-loaded input (see :meth:`RankProgram.local_inputs`). ``dropout=False``
+    replaces dropout by identity (exact verification). ``dtype`` (e.g. ``torch.float64``) casts floating
+    weights and float32 dtype constants in op arguments. ``weights`` overrides the weights taken from
+    ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
+    """
+    from . import rules
+
+    g = graph if graph is not None else getattr(plan, "graph", None)
+    if g is None:
+        raise CodegenError(
+            f"plan {plan.name} carries no graph; pass graph=hapnb.trace(model, example_inputs) or use "
+            "hapnb.runtime.load_bundle"
+        )
+    if plan.graph_fingerprint and g.fingerprint and plan.graph_fingerprint != g.fingerprint:
+        raise CodegenError(
+            f"plan {plan.name} was made for graph {plan.graph_fingerprint} but this graph is {g.fingerprint} "
+            "(a different model, shapes or batch size); synthesize a plan for this model"
+        )
+    if inputs not in ("full", "local"):
+        raise ValueError(f"inputs must be 'full' or 'local', got {inputs!r}")
+    n = plan.cluster.n
+    if not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is out of range for a plan on {n} devices")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    strat_fn = strategies or rules.strategies
+    local_fn = localize or rules.localize
+    if weights is None:
+        weights = program_weights(g) if any(g.tensors[t].role != "input" for t in g.params) else {}
+    ops_by_name = {op.name: op for op in g.ops}
+
+    def lengths(name: str, dim: int, where: str) -> tuple[int, ...]:
+        try:
+            ls = tuple(int(x) for x in plan.lengths_of(name, dim))
+        except KeyError:
+            raise CodegenError(
+                f"{where}: the plan has no shard lengths for {name} dim {dim}; the plan is incomplete"
+            ) from None
+        if len(ls) != n:
+            raise CodegenError(f"{where}: shard lengths of {name} dim {dim} have {len(ls)} entries, not {n}")
+        return ls
+
+    # ------------------------------------------------------------- what is loaded in which forms
+    load_forms: dict[str, list[tuple[Form, bool]]] = {}
+    for ins in plan.program:
+        if ins.kind == "load":
+            f = parse_form(ins.form)
+            load_forms.setdefault(ins.tensor, [])
+            if (f, ins.name == "load_sfb") not in load_forms[ins.tensor]:
+                load_forms[ins.tensor].append((f, ins.name == "load_sfb"))
+
+    fxg = fx.Graph()
+    root = torch.nn.Module()
+    used: set[str] = set()
+    env: dict[tuple[int, Form], fx.Node] = {}
+    notes: list[str] = []
+
+    # ------------------------------------------------------------------ placeholders (user inputs)
+    in_nodes: dict[int, fx.Node] = {}
+    input_slices: list[tuple[int, int, int]] = []
+    for tid in g.inputs:
+        t = g.tensors[tid]
+        in_nodes[tid] = fxg.placeholder(_ident(t.name, used))
+        forms = load_forms.get(t.name, [])
+        gforms = [f for f, _ in forms if f.kind == "G"]
+        if inputs == "local" and gforms:
+            if len(forms) != 1:
+                raise CodegenError(
+                    f"input {t.name} is loaded as {', '.join(str(f) for f, _ in forms)}; inputs='local' needs "
+                    "one form per input (use inputs='full')"
+                )
+            d = gforms[0].dim
+            ls = lengths(t.name, d, f"load {t.name}")
+            input_slices.append((d, shard_offsets(ls)[rank], ls[rank]))
+        else:
+            input_slices.append((-1, 0, t.shape[0] if t.shape else 0))
+
+    # ------------------------------------------------------------------ weights (params, buffers, consts)
+    records: dict[str, LocalParam] = {}
+    attr_nodes: dict[str, fx.Node] = {}
+    repl_nodes: dict[str, fx.Node] = {}
+    for tid in g.params:
+        t = g.tensors[tid]
+        if t.name not in weights:
+            raise CodegenError(f"no weight given for {t.role} {t.name}")
+        full = weights[t.name].detach()
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        forms = load_forms.get(t.name, [])
+        trainable = t.role == "param" and t.requires_grad
+        only_g = len(forms) == 1 and forms[0][0].kind == "G" and not forms[0][1]
+        lname = _ident(t.name, used)
+        if only_g:
+            d = forms[0][0].dim
+            ls = lengths(t.name, d, f"load {t.name}")
+            start = shard_offsets(ls)[rank]
+            local = full.narrow(d, start, ls[rank]).clone().contiguous()
+            rec = LocalParam(lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[rank], ls, trainable)
+        else:
+            local = full.clone()
+            rec = LocalParam(lname, t.name, t.role, "I", t.shape, requires_grad=trainable)
+        if t.role == "param":
+            root.register_parameter(lname, torch.nn.Parameter(local, requires_grad=trainable))
+        else:
+            root.register_buffer(lname, local)
+        records[t.name] = rec
+
+    def attr(name: str) -> fx.Node:
+        nd = attr_nodes.get(name)
+        if nd is None:
+            nd = attr_nodes[name] = fxg.get_attr(records[name].local_name)
+        return nd
+
+    def replicated(name: str) -> fx.Node:
+        nd = repl_nodes.get(name)
+        if nd is None:
+            nd = repl_nodes[name] = emit(C.replicate, (attr(name),), name=f"{records[name].local_name}_I")
+        return nd
+
+    def emit(target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
+        return fxg.create_node("call_function", target, args, kwargs or {}, name=name)
+
+    def tname(t: str, f: Form) -> str:
+        return re.sub(r"\W", "_", f"{t}_{f}")
+
+    def need(tid: int, f: Form, where: str) -> fx.Node:
+        nd = env.get((tid, f))
+        if nd is None:
+            have = sorted(str(ff) for (tt, ff) in env if tt == tid)
+            raise CodegenError(
+                f"{where}: needs {g.tensors[tid].name}:{f}, which no earlier instruction produced "
+                f"(available forms: {', '.join(have) or 'none'}); the plan's program is out of order or corrupt"
+            )
+        return nd
+
+    # ------------------------------------------------------------------ walk the program
+    for k, ins in enumerate(plan.program):
+        where = f"instruction {k} ({ins})"
+        if ins.kind == "load":
+            try:
+                t = g.tensor(ins.tensor)
+            except KeyError as e:
+                raise CodegenError(f"{where}: {e}") from None
+            f = parse_form(ins.form)
+            key = (t.id, f)
+            if key in env:
+                continue
+            if t.role == "input":
+                ph = in_nodes[t.id]
+                if f.kind == "I" or (inputs == "local"):
+                    if inputs == "local" and f.kind == "I" and load_forms[t.name] != [(I, False)]:
+                        raise CodegenError(f"{where}: inputs='local' cannot also load {t.name} replicated")
+                    env[key] = ph
+                elif f.kind == "G":
+                    ls = lengths(t.name, f.dim, where)
+                    env[key] = emit(C.shard, (ph, f.dim, ls), name=tname(t.name, f))
+                else:
+                    raise CodegenError(f"{where}: an input cannot be loaded in form {f}")
+                continue
+            if t.name not in records:
+                raise CodegenError(f"{where}: {t.name} is not an input, parameter, buffer or constant")
+            rec = records[t.name]
+            sfb = ins.name == "load_sfb"
+            if f.kind == "G" and rec.sharded:
+                env[key] = attr(t.name)
+            elif f.kind == "G":
+                src = replicated(t.name) if rec.requires_grad else attr(t.name)
+                ls = lengths(t.name, f.dim, where)
+                env[key] = emit(C.shard, (src, f.dim, ls), name=tname(t.name, f))
+            elif f.kind == "I":
+                if sfb or not rec.requires_grad:
+                    env[key] = attr(t.name)
+                else:
+                    env[key] = replicated(t.name)
+            else:
+                raise CodegenError(f"{where}: a weight cannot be loaded in form {f}")
+            if sfb and (t.id, I) not in env:
+                env[(t.id, I)] = env[key]
+            continue
+
+        if ins.kind == "collective":
+            try:
+                t = g.tensor(ins.tensor)
+            except KeyError as e:
+                raise CodegenError(f"{where}: {e}") from None
+            src, dst = parse_form(ins.src), parse_form(ins.form)
+            x = need(t.id, src, where)
+            nm = tname(t.name, dst)
+            name = ins.name
+            if name in ("all_gather", "grouped_all_gather"):
+                _expect(where, src.kind == "G" and dst == I, name)
+                ls = lengths(t.name, src.dim, where)
+                nd = emit(C.all_gather, (x, src.dim, ls), {"padded": name == "all_gather"}, nm)
+            elif name in ("reduce_scatter", "grouped_reduce_scatter"):
+                _expect(where, src == R and dst.kind == "G", name)
+                ls = lengths(t.name, dst.dim, where)
+                nd = emit(C.reduce_scatter, (x, dst.dim, ls), {"padded": name == "reduce_scatter"}, nm)
+            elif name == "all_reduce":
+                _expect(where, src == R and dst == I, name)
+                nd = emit(C.all_reduce, (x,), name=nm)
+            elif name == "all_to_all":
+                _expect(where, src.kind == "G" and dst.kind == "G" and src.dim != dst.dim, name)
+                cl = lengths(t.name, src.dim, where)
+                sl = lengths(t.name, dst.dim, where)
+                nd = emit(C.all_to_all, (x, src.dim, dst.dim, cl, sl), name=nm)
+            elif name == "slice":
+                _expect(where, src == I and dst.kind == "G", name)
+                nd = emit(C.shard, (x, dst.dim, lengths(t.name, dst.dim, where)), name=nm)
+            elif name == "to_partial":
+                _expect(where, src == I and dst == R, name)
+                nd = emit(C.to_partial, (x,), name=nm)
+            else:
+                raise CodegenError(f"{where}: unknown collective {name!r}")
+            env[(t.id, dst)] = nd
+            continue
+
+        if ins.kind != "compute":
+            raise CodegenError(f"{where}: unknown instruction kind {ins.kind!r}")
+        op = ops_by_name.get(ins.op)
+        if op is None:
+            raise CodegenError(f"{where}: the graph has no op named {ins.op!r}")
+        in_forms = tuple(parse_form(f) for _, f in ins.inputs)
+        out_forms = tuple(parse_form(f) for _, f in ins.outputs)
+        if len(in_forms) != len(op.inputs) or len(out_forms) != len(op.outputs):
+            raise CodegenError(
+                f"{where}: op {op.name} has {len(op.inputs)} inputs and {len(op.outputs)} outputs but the "
+                f"instruction gives {len(in_forms)} and {len(out_forms)} forms"
+            )
+        args_nodes = [need(tid, f, where) for tid, f in zip(op.inputs, in_forms)]
+        if not dropout and op.target in DROPOUT_TARGETS + (_NATIVE_DROPOUT,):
+            if out_forms[0] != in_forms[0]:
+                raise CodegenError(f"{where}: dropout changes the form {in_forms[0]} -> {out_forms[0]}")
+            env[(op.outputs[0], out_forms[0])] = args_nodes[0]
+            if len(op.outputs) > 1:  # native_dropout's mask: all kept
+                mask = emit(torch.ops.aten.ones_like.default, (args_nodes[0],), {"dtype": torch.bool})
+                env[(op.outputs[1], out_forms[1])] = mask
+            continue
+        strat = _find_strategy(strat_fn(g, op), ins.name, in_forms, out_forms)
+        if strat is None:
+            raise CodegenError(
+                f"{where}: op {op.name} ({op.target}) has no strategy {ins.name!r} with inputs "
+                f"({', '.join(map(str, in_forms))}) and outputs ({', '.join(map(str, out_forms))})"
+            )
+        from .rules import LocalContext
+
+        def ctx_lengths(tid: int, dim: int, _w: str = where) -> tuple[int, ...]:
+            return lengths(g.tensors[tid].name, dim, _w)
+
+        try:
+            call = local_fn(g, op, strat, LocalContext(rank, n, ctx_lengths))
+        except CodegenError:
+            raise
+        except Exception as e:
+            raise CodegenError(
+                f"{where}: localizing op {op.name} ({op.target}) with strategy {strat.name} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        cargs = _retype(_subst(tuple(call.args), args_nodes), dtype)
+        ckw = _retype(_subst(dict(call.kwargs), args_nodes), dtype)
+        out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
+        nd = emit(call.fn, cargs, ckw, out_name)
+        if op.output_items:
+            for tid, item, f in zip(op.outputs, op.output_items, out_forms):
+                env[(tid, f)] = emit(operator.getitem, (nd, item), name=tname(g.tensors[tid].name, f))
+        else:
+            env[(op.outputs[0], out_forms[0])] = nd
+
+    # ------------------------------------------------------------------ output: the partial loss
+    loss = g.tensors[g.loss]
+    out = env.get((loss.id, R))
+    if out is None and (loss.id, I) in env:
+        out = emit(C.to_partial, (env[(loss.id, I)],), name=tname(loss.name, R))
+        notes.append("the loss was replicated; rank 0 keeps it (to_partial)")
+    if out is None:
+        raise CodegenError(
+            f"the plan never produces the loss {loss.name} (as R or I); the program is incomplete"
+        )
+    fxg.output(out)
+    fxg.lint()
+    gm = fx.GraphModule(root, fxg, class_name=f"Rank{rank}Program")
+    gm.graph.lint()
+    params = tuple(records[g.tensors[t].name] for t in g.params)
+    return RankProgram(
+        module=gm,
+        rank=rank,
+        n=n,
+        params=params,
+        input_names=tuple(g.tensors[t].name for t in g.inputs),
+        input_slices=tuple(input_slices),
+        inputs=inputs,
+        loss=loss.name,
+        fingerprint=g.fingerprint,
+        notes=tuple(notes),
+    )
+
+
+def _expect(where: str, ok: bool, name: str) -> None:
+    if not ok:
+        raise CodegenError(f"{where}: the forms do not fit the collective {name}")
+
+
+# --------------------------------------------------------------------------------- reference module
+
+
+def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | str | None = None) -> Any:
+    """The single-device program as an fx GraphModule: ``module(*inputs)`` is the loss.
+
+    Parameters live under their model FQNs (``module.get_parameter(fqn)`` with the traced wrapper's
+    ``model.`` prefix; use :func:`reference_params` for a name -> parameter map). ``dropout=False``
+    replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 dtype
+    constants (float64 verification).
+    """
+    prog = graph.program
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(prog, torch.export.ExportedProgram):
+        gm = prog.module()
+    elif isinstance(prog, torch.nn.Module):
+        import copy
+
+        gm = copy.deepcopy(prog)
+    else:
+        raise CodegenError(f"graph {graph.name} has no traced program to run on one device")
+    if not isinstance(gm, fx.GraphModule):
+        raise CodegenError(f"the traced program of {graph.name} is not an fx GraphModule")
+    changed = False
+    drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
+    for nd in list(gm.graph.nodes):
+        if nd.op != "call_function":
+            continue
+        if not dropout and nd.target in drop:
+            nd.replace_all_uses_with(nd.args[0])
+            gm.graph.erase_node(nd)
+            changed = True
+            continue
+        if dtype is not None:
+            a, kw = _retype(tuple(nd.args), dtype), _retype(dict(nd.kwargs), dtype)
+            if a != tuple(nd.args) or kw != dict(nd.kwargs):
+                nd.args, nd.kwargs = a, kw
+                changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    if dtype is not None:
+        for p in gm.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in list(gm.named_buffers()):
+            if b.is_floating_point():
+                mod, _, leaf = name.rpartition(".")
+                owner = gm.get_submodule(mod) if mod else gm
+                owner._buffers[leaf] = b.to(dtype)
+        for name in dir(gm):  # lifted constants become plain tensor attributes
+            v = getattr(gm, name, None)
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.is_floating_point():
+                if name not in gm._buffers:
+                    setattr(gm, name, v.to(dtype))
+    return gm
+
+
+def reference_params(graph: Graph, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Graph tensor name (model FQN) -> parameter of a :func:`reference_module`."""
+    out = {}
+    named = {_strip(k): p for k, p in module.named_parameters()}
+    for tid in graph.params:
+        t = graph.tensors[tid]
+        if t.role == "param" and t.name in named:
+            out[t.name] = named[t.name]
+    return out

@@ -1,0 +1,280 @@
+"""One training rank of a plan, run from a bundle (no user source code needed).
+
+Command line (under ``torchrun``, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)::
+
+    torchrun --nproc-per-node 4 -m hapnb.worker BUNDLE [--steps N] [--backend gloo|nccl] [--lr LR]
+        [--optimizer adam|sgd] [--inputs local|full] [--metrics FILE | --metrics-fd FD] [--no-dropout]
+
+Every rank prints one JSON line per step (to stdout, or appended to ``--metrics FILE`` — ``{rank}`` in the
+name is replaced by the rank — or written to the inherited file descriptor ``--metrics-fd``)::
+
+    {"rank": 0, "step": 0, "loss": 1.15, "global_loss": 2.30, "step_s": 0.012, "max_memory_bytes": 123456}
+
+``loss`` is the rank's partial loss (R form), ``global_loss`` (rank 0 only, ``null`` elsewhere) the
+sum over ranks, i.e. the single-device loss; ``max_memory_bytes`` the peak CUDA memory (NCCL) or the
+process's peak resident memory (CPU). Every step trains on the bundle's example batch.
+
+Python entry (for :mod:`hapnb.launch` and tests)::
+
+    from hapnb.worker import run_worker
+    metrics = run_worker("bundle/", rank, world_size, "gloo", steps=10, metrics_out="m{rank}.jsonl")
+
+``run_worker`` initialises the default process group from the environment (``env://``) unless one is
+already initialised (then ``rank``/``world_size`` must agree with it), and destroys it again only if it
+created it. ``metrics_out``: None (stdout), a path, an int file descriptor, a writable text file or a
+callable taking each metrics dict. Returns the list of metrics dicts of this rank.
+
+Verification mode (``verify_out=DIR`` / ``--verify-out DIR``, used by :func:`hapnb.runtime.verify`) also
+saves ``DIR/rank<r>.pt``: partial and global losses per step, every local gradient after the first
+backward and every local weight after the last step (plain tensors, readable with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["run_worker", "make_optimizer", "main"]
+
+
+def make_optimizer(name: str, params: Sequence[Any], lr: float | None = None) -> Any:
+    """``adam`` (default lr 1e-3) or ``sgd`` (default lr 0.05) over ``params``."""
+    import torch
+
+    name = name.lower()
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3 if lr is None else lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05 if lr is None else lr)
+    raise ValueError(f"unknown optimizer {name!r}: use 'adam' or 'sgd'")
+
+
+class _Sink:
+    """Where metrics lines go (see the module docstring)."""
+
+    def __init__(self, out: Any, rank: int) -> None:
+        self.close_me: TextIO | None = None
+        self.fn: Callable[[dict], None]
+        if out is None:
+            self.fn = lambda d: _write_line(sys.stdout, d)
+        elif callable(out) and not hasattr(out, "write"):
+            self.fn = out
+        elif isinstance(out, int):
+            f = os.fdopen(os.dup(out), "a", buffering=1)
+            self.close_me = f
+            self.fn = lambda d: _write_line(f, d)
+        elif isinstance(out, (str, os.PathLike)):
+            p = Path(str(out).replace("{rank}", str(rank)))
+            p.parent.mkdir(parents=True, exist_ok=True)
+            f = open(p, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self.close_me = f
+            self.fn = lambda d: _write_line(f, d)
+        elif hasattr(out, "write"):
+            self.fn = lambda d: _write_line(out, d)
+        else:
+            raise TypeError(f"metrics_out must be None, a path, a file descriptor, a file or a callable, not {out!r}")
+
+    def __call__(self, d: dict) -> None:
+        self.fn(d)
+
+    def close(self) -> None:
+        if self.close_me is not None:
+            self.close_me.close()
+
+
+def _write_line(f: Any, d: dict) -> None:
+    f.write(json.dumps(d) + "\n")
+    f.flush()
+
+
+def _peak_memory(device: Any) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except Exception:  # pragma: no cover - non-Unix
+        return 0
+
+
+def run_worker(
+    bundle_dir: str | os.PathLike[str],
+    rank: int | None = None,
+    world_size: int | None = None,
+    backend: str = "gloo",
+    steps: int = 10,
+    metrics_out: Any = None,
+    *,
+    lr: float | None = None,
+    optimizer: str = "adam",
+    inputs: str = "local",
+    dropout: bool = True,
+    dtype: str | None = None,
+    verify_out: str | os.PathLike[str] | None = None,
+    timeout_s: float = 300.0,
+) -> list[dict[str, Any]]:
+    """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import collectives as C
+    from .codegen import generate
+    from .runtime import load_bundle
+
+    rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
+    bundle = load_bundle(bundle_dir)
+    plan = bundle.plan
+    if world_size != plan.cluster.n:
+        raise ValueError(
+            f"the plan in {bundle_dir} is for {plan.cluster.n} devices ({', '.join(plan.devices)}) but the job "
+            f"has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
+        )
+    created = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise RuntimeError("MASTER_PORT is not set: run the worker under torchrun (or set MASTER_ADDR/PORT)")
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        created = True
+    elif dist.get_rank() != rank or dist.get_world_size() != world_size:
+        raise ValueError(
+            f"the initialised process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
+            f"not {rank}/{world_size}"
+        )
+    sink = _Sink(metrics_out, rank)
+    try:
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        tdtype = getattr(torch, dtype) if dtype else None
+        if tdtype is not None:
+            torch.set_default_dtype(tdtype)
+        prog = generate(plan, bundle.graph, rank, inputs=inputs, dropout=dropout, dtype=tdtype)
+        module = prog.module.to(device)
+        full = tuple(x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs)
+        batch = tuple(x.to(device) for x in prog.local_inputs(*full))
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = make_optimizer(optimizer, params, lr)
+        out: list[dict[str, Any]] = []
+        losses: list[float] = []
+        global_losses: list[float] = []
+        grads: dict[str, Any] = {}
+        for step in range(steps):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = module(*batch)
+            loss.backward()
+            if step == 0 and verify_out is not None:
+                for p in prog.params:
+                    gr = module.get_parameter(p.local_name).grad if p.kind == "param" else None
+                    if gr is not None:
+                        grads[p.local_name] = gr.detach().cpu().clone()
+            opt.step()
+            total = C.all_reduce(loss.detach().clone())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            losses.append(float(loss.detach()))
+            global_losses.append(float(total))
+            m = {
+                "rank": rank,
+                "step": step,
+                "loss": losses[-1],
+                "global_loss": global_losses[-1] if rank == 0 else None,
+                "step_s": dt,
+                "max_memory_bytes": _peak_memory(device),
+            }
+            out.append(m)
+            sink(m)
+        if verify_out is not None:
+            state = dict(module.named_parameters())
+            state.update(dict(module.named_buffers()))
+            weights = {p.local_name: state[p.local_name].detach().cpu().clone() for p in prog.params}
+            rec = {
+                "rank": rank,
+                "losses": losses,
+                "global_losses": global_losses,
+                "grads": grads,
+                "weights": weights,
+                "params": [
+                    [p.local_name, p.name, p.kind, p.dim, p.start, p.length, list(p.lengths)] for p in prog.params
+                ],
+            }
+            d = Path(verify_out)
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".rank{rank}.pt.tmp"
+            torch.save(rec, tmp)
+            tmp.replace(d / f"rank{rank}.pt")
+        return out
+    finally:
+        sink.close()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m hapnb.worker",
+        description="Run one rank of a hapnb plan bundle (start it under torchrun).",
+    )
+    ap.add_argument("bundle", help="bundle folder (plan.json + program.pt2 + inputs.pt)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
+    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    ap.add_argument("--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch")
+    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
+    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
+    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
+    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: ``python -m hapnb.worker BUNDLE ...``; exit status 1 on any error."""
+    args = _parser().parse_args(argv)
+    metrics: Any = args.metrics if args.metrics is not None else args.metrics_fd
+    try:
+        run_worker(
+            args.bundle,
+            None,
+            None,
+            args.backend,
+            args.steps,
+            metrics,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            inputs=args.inputs,
+            dropout=not args.no_dropout,
+            dtype=args.dtype,
+            verify_out=args.verify_out,
+            timeout_s=args.timeout,
+        )
+    except Exception:
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write(f"hapnb.worker rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
