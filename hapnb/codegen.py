@@ -23,9 +23,11 @@ and back-propagating every rank's own partial loss gives correct gradients (DESI
 
 from __future__ import annotations
 
+import copy
 import keyword
 import operator
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -597,10 +599,10 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(prog, torch.export.ExportedProgram):
-        gm = prog.module()
+        with warnings.catch_warnings():  # torch's own deprecation noise from copying pytree specs
+            warnings.simplefilter("ignore")
+            gm = copy.deepcopy(prog.module())  # never train the traced program's own weights
     elif isinstance(prog, torch.nn.Module):
-        import copy
-
         gm = copy.deepcopy(prog)
     else:
         raise CodegenError(f"graph {graph.name} has no traced program to run on one device")

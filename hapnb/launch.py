@@ -70,6 +70,7 @@ __all__ = [
     "launch",
     "launch_commands",
     "launch_main",
+    "rank_envs",
     "slurm_script",
     "step_times",
 ]
@@ -697,6 +698,46 @@ def _check_backend(backend: str) -> str:
 # launch
 
 
+
+def rank_envs(
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> list[dict[str, str]]:
+    """The environment of each local rank, as torchrun would set it (plus ``PYTHONUNBUFFERED=1`` so lines
+    stream, ``OMP_NUM_THREADS`` = cores / ranks unless set, and hapnb's folder on ``PYTHONPATH`` so
+    ``-m hapnb....`` workers import the same hapnb as the launcher)."""
+    world = nnodes * nproc
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    base["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
+    base.update(env or {})
+    base["PYTHONUNBUFFERED"] = "1"
+    envs = []
+    for local in range(nproc):
+        rank = node_rank * nproc + local
+        e = dict(base)
+        e.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK=str(node_rank),
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(world),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        envs.append(e)
+    return envs
+
+
 def launch(
     plan_or_bundle: Any,
     nproc: int | None = None,
@@ -755,27 +796,8 @@ def launch(
         else:
             addr, port = _split_rdzv(rdzv)
         argv = [python, *worker, str(bundle), "--steps", str(steps), "--backend", backend, *extra_args]
-        base = dict(os.environ)
-        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        base.update(env or {})
-        base["PYTHONUNBUFFERED"] = "1"
-        envs, ranks = [], []
-        for local in range(nproc):
-            rank = node_rank * nproc + local
-            e = dict(base)
-            e.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(local),
-                WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(nproc),
-                GROUP_RANK=str(node_rank),
-                ROLE_RANK=str(rank),
-                ROLE_WORLD_SIZE=str(world),
-                MASTER_ADDR=addr,
-                MASTER_PORT=str(port),
-            )
-            envs.append(e)
-            ranks.append(rank)
+        envs = rank_envs(nproc, addr, port, nnodes=nnodes, node_rank=node_rank, env=env)
+        ranks = [node_rank * nproc + local for local in range(nproc)]
         return Job(
             [argv] * nproc,
             envs,

@@ -148,34 +148,33 @@ def synthesize(
             best = (cost_k, prog, extra, ratios_k)
         return accepted
 
-    it = 0
-    while it < max_iterations:
-        it += 1
-        res, s = search(B, form_pins)
-        improved = consider(
-            res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds
-        )
-        if fixed is not None or not improved:
-            break
-        B = best[3]  # type: ignore[index]
+    def alternate(B: tuple[tuple[float, ...], ...], it: int, limit: int) -> int:
+        """Q/B rounds from ratios B while the cost strictly improves; returns the iteration count."""
+        while it < limit:
+            it += 1
+            res, s = search(B, form_pins)
+            improved = consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds)
+            if fixed is not None or not improved:
+                break
+            if _same_ratios(best[3], B):  # type: ignore[index]
+                break  # the LP kept the ratios: the next search would return the same program
+            B = best[3]  # type: ignore[index]
+        return it
+
+    it = alternate(B, 0, max_iterations)
     if seed_baselines and fixed is None:
+        tried = {best[1]}  # type: ignore[index]
         for _name, bpins, bratios, bopts in _baseline_specs(th, c, form_pins):
             try:
                 res, s = search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
                 continue
+            if res.program in tried:
+                continue  # the same program was balanced already
+            tried.add(res.program)
             it += 1
             if consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds):
-                # continue the alternation from the better seed
-                B = best[3]  # type: ignore[index]
-                while it < 3 * max_iterations:
-                    it += 1
-                    res, s = search(B, form_pins)
-                    if not consider(
-                        res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds
-                    ):
-                        break
-                    B = best[3]  # type: ignore[index]
+                it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
     assert best is not None
     cost, prog, extra, ratios_best = best
     elapsed = time.perf_counter() - t0
@@ -196,6 +195,10 @@ def synthesize(
     if check_memory:
         _check_memory(plan)
     return plan
+
+
+def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol: float = 1e-9) -> bool:
+    return all(abs(x - y) <= tol for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
 def _baseline_specs(

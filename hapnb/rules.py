@@ -1834,7 +1834,12 @@ class CheckReport:
             lines.append("\nCRASHING rules (localized op raised):")
             lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.crashed[:40])
         if self.unchecked:
-            lines.append(f"\nregistered but without a sample case: {', '.join(self.unchecked)}")
+            more = f", ... ({len(self.unchecked)} in all)" if len(self.unchecked) > 12 else ""
+            lines.append(
+                "\nregistered without a sample case (same table generator as checked ops): "
+                + ", ".join(self.unchecked[:12])
+                + more
+            )
         n_ok = sum(r.status == "ok" for r in self.rows)
         lines.append(
             f"\n{len(self.rows)} checks, {n_ok} ok, {len(self.wrong)} wrong, {len(self.crashed)} crashed "

@@ -279,7 +279,7 @@ class Search:
     # ------------------------------------------------------------------ costs
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
-        bandwidth per device and (b) the spine bound: throughput-weighted computation plus the
+        bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
         communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
         rem = self._rem[pos]
         h = max(a + r for a, r in zip(acc, rem))
@@ -297,16 +297,18 @@ class Search:
         """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
 
         Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
-        spine is free to take any form; computation is the throughput-weighted average over devices
-        (a stage's max over devices is at least any weighted average); stages merge freely; tokens
+        spine is free to take any form; computation is counted on one device, the one with the most
+        computation left (a stage's max over devices is at least any one device's time); stages merge freely; tokens
         (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
         parameters with one consumer. Along the spine the forms must match: converting the spine
         tensor costs the cheapest collective between the two forms.
         """
         g, th, cm = self.graph, self.theory, self.cost_model
         n_ops = len(g.ops)
-        tot = sum(self.cost_model.flops)
-        self._w = tuple(f / tot for f in cm.flops)
+        # weights on the device that has the most computation left even in the best case: any weights on
+        # the simplex give a valid bound, and this one is tight when that device is the bottleneck
+        jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
+        self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
         inf = float("inf")
         # the spine: from the loss backwards, through the input with the longest upstream path
         depth = [0] * len(g.tensors)

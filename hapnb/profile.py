@@ -1,0 +1,736 @@
+"""Profile this machine into a cluster JSON, and calibrate the cost model against a real run.
+
+``hapnb profile`` measures what :mod:`hapnb.cluster` needs, in the cost model's own units:
+
+* **Device throughput** (:func:`profile_devices`): a fixed benchmark (a few Linear layers, the zoo's
+  ``mlp``, and a small transformer block, the zoo's ``gpt``) runs forward + backward + SGD steps; the
+  median step time divides the benchmark's *training flops* computed by :func:`training_flops` —
+  ``3 x`` the sum of the forward ``flops`` that :func:`hapnb.trace` gives each op, exactly what the cost
+  model charges (backward = 2x forward; paper §3.2, hap-reference §3.2). The result is an *effective*
+  throughput: the cost model's flops divided by real time, not the hardware's peak.
+* **Collectives** (:func:`profile_collectives`): ``nproc`` local ranks (gloo on CPU, NCCL on GPUs) time
+  each collective kind at several sizes (barrier before each call, median over repeats of the slowest
+  rank's time) with the same torch.distributed calls the runtime makes, and :func:`fit_collective`
+  fits ``launches * latency_s + nbytes / bandwidth_Bps`` by least squares, where ``nbytes`` and
+  ``launches`` follow :mod:`hapnb.cluster`'s conventions exactly (``full`` = the whole tensor, ``n``
+  ranks, each holding a shard of ``full / n``):
+
+  ==================  =======================================  ==================  ==========
+  kind                call timed                               nbytes              launches
+  ==================  =======================================  ==================  ==========
+  ``all_gather``      padded ``all_gather`` (shard -> n bufs)  ``n * shard``       1
+  ``reduce_scatter``  padded ``reduce_scatter`` (n pieces)     ``n * shard``       1
+  ``all_reduce``      ``all_reduce`` of the full tensor        ``full``            1
+  ``all_to_all``      ``all_to_all_single`` of a local shard   bytes one rank sends 1
+  ``broadcast``       n ``broadcast`` (one per root, grouped)  ``full``            n
+  ``reduce``          n ``reduce`` (one per root, grouped)     ``full``            n
+  ==================  =======================================  ==================  ==========
+
+* :func:`profile_cluster` combines both into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
+  or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
+
+Calibration
+-----------
+:func:`calibrate` compares a plan's predicted iteration time (``plan.cost_s``, and per stage) with a
+measured one — a number of seconds, or the metrics lines of a launch (the slowest rank's ``step_s`` per
+step, median over steps after ``warmup``). The :class:`CalibrationReport` gives ``ratio`` = measured /
+predicted, and ``throughput_scale``: the factor by which every device's ``flops`` would have to be
+multiplied for the model to predict the measured time if communication were modelled exactly
+(``comp / (measured - comm)``; None when the predicted communication alone exceeds the measurement).
+:meth:`CalibrationReport.scaled_cluster` applies it. ``hapnb calibrate PLAN --nproc K --steps N``
+(:func:`calibrate_main`) launches the plan (:func:`hapnb.launch.launch`) and prints the report.
+
+>>> fit_collective("all_reduce", [(1e6, 1, 2e-5 + 1e-3), (4e6, 1, 2e-5 + 4e-3)]).bandwidth_Bps
+1000000000.0000001
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+
+__all__ = [
+    "BENCHMARKS",
+    "CalibrationReport",
+    "CollectiveFit",
+    "DeviceProfile",
+    "ProfileError",
+    "StageCalibration",
+    "add_calibrate_args",
+    "add_profile_args",
+    "calibrate",
+    "calibrate_main",
+    "collective_sizes",
+    "fit_collective",
+    "measure_step_s",
+    "profile_cluster",
+    "profile_collectives",
+    "profile_devices",
+    "profile_main",
+    "training_flops",
+]
+
+#: Benchmark models per (device type, quick): zoo names and options. Both a plain Linear stack and a
+#: transformer block, so the throughput reflects matmuls, attention and element-wise ops together.
+BENCHMARKS: Mapping[tuple[str, bool], tuple[tuple[str, Mapping[str, Any]], ...]] = {
+    ("cpu", True): (
+        ("mlp", dict(layers=3, hidden=128, input=128, batch=32)),
+        ("gpt", dict(layers=1, hidden=64, heads=4, vocab=128, seq=32, batch=4, dropout=0.0)),
+    ),
+    ("cpu", False): (
+        ("mlp", dict(layers=3, hidden=512, input=512, batch=128)),
+        ("gpt", dict(layers=1, hidden=256, heads=4, vocab=512, seq=128, batch=8, dropout=0.0)),
+    ),
+    ("cuda", True): (
+        ("mlp", dict(layers=3, hidden=2048, input=2048, batch=512)),
+        ("gpt", dict(layers=1, hidden=1024, heads=16, vocab=4096, seq=256, batch=8, dropout=0.0)),
+    ),
+    ("cuda", False): (
+        ("mlp", dict(layers=4, hidden=4096, input=4096, batch=2048)),
+        ("gpt", dict(layers=2, hidden=2048, heads=16, vocab=8192, seq=512, batch=8, dropout=0.0)),
+    ),
+}
+
+_FLOAT_BYTES = 4  # collectives are timed on float32 tensors
+
+
+class ProfileError(RuntimeError):
+    """Profiling failed (a rank crashed or hung, or no usable measurement)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device throughput
+
+
+def training_flops(model: Any, inputs: Sequence[Any]) -> float:
+    """Training flops of one fwd+bwd step in the cost model's units: ``3 x sum(op.flops)`` of
+    ``hapnb.trace(model, inputs)`` (backward = 2x forward, as the rules' replicated strategy charges)."""
+    from .graph import trace
+
+    graph = trace(model, tuple(inputs))
+    total = math.fsum(float(op.flops) for op in graph.ops)
+    if not total > 0:
+        raise ProfileError(f"tracing {type(model).__name__} found no flops; pick another benchmark model")
+    return 3.0 * total
+
+
+def measure_step_s(model: Any, inputs: Sequence[Any], steps: int = 10, warmup: int = 2, lr: float = 1e-4) -> float:
+    """Median seconds of one ``loss = model(*inputs); loss.backward(); SGD step`` (CUDA synchronised)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    dev = next((t.device for t in list(inputs) + params if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A measured device: effective ``flops`` = ``training_flops / step_s`` of the benchmark."""
+
+    name: str
+    kind: str
+    flops: float
+    memory_bytes: int
+    machine: str
+    step_s: float  # median fwd+bwd+SGD seconds, summed over the benchmark models
+    training_flops: float  # cost-model flops of one step, summed over the benchmark models
+    details: tuple[tuple[str, float, float], ...] = ()  # (model, training flops, median step s)
+
+    def device(self) -> Device:
+        return Device(self.name, self.kind, self.flops, self.memory_bytes, self.machine)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind}): {self.flops / 1e9:.4g} GFLOP/s effective, step {self.step_s * 1e3:.3g} ms"
+
+
+def _gpu_kind(name: str) -> str:
+    key = "".join(c for c in name.upper() if c.isalnum())
+    for kind in sorted((k for k in KINDS if not k.endswith("-TF32")), key=len, reverse=True):
+        if "".join(c for c in kind.upper() if c.isalnum()) in key:
+            return kind
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name).strip("-") or "GPU"
+
+
+def _machine() -> str:
+    return socket.gethostname() or "m0"
+
+
+def _ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 << 30
+
+
+def _benchmark(device: Any, models: Sequence[tuple[str, Mapping[str, Any]]], steps: int, warmup: int):
+    from . import zoo
+
+    details = []
+    for name, options in models:
+        model, inputs, _ = zoo.build(name, devices=1, **dict(options))
+        flops = training_flops(model, inputs)  # traced on CPU, before moving
+        model = model.to(device)
+        inputs = tuple(x.to(device) for x in inputs)
+        details.append((name, flops, measure_step_s(model, inputs, steps=steps, warmup=warmup)))
+    return tuple(details)
+
+
+def profile_devices(
+    nproc: int = 1,
+    device: str | None = None,
+    *,
+    quick: bool = False,
+    steps: int | None = None,
+    warmup: int = 2,
+    models: Sequence[tuple[str, Mapping[str, Any]]] | None = None,
+    threads: int | None = None,
+) -> tuple[DeviceProfile, ...]:
+    """Effective training throughput of ``nproc`` local devices (``device``: "cpu", "cuda" or None =
+    CUDA when available).
+
+    CUDA: GPUs ``0..nproc-1`` are measured one by one (named after their kind, e.g. ``a100-0``). CPU:
+    the ``nproc`` ranks share this CPU, so the benchmark runs once with ``threads`` = cores / nproc
+    (default) and every ``cpu-i`` gets that throughput and ``1/nproc`` of the RAM.
+    """
+    import torch
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    steps = steps or (5 if quick else 20)
+    models = tuple(models) if models is not None else BENCHMARKS[(device, quick)]
+    machine = _machine()
+    out = []
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+        if nproc > torch.cuda.device_count():
+            raise ValueError(f"nproc={nproc} GPUs requested but only {torch.cuda.device_count()} are visible")
+        for i in range(nproc):
+            props = torch.cuda.get_device_properties(i)
+            kind = _gpu_kind(props.name)
+            details = _benchmark(torch.device("cuda", i), models, steps, warmup)
+            out.append(_profile(f"{kind.lower()}-{i}", kind, int(props.total_memory), machine, details))
+        return tuple(out)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        details = _benchmark(torch.device("cpu"), models, steps, warmup)
+    finally:
+        torch.set_num_threads(old)
+    mem = max(1, _ram_bytes() // nproc)
+    return tuple(_profile(f"cpu-{i}", "CPU", mem, machine, details) for i in range(nproc))
+
+
+def _profile(name: str, kind: str, mem: int, machine: str, details: tuple) -> DeviceProfile:
+    flops = math.fsum(d[1] for d in details)
+    step_s = math.fsum(d[2] for d in details)
+    return DeviceProfile(name, kind, flops / step_s, mem, machine, step_s, flops, details)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Collective fits
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """``time = launches * latency_s + nbytes / bandwidth_Bps`` fitted to ``points`` (nbytes, launches,
+    seconds). ``r2`` is the coefficient of determination; ``clamped`` says a coefficient hit its bound
+    (latency >= 0, bandwidth <= 1e15 B/s), which happens when the timings are noise-dominated."""
+
+    kind: str
+    latency_s: float
+    bandwidth_Bps: float
+    points: tuple[tuple[float, int, float], ...]
+    r2: float
+    clamped: bool = False
+
+    @property
+    def collective(self) -> Collective:
+        return Collective(self.latency_s, self.bandwidth_Bps)
+
+    def predict(self, nbytes: float, launches: int = 1) -> float:
+        return launches * self.latency_s + nbytes / self.bandwidth_Bps
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind}: {self.latency_s * 1e6:.3g} us + bytes / {self.bandwidth_Bps / 1e9:.4g} GB/s "
+            f"(r2 {self.r2:.3f}, {len(self.points)} sizes{', clamped' if self.clamped else ''})"
+        )
+
+
+_MAX_BANDWIDTH = 1e15
+
+
+def fit_collective(kind: str, points: Sequence[tuple[float, int, float]]) -> CollectiveFit:
+    """Least-squares fit of ``seconds = launches * latency_s + nbytes * (1 / bandwidth_Bps)``.
+
+    Needs at least two distinct ``nbytes``. Constrained to ``latency_s >= 0`` and a positive slope
+    (bandwidth at most 1e15 B/s); when the unconstrained optimum violates a bound, the other coefficient
+    is refitted with that one at its bound.
+    """
+    pts = tuple((float(x), int(n), float(t)) for x, n, t in points)
+    if len({x for x, _, _ in pts}) < 2:
+        raise ValueError(f"fitting {kind} needs timings at >= 2 different sizes, got {len(pts)} point(s)")
+    if any(not (x >= 0 and n >= 0 and t >= 0 and math.isfinite(t)) for x, n, t in pts):
+        raise ValueError(f"fitting {kind}: sizes, launches and times must be finite and >= 0: {pts}")
+    sll = math.fsum(n * n for _, n, _ in pts)
+    sxx = math.fsum(x * x for x, _, _ in pts)
+    slx = math.fsum(n * x for x, n, _ in pts)
+    slt = math.fsum(n * t for _, n, t in pts)
+    sxt = math.fsum(x * t for x, _, t in pts)
+    det = sll * sxx - slx * slx
+    clamped = False
+    lat, slope = -1.0, -1.0
+    if det > 1e-12 * sll * sxx and sll > 0:
+        lat = (slt * sxx - slx * sxt) / det
+        slope = (sll * sxt - slx * slt) / det
+    if lat < 0 or slope <= 0:
+        clamped = True
+        lat, slope = 0.0, sxt / sxx if sxx > 0 else 0.0  # through the origin
+        if slope < 1 / _MAX_BANDWIDTH:  # times do not grow with size: pure latency
+            slope = 1 / _MAX_BANDWIDTH
+            lat = max(0.0, (slt - slope * slx) / sll) if sll > 0 else 0.0
+    pred = [n * lat + x * slope for x, n, _ in pts]
+    mean = statistics.fmean(t for _, _, t in pts)
+    ss_tot = math.fsum((t - mean) ** 2 for _, _, t in pts)
+    ss_res = math.fsum((t - p) ** 2 for (_, _, t), p in zip(pts, pred))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return CollectiveFit(kind, lat, min(1 / slope, _MAX_BANDWIDTH), pts, r2, clamped)
+
+
+def collective_sizes(backend: str, quick: bool = False) -> tuple[int, ...]:
+    """Default full-tensor sizes in bytes: small on CPU/gloo, up to 256 MiB on NCCL."""
+    if backend == "nccl":
+        return (1 << 20, 16 << 20, 64 << 20) if quick else (1 << 20, 8 << 20, 64 << 20, 256 << 20)
+    return (16 << 10, 256 << 10, 1 << 20) if quick else (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _collective_call(kind: str, shard: int, n: int, rank: int, device: Any) -> tuple[Any, int, int]:
+    """(callable running one timed collective, nbytes, launches) per the cluster conventions."""
+    import torch
+    import torch.distributed as dist
+
+    def z(k: int) -> torch.Tensor:
+        return torch.zeros(k, dtype=torch.float32, device=device)
+
+    full = n * shard * _FLOAT_BYTES
+    if kind == "all_gather":  # padded: every rank sends its (max-size) shard
+        send, bufs = z(shard), [z(shard) for _ in range(n)]
+        return (lambda: dist.all_gather(bufs, send)), full, 1
+    if kind == "reduce_scatter":
+        pieces, out = [z(shard) for _ in range(n)], z(shard)
+        return (lambda: dist.reduce_scatter(out, pieces)), full, 1
+    if kind == "all_reduce":
+        buf = z(n * shard)
+        return (lambda: dist.all_reduce(buf)), full, 1
+    if kind == "all_to_all":  # a rank's local shard (n * shard elements) is split among the ranks
+        a, b = z(n * shard), z(n * shard)
+        return (lambda: dist.all_to_all_single(b, a)), full, 1
+    if kind in ("broadcast", "reduce"):  # grouped: one call per root, each moving full / n
+        bufs = [z(shard) for _ in range(n)]
+        if kind == "broadcast":
+            calls = [lambda j=j: dist.broadcast(bufs[j], src=j, async_op=True) for j in range(n)]
+        else:
+            calls = [lambda j=j: dist.reduce(bufs[j], dst=j, async_op=True) for j in range(n)]
+
+        def grouped() -> None:
+            for w in [c() for c in calls]:
+                w.wait()
+
+        return grouped, full, n
+    raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(COLLECTIVE_KINDS)}")
+
+
+def _collective_worker(cfg: Mapping[str, Any]) -> None:
+    """Rank body of :func:`profile_collectives` (run as ``python -m hapnb.profile --collective-worker``)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    backend = cfg["backend"]
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg["timeout_s"])))
+    n = dist.get_world_size()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def barrier() -> None:
+        if backend == "nccl":
+            dist.barrier(device_ids=[local])
+        else:
+            dist.barrier()
+
+    try:
+        for kind in cfg["kinds"]:
+            for size in cfg["sizes"]:
+                shard = max(1, int(size) // (_FLOAT_BYTES * n))
+                call, nbytes, launches = _collective_call(kind, shard, n, rank, device)
+                for rep in range(-int(cfg["warmup"]), int(cfg["repeats"])):
+                    barrier()
+                    sync()
+                    t0 = time.perf_counter()
+                    call()
+                    sync()
+                    dt = time.perf_counter() - t0
+                    if rep >= 0:
+                        rec = dict(kind=kind, size=size, nbytes=nbytes, launches=launches, repeat=rep, time_s=dt)
+                        print(json.dumps({"rank": rank, **rec}), flush=True)
+        barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_collectives(
+    nproc: int = 2,
+    backend: str = "gloo",
+    sizes: Sequence[int] | None = None,
+    repeats: int | None = None,
+    *,
+    kinds: Sequence[str] = COLLECTIVE_KINDS,
+    warmup: int = 1,
+    quick: bool = False,
+    timeout_s: float = 120.0,
+) -> dict[str, CollectiveFit]:
+    """Time every collective kind on ``nproc`` local ranks and fit latency/bandwidth per kind.
+
+    ``sizes``: full-tensor sizes in bytes (default :func:`collective_sizes`); each point is the median over
+    ``repeats`` of the slowest rank's time. Ranks run as separate processes through
+    :class:`hapnb.launch.Job` (crash/hang handling, no leftovers); ``timeout_s`` bounds the whole run.
+    Raises :class:`ProfileError` when a rank fails.
+    """
+    from .launch import Job, free_port, rank_envs
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    unknown = [k for k in kinds if k not in COLLECTIVE_KINDS]
+    if unknown:
+        raise ValueError(f"unknown collective kind(s) {unknown}; valid kinds: {', '.join(COLLECTIVE_KINDS)}")
+    sizes = tuple(int(s) for s in (sizes or collective_sizes(backend, quick)))
+    if len(set(sizes)) < 2 or min(sizes) <= 0:
+        raise ValueError(f"need at least two different positive sizes (bytes) to fit, got {sizes}")
+    repeats = repeats or (3 if quick else 5)
+    cfg = dict(backend=backend, kinds=list(kinds), sizes=list(sizes), repeats=repeats, warmup=warmup)
+    cfg["timeout_s"] = timeout_s
+    argv = [sys.executable, "-m", "hapnb.profile", "--collective-worker", json.dumps(cfg)]
+    envs = rank_envs(nproc, "127.0.0.1", free_port())
+    job = Job([argv] * nproc, envs, timeout_s=timeout_s, wall_timeout_s=timeout_s)
+    with job:
+        result = job.wait()
+    if not result.ok:
+        raise ProfileError(f"collective profiling on {nproc} {backend} ranks failed: {result.error}")
+    slowest: dict[tuple[str, int, int], float] = {}
+    meta: dict[tuple[str, int], tuple[int, int]] = {}
+    for m in result.metrics:
+        key = (m["kind"], m["size"], m["repeat"])
+        slowest[key] = max(slowest.get(key, 0.0), float(m["time_s"]))
+        meta[(m["kind"], m["size"])] = (int(m["nbytes"]), int(m["launches"]))
+    fits = {}
+    for kind in kinds:
+        pts = []
+        for size in sizes:
+            times = [t for (k, s, _), t in slowest.items() if k == kind and s == size]
+            if not times:
+                raise ProfileError(f"no timings came back for {kind} at {size} bytes (ranks' output lost?)")
+            nbytes, launches = meta[(kind, size)]
+            pts.append((nbytes, launches, statistics.median(times)))
+        fits[kind] = fit_collective(kind, pts)
+    return fits
+
+
+def profile_cluster(
+    nproc: int | None = None,
+    backend: str | None = None,
+    name: str | None = None,
+    *,
+    quick: bool = False,
+    sizes: Sequence[int] | None = None,
+    repeats: int | None = None,
+    timeout_s: float = 300.0,
+) -> Cluster:
+    """Profile ``nproc`` local devices and their collectives into a :class:`Cluster`.
+
+    Defaults: all visible GPUs with NCCL, else 2 CPU ranks with gloo. The cluster's
+    ``intra_machine_Bps`` is the measured all-reduce bandwidth.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if nproc is None:
+        nproc = torch.cuda.device_count() if cuda else 2
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = "cuda" if backend == "nccl" or (cuda and torch.cuda.device_count() >= nproc) else "cpu"
+    devices = profile_devices(nproc, device, quick=quick)
+    fits = profile_collectives(nproc, backend, sizes, repeats, quick=quick, timeout_s=timeout_s)
+    kind = devices[0].kind
+    return Cluster(
+        name or f"profiled-{_machine()}-{nproc}x{kind}",
+        tuple(d.device() for d in devices),
+        {k: f.collective for k, f in fits.items()},
+        intra_machine_Bps=fits["all_reduce"].bandwidth_Bps,
+        dtype_bytes=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calibration
+
+
+@dataclass(frozen=True)
+class StageCalibration:
+    """A stage's predicted time: ``comm_s + comp_s`` (comp = the slowest device)."""
+
+    index: int
+    predicted_s: float
+    comm_s: float
+    comp_s: float
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """Predicted vs measured iteration time of a plan (see the module docstring)."""
+
+    plan: str
+    predicted_s: float
+    measured_s: float
+    ratio: float  # measured / predicted
+    predicted_comm_s: float
+    predicted_comp_s: float
+    throughput_scale: float | None
+    stages: tuple[StageCalibration, ...]
+    steps_used: int
+
+    def scaled_cluster(self, cluster: Cluster) -> Cluster:
+        """``cluster`` with every device's flops multiplied by :attr:`throughput_scale`."""
+        if self.throughput_scale is None:
+            raise ValueError(
+                "no throughput scale: the predicted communication alone exceeds the measured time, so "
+                "the collectives are modelled too slow; re-profile them (hapnb profile) instead"
+            )
+        import dataclasses
+
+        devices = tuple(dataclasses.replace(d, flops=d.flops * self.throughput_scale) for d in cluster.devices)
+        return cluster.replace(devices=devices)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan,
+            "predicted_s": self.predicted_s,
+            "measured_s": self.measured_s,
+            "ratio": self.ratio,
+            "predicted_comm_s": self.predicted_comm_s,
+            "predicted_comp_s": self.predicted_comp_s,
+            "throughput_scale": self.throughput_scale,
+            "steps_used": self.steps_used,
+            "stages": [
+                {"index": s.index, "predicted_s": s.predicted_s, "comm_s": s.comm_s, "comp_s": s.comp_s}
+                for s in self.stages
+            ],
+        }
+
+    def summary(self) -> str:
+        ms = 1e3
+        lines = [
+            f"plan {self.plan}: predicted {self.predicted_s * ms:.4g} ms/iteration "
+            f"(comm {self.predicted_comm_s * ms:.4g} + comp {self.predicted_comp_s * ms:.4g}), measured "
+            f"{self.measured_s * ms:.4g} ms (median of {self.steps_used} step{'s' * (self.steps_used != 1)}); "
+            f"measured/predicted = {self.ratio:.3g}",
+        ]
+        if self.throughput_scale is not None:
+            lines.append(
+                f"to match, scale device flops by {self.throughput_scale:.3g} "
+                "(report.scaled_cluster(plan.cluster)), assuming communication is modelled right"
+            )
+        else:
+            lines.append("predicted communication alone exceeds the measurement: re-profile the collectives")
+        for s in self.stages:
+            lines.append(
+                f"  stage {s.index}: {s.predicted_s * ms:.4g} ms (comm {s.comm_s * ms:.4g}, comp {s.comp_s * ms:.4g})"
+            )
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def calibrate(plan: Any, measured_step_s: float | Sequence[Mapping[str, Any]] | Any, *, warmup: int = 1) -> CalibrationReport:
+    """Compare ``plan``'s predicted iteration time with a measured one.
+
+    ``measured_step_s``: seconds per iteration, or metrics lines from a launch (``job.steps``,
+    ``JobResult.metrics`` or a JobResult): the slowest rank's ``step_s`` per step, median over the steps
+    after the first ``warmup``.
+
+    >>> from types import SimpleNamespace as NS
+    >>> p = NS(name="p", cost_s=0.01, stages=[NS(index=0, comm_s=0.002, comp_s=(0.008, 0.004))])
+    >>> r = calibrate(p, 0.018)
+    >>> round(r.ratio, 6), round(r.throughput_scale, 6)
+    (1.8, 0.5)
+    """
+    from .launch import step_times
+
+    if hasattr(measured_step_s, "metrics") and not callable(measured_step_s.metrics):
+        measured_step_s = measured_step_s.metrics
+    if isinstance(measured_step_s, (int, float)) and not isinstance(measured_step_s, bool):
+        measured, used = float(measured_step_s), 1
+    else:
+        times = step_times(list(measured_step_s), warmup)
+        if not times:
+            raise ValueError("no step times in the metrics (lines need 'step' and 'step_s'); did the launch run?")
+        measured, used = statistics.median(times), len(times)
+    if not (measured > 0 and math.isfinite(measured)):
+        raise ValueError(f"measured step time must be a positive number of seconds, got {measured!r}")
+    predicted = float(plan.cost_s)
+    if not predicted > 0:
+        raise ValueError(f"plan {getattr(plan, 'name', '?')} predicts {predicted} s per iteration; nothing to compare")
+    stages = tuple(
+        StageCalibration(
+            int(s.index),
+            float(s.comm_s) + (max(s.comp_s) if s.comp_s else 0.0),
+            float(s.comm_s),
+            float(max(s.comp_s)) if s.comp_s else 0.0,
+        )
+        for s in plan.stages
+    )
+    comm = math.fsum(s.comm_s for s in stages)
+    comp = math.fsum(s.comp_s for s in stages)
+    if not stages:  # no stage breakdown: treat everything as computation
+        comp = predicted
+    scale = comp / (measured - comm) if measured > comm and comp > 0 else None
+    return CalibrationReport(
+        plan=str(getattr(plan, "name", "plan")),
+        predicted_s=predicted,
+        measured_s=measured,
+        ratio=measured / predicted,
+        predicted_comm_s=comm,
+        predicted_comp_s=comp,
+        throughput_scale=scale,
+        stages=stages,
+        steps_used=used,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; write bytes like 65536, 64K or 4M") from None
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``hapnb profile``."""
+    parser.add_argument("--nproc", type=int, default=None, help="local ranks (default: GPUs, else 2)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    parser.add_argument("-o", "--output", default=None, help="write the cluster JSON here (else print it)")
+    parser.add_argument("--quick", action="store_true", help="smaller benchmark, fewer sizes and repeats")
+    parser.add_argument("--name", default=None, help="cluster name")
+    parser.add_argument("--sizes", default=None, help="comma-separated full-tensor sizes, e.g. 64K,1M,16M")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="limit for the collective runs (s)")
+    return parser
+
+
+def profile_main(ns: argparse.Namespace) -> int:
+    """Run ``hapnb profile``; returns the exit code."""
+    sizes = [_parse_size(s) for s in ns.sizes.split(",")] if ns.sizes else None
+    try:
+        cluster = profile_cluster(
+            ns.nproc, ns.backend, ns.name, quick=ns.quick, sizes=sizes, repeats=ns.repeats, timeout_s=ns.timeout
+        )
+    except (ProfileError, ValueError) as e:
+        print(f"hapnb profile: {e}", file=sys.stderr)
+        return 1
+    if ns.output:
+        cluster.save(ns.output)
+        print(cluster)
+        for kind, c in cluster.collectives:
+            print(f"  {kind}: {c}")
+        print(f"wrote {ns.output}")
+    else:
+        print(json.dumps(cluster.to_json(), indent=2))
+    return 0
+
+
+def add_calibrate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``hapnb calibrate PLAN_OR_BUNDLE``."""
+    parser.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    parser.add_argument("--nproc", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may stay silent")
+    parser.add_argument("--worker", default="hapnb.worker", help="worker module (or a .py file)")
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def calibrate_main(ns: argparse.Namespace) -> int:
+    """Launch a plan for ``--steps`` steps and print predicted vs measured iteration time."""
+    from .launch import _default_backend, _worker_argv, launch
+    from .plan import Plan
+
+    src = Path(ns.plan)
+    try:
+        plan = Plan.load(src / "plan.json" if src.is_dir() else src)
+        job = launch(
+            src,
+            ns.nproc,
+            ns.backend or _default_backend(),
+            ns.steps,
+            timeout_s=ns.timeout,
+            worker=_worker_argv(ns.worker),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hapnb calibrate: {e}", file=sys.stderr)
+        return 2
+    with job:
+        result = job.wait()
+    if not result.ok:
+        print(f"hapnb calibrate: the run failed: {result.error}", file=sys.stderr)
+        return result.returncode or 1
+    report = calibrate(plan, result.metrics, warmup=ns.warmup)
+    print(json.dumps(report.to_json()) if ns.json else report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--collective-worker":
+        _collective_worker(json.loads(sys.argv[2]))
+    else:
+        raise SystemExit(profile_main(add_profile_args(argparse.ArgumentParser(prog="hapnb profile")).parse_args()))
