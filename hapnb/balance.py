@@ -181,6 +181,18 @@ def balance(
                 continue
             M = pulp.LpVariable(f"M_{k}_{c}", 0)
             objective.append(M)
+            if tm.segment2 >= 0:
+                # reshard: u_b >= |prefix_a(b) - prefix_b(b)| at every inner boundary b
+                a, b2 = tm.segment, tm.segment2
+                u = [None] + [pulp.LpVariable(f"U_{k}_{c}_{j}", 0) for j in range(1, n)] + [None]
+                for j in range(1, n):
+                    diff = pulp.lpSum(r[a][i] for i in range(j)) - pulp.lpSum(r[b2][i] for i in range(j))
+                    prob += u[j] >= diff, f"ua_{k}_{c}_{j}"
+                    prob += u[j] >= -diff, f"ub_{k}_{c}_{j}"
+                for j in range(n):
+                    share = pulp.lpSum(x for x in (u[j], u[j + 1]) if x is not None)
+                    prob += M >= tm.const + tm.slope * share, f"comm_{k}_{c}_{j}"
+                continue
             for j in range(n):
                 prob += M >= tm.const + tm.slope * r[tm.segment][j], f"comm_{k}_{c}_{j}"
     prob += pulp.lpSum(objective) + constant

@@ -243,6 +243,20 @@ def _retype(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
+def _zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Set an op's ``dropout_p`` argument (scaled_dot_product_attention and friends) to 0."""
+    schema = getattr(fn, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    for k, a in enumerate(schema.arguments):
+        if a.name == "dropout_p":
+            if a.name in kwargs:
+                kwargs = {**kwargs, a.name: 0.0}
+            elif k < len(args) and not a.kwarg_only:
+                args = (*args[:k], 0.0, *args[k + 1 :])
+    return args, kwargs
+
+
 def _subst(value: Any, nodes: Sequence[fx.Node]) -> Any:
     if isinstance(value, TensorArg):
         return nodes[value.index]
@@ -542,6 +556,8 @@ def generate(
             ) from e
         cargs = _retype(_subst(tuple(call.args), args_nodes), dtype)
         ckw = _retype(_subst(dict(call.kwargs), args_nodes), dtype)
+        if not dropout:
+            cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
         out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
         nd = emit(call.fn, cargs, ckw, out_name)
         if op.output_items:
@@ -618,11 +634,14 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
             gm.graph.erase_node(nd)
             changed = True
             continue
+        a, kw = tuple(nd.args), dict(nd.kwargs)
+        if not dropout:
+            a, kw = _zero_dropout(nd.target, a, kw)
         if dtype is not None:
-            a, kw = _retype(tuple(nd.args), dtype), _retype(dict(nd.kwargs), dtype)
-            if a != tuple(nd.args) or kw != dict(nd.kwargs):
-                nd.args, nd.kwargs = a, kw
-                changed = True
+            a, kw = _retype(a, dtype), _retype(kw, dtype)
+        if a != tuple(nd.args) or kw != dict(nd.kwargs):
+            nd.args, nd.kwargs = a, kw
+            changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -42,11 +42,28 @@ class Term:
     slope: float = 0.0
     segment: int = 0
     what: str = ""
+    segment2: int = -1  # reshard from ``segment`` to ``segment2``: slope * max_j (u_j + u_{j+1})
 
     def time(self, ratios: Sequence[Sequence[float]]) -> float:
         if self.slope == 0.0:
             return self.const
+        if self.segment2 >= 0:
+            return self.const + self.slope * reshard_share(ratios[self.segment], ratios[self.segment2])
         return self.const + self.slope * max(ratios[self.segment])
+
+
+def reshard_share(a: Sequence[float], b: Sequence[float]) -> float:
+    """Upper bound of the share of a tensor one device moves when its shards change from ratios a to b:
+    the data crossing the device's two boundaries, ``max_j (u_j + u_{j+1})`` with ``u_j = |A_j - B_j|``
+    the difference of the prefix sums (0 when the ratios are equal)."""
+    u = [0.0]
+    pa = pb = 0.0
+    for x, y in zip(a, b):
+        pa += x
+        pb += y
+        u.append(abs(pa - pb))
+    u[-1] = 0.0
+    return max(u[j] + u[j + 1] for j in range(len(a)))
 
 
 @dataclass(frozen=True)
@@ -60,12 +77,14 @@ class Load:
 
 @dataclass(frozen=True)
 class Conversion:
-    """A collective on ``tensor`` from form ``src`` to ``dst`` (``name`` from theory.COLLECTIVES)."""
+    """A collective on ``tensor`` from form ``src`` to ``dst`` (``name`` from theory.COLLECTIVES, or
+    ``reshard``: the same G form re-cut for the ratios of ``segment``, at a segment boundary)."""
 
     tensor: int
     name: str
     src: Form
     dst: Form
+    segment: int = -1
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,10 @@ class CostModel:
             return (Term(name, const, 0.0, seg, what),)
         if name == "all_reduce":
             return (Term(name, self._t("all_reduce", nbytes) * (2 if bwd else 1), 0.0, seg, what),)
+        if name == "reshard":
+            k = 2 if bwd else 1
+            c2 = c["all_to_all"]
+            return (Term(name, k * c2.latency_s, k * nbytes / c2.bandwidth_Bps, seg, what, cv.segment),)
         if name == "all_to_all":
             k = 2 if bwd else 1
             return (

@@ -54,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,8 +128,9 @@ def step_times(metrics: Sequence[Mapping[str, Any]], warmup: int = 0) -> list[fl
 class JobResult:
     """What a finished job left: exit status, metrics lines, stderr tails and the error, if any.
 
-    ``returncode`` is 0 when every rank exited 0; the failing rank's code after a crash; 124 after a
-    timeout (silent rank or wall limit); 130 when stopped by :meth:`Job.stop` or Ctrl-C.
+    ``returncode`` is 0 when every rank exited 0; the failing rank's code after a crash (128 + signal
+    number when it was killed by a signal); 124 after a timeout (silent rank or wall limit); 130 when
+    stopped by :meth:`Job.stop` or Ctrl-C.
     """
 
     returncode: int
@@ -492,7 +494,7 @@ class Job:
                     first = newly[0]
                     error, code, failed = (
                         self._crash_message(first, newly[1:]),
-                        first.returncode or 1,
+                        _exit_code(first.returncode),
                         first.rank,
                     )
                     break
@@ -607,6 +609,13 @@ class Job:
         self._cleanup = []
 
 
+def _exit_code(rc: int | None) -> int:
+    """A shell-style exit status: negative (killed by signal k) becomes 128 + k; never 0 for a crash."""
+    if rc is None or rc == 0:
+        return 1
+    return 128 - rc if rc < 0 else rc
+
+
 def _parse_metrics(line: str) -> dict[str, Any] | None:
     text = line.strip()
     if not text.startswith("{"):
@@ -696,7 +705,6 @@ def _check_backend(backend: str) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # launch
-
 
 
 def rank_envs(
@@ -1052,3 +1060,15 @@ def launch_main(ns: argparse.Namespace) -> int:
         print(f"hapnb launch: {result.error}", file=sys.stderr)
         return result.returncode or 1
     return 0
+
+
+class _CallableModule(types.ModuleType):
+    """``hapnb.launch`` is both this module and the function :func:`launch` (DESIGN §3.1
+    ``hap.launch(plan, ...)``): once the submodule is imported, Python binds ``hapnb.launch`` to the
+    module, so the module itself forwards calls to :func:`launch`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Job:
+        return launch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

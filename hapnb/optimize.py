@@ -57,6 +57,47 @@ def resolve_model(
     return trace(model_or_graph, tuple(example_inputs), loss=loss), None
 
 
+def assign_segments(graph: Graph, segments: Any) -> Graph:
+    """Give every op a ratio segment: ``None`` (one segment), ``"layer"`` (one per numbered module such
+    as ``layers.3``; ops outside any layer share segment 0), a mapping from module-path prefix to a label
+    (user markers; unmatched ops go to segment 0), or a function ``op -> label``. Labels are renumbered
+    0, 1, ... in order of first appearance."""
+    import dataclasses
+    import re
+
+    if segments is None:
+        return graph
+    if segments == "layer":
+        pat = re.compile(r"^((?:[^.]+\.)*?[^.]+\.\d+)(?:\.|$)")
+
+        def label(op: Any) -> Any:
+            m = pat.match(op.module or "")
+            return m.group(1) if m else ""
+    elif isinstance(segments, Mapping):
+        prefixes = sorted(segments, key=len, reverse=True)
+
+        def label(op: Any) -> Any:
+            for p in prefixes:
+                if op.module == p or op.module.startswith(p + "."):
+                    return segments[p]
+            return ""
+    elif callable(segments):
+        label = segments
+    else:
+        raise ValueError(f"segments={segments!r}: use None, 'layer', a mapping module-prefix -> label, or a function")
+    labels: dict[Any, int] = {"": 0}
+    ops = []
+    for op in graph.ops:
+        lab = label(op)
+        if lab not in labels:
+            labels[lab] = len(labels)
+        ops.append(dataclasses.replace(op, segment=labels[lab]))
+    used = sorted({op.segment for op in ops})
+    renum = {s: k for k, s in enumerate(used)}
+    ops = [dataclasses.replace(op, segment=renum[op.segment]) for op in ops]
+    return dataclasses.replace(graph, ops=tuple(ops))
+
+
 def _pins(pins: Mapping[str, Any] | None) -> dict[str, Form]:
     out = {}
     for k, v in (pins or {}).items():
@@ -76,6 +117,7 @@ def synthesize(
     max_iterations: int = 10,
     max_expansions: int | None = None,
     max_seconds: float | None = None,
+    segments: Any = None,
     seed_baselines: bool = True,
     check_memory: bool = True,
     progress: bool = False,
@@ -83,13 +125,16 @@ def synthesize(
 ) -> Plan:
     """Synthesize a plan: the program Q and ratios B minimising the per-iteration time.
 
+    ``segments``: ``None`` (one ratio vector), ``"layer"`` or markers (see :func:`assign_segments`).
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or a list of
     per-device ratios (one list, or one per segment) to use as they are (no LP).
     """
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     graph, spec = resolve_model(model_or_graph, c, example_inputs, loss, **zoo_options)
     t0 = time.perf_counter()
-    th = model_or_graph if isinstance(model_or_graph, Theory) else theory(graph)
+    if segments is not None:
+        graph = assign_segments(graph, segments)
+    th = model_or_graph if isinstance(model_or_graph, Theory) and segments is None else theory(graph)
     cm = CostModel(th, c)
     form_pins = _pins(pins)
     fixed: tuple[tuple[float, ...], ...] | None = None
@@ -189,12 +234,20 @@ def synthesize(
         ratio_pins=ratio_pins,
         stats=stats,
         model=spec,
-        options=options,
+        options={**(options or {}), "segments": _segments_label(segments)},
         synthesis_s=elapsed,
     )
     if check_memory:
         _check_memory(plan)
     return plan
+
+
+def _segments_label(segments: Any) -> str:
+    if segments is None or isinstance(segments, str):
+        return segments or "none"
+    if isinstance(segments, Mapping):
+        return "markers"
+    return getattr(segments, "__name__", "custom")
 
 
 def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol: float = 1e-9) -> bool:
@@ -318,12 +371,19 @@ def make_plan(
                 used.add((ld.tensor, ld.form.dim))
             for tm in cm.load_terms(ld):
                 stage_comm.setdefault(stage, []).append(tm.what)
+        resharded = {}
         for cv in st.conversions:
-            emit(
-                Instruction(
+            if cv.name == "reshard":
+                dst = f"{cv.dst}@{cv.segment}"
+                resharded[cv.tensor] = dst
+                emit(Instruction(
+                    "collective", "reshard", stage, tensor=name(cv.tensor), src=str(cv.src), form=dst,
+                    lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
+                ))
+            else:
+                emit(Instruction(
                     "collective", cv.name, stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
-                )
-            )
+                ))
             for f in (cv.src, cv.dst):
                 if f.kind == "G":
                     used.add((cv.tensor, f.dim))
@@ -342,7 +402,10 @@ def make_plan(
                 stage,
                 op=op.name,
                 target=op.target,
-                inputs=tuple((name(t), str(f)) for t, f in zip(op.inputs, s.inputs)),
+                inputs=tuple(
+                    (name(t), resharded[t] if f.kind == "G" and t in resharded else str(f))
+                    for t, f in zip(op.inputs, s.inputs)
+                ),
                 outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
             )
         )

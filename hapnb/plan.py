@@ -47,6 +47,7 @@ class Instruction:
     target: str = ""
     inputs: tuple[tuple[str, str], ...] = ()
     outputs: tuple[tuple[str, str], ...] = ()
+    lengths: tuple[int, ...] = ()  # reshard only: the per-rank lengths after the re-cut
 
     def __str__(self) -> str:
         if self.kind == "compute":
@@ -67,6 +68,8 @@ class Instruction:
             d["inputs"] = [list(p) for p in self.inputs]
         if self.outputs:
             d["outputs"] = [list(p) for p in self.outputs]
+        if self.lengths:
+            d["lengths"] = list(self.lengths)
         return d
 
     @staticmethod
@@ -82,6 +85,7 @@ class Instruction:
             target=str(d.get("target", "")),
             inputs=tuple((str(a), str(b)) for a, b in d.get("inputs", ())),
             outputs=tuple((str(a), str(b)) for a, b in d.get("outputs", ())),
+            lengths=tuple(int(x) for x in d.get("lengths", ())),
         )
 
     @property

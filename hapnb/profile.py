@@ -40,8 +40,9 @@ multiplied for the model to predict the measured time if communication were mode
 :meth:`CalibrationReport.scaled_cluster` applies it. ``hapnb calibrate PLAN --nproc K --steps N``
 (:func:`calibrate_main`) launches the plan (:func:`hapnb.launch.launch`) and prints the report.
 
->>> fit_collective("all_reduce", [(1e6, 1, 2e-5 + 1e-3), (4e6, 1, 2e-5 + 4e-3)]).bandwidth_Bps
-1000000000.0000001
+>>> f = fit_collective("all_reduce", [(1e6, 1, 2e-5 + 1e-3), (4e6, 1, 2e-5 + 4e-3)])
+>>> round(f.latency_s * 1e6, 6), round(f.bandwidth_Bps / 1e9, 6)
+(20.0, 1.0)
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def training_flops(model: Any, inputs: Sequence[Any]) -> float:
     return 3.0 * total
 
 
-def measure_step_s(model: Any, inputs: Sequence[Any], steps: int = 10, warmup: int = 2, lr: float = 1e-4) -> float:
+def measure_step_s(
+    model: Any, inputs: Sequence[Any], steps: int = 10, warmup: int = 2, lr: float = 1e-4
+) -> float:
     """Median seconds of one ``loss = model(*inputs); loss.backward(); SGD step`` (CUDA synchronised)."""
     import torch
 
@@ -165,7 +168,8 @@ class DeviceProfile:
         return Device(self.name, self.kind, self.flops, self.memory_bytes, self.machine)
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.kind}): {self.flops / 1e9:.4g} GFLOP/s effective, step {self.step_s * 1e3:.3g} ms"
+        rate = f"{self.flops / 1e9:.4g} GFLOP/s effective"
+        return f"{self.name} ({self.kind}): {rate}, benchmark step {self.step_s * 1e3:.3g} ms"
 
 
 def _gpu_kind(name: str) -> str:
@@ -307,23 +311,29 @@ def fit_collective(kind: str, points: Sequence[tuple[float, int, float]]) -> Col
     slt = math.fsum(n * t for _, n, t in pts)
     sxt = math.fsum(x * t for x, _, t in pts)
     det = sll * sxx - slx * slx
-    clamped = False
     lat, slope = -1.0, -1.0
     if det > 1e-12 * sll * sxx and sll > 0:
         lat = (slt * sxx - slx * sxt) / det
         slope = (sll * sxt - slx * slt) / det
-    if lat < 0 or slope <= 0:
-        clamped = True
-        lat, slope = 0.0, sxt / sxx if sxx > 0 else 0.0  # through the origin
-        if slope < 1 / _MAX_BANDWIDTH:  # times do not grow with size: pure latency
-            slope = 1 / _MAX_BANDWIDTH
-            lat = max(0.0, (slt - slope * slx) / sll) if sll > 0 else 0.0
+    clamped = lat < 0 or slope < 1 / _MAX_BANDWIDTH
+    if clamped:
+        # the constrained optimum lies on a bound: try both (each refitted) and keep the better one
+        candidates = []
+        s0 = max(sxt / sxx, 1 / _MAX_BANDWIDTH) if sxx > 0 else 1 / _MAX_BANDWIDTH
+        candidates.append((0.0, s0))  # latency at its bound, slope through the origin
+        s1 = 1 / _MAX_BANDWIDTH
+        candidates.append((max(0.0, (slt - s1 * slx) / sll) if sll > 0 else 0.0, s1))  # pure latency
+        lat, slope = min(candidates, key=lambda c: _sse(pts, *c))
     pred = [n * lat + x * slope for x, n, _ in pts]
     mean = statistics.fmean(t for _, _, t in pts)
     ss_tot = math.fsum((t - mean) ** 2 for _, _, t in pts)
     ss_res = math.fsum((t - p) ** 2 for (_, _, t), p in zip(pts, pred))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     return CollectiveFit(kind, lat, min(1 / slope, _MAX_BANDWIDTH), pts, r2, clamped)
+
+
+def _sse(pts: Sequence[tuple[float, int, float]], lat: float, slope: float) -> float:
+    return math.fsum((t - n * lat - x * slope) ** 2 for x, n, t in pts)
 
 
 def collective_sizes(backend: str, quick: bool = False) -> tuple[int, ...]:
@@ -398,15 +408,21 @@ def _collective_worker(cfg: Mapping[str, Any]) -> None:
             for size in cfg["sizes"]:
                 shard = max(1, int(size) // (_FLOAT_BYTES * n))
                 call, nbytes, launches = _collective_call(kind, shard, n, rank, device)
+                # small sizes: several back-to-back calls per timing, so the barrier's release skew
+                # between ranks (tens of us to ms on a busy CPU) does not swamp the collective itself
+                inner = max(1, min(int(cfg.get("max_inner", 16)), (1 << 20) // max(1, nbytes)))
                 for rep in range(-int(cfg["warmup"]), int(cfg["repeats"])):
                     barrier()
                     sync()
                     t0 = time.perf_counter()
-                    call()
+                    for _ in range(inner):
+                        call()
                     sync()
-                    dt = time.perf_counter() - t0
+                    dt = (time.perf_counter() - t0) / inner
                     if rep >= 0:
-                        rec = dict(kind=kind, size=size, nbytes=nbytes, launches=launches, repeat=rep, time_s=dt)
+                        rec = dict(
+                            kind=kind, size=size, nbytes=nbytes, launches=launches, repeat=rep, time_s=dt
+                        )
                         print(json.dumps({"rank": rank, **rec}), flush=True)
         barrier()
     finally:
@@ -420,14 +436,16 @@ def profile_collectives(
     repeats: int | None = None,
     *,
     kinds: Sequence[str] = COLLECTIVE_KINDS,
-    warmup: int = 1,
+    warmup: int = 2,
     quick: bool = False,
     timeout_s: float = 120.0,
+    stat: str = "median",
 ) -> dict[str, CollectiveFit]:
     """Time every collective kind on ``nproc`` local ranks and fit latency/bandwidth per kind.
 
     ``sizes``: full-tensor sizes in bytes (default :func:`collective_sizes`); each point is the median over
-    ``repeats`` of the slowest rank's time. Ranks run as separate processes through
+    ``repeats`` of the slowest rank's time (``stat="min"``: the fastest repeat, more robust on a shared,
+    noisy machine). Ranks run as separate processes through
     :class:`hapnb.launch.Job` (crash/hang handling, no leftovers); ``timeout_s`` bounds the whole run.
     Raises :class:`ProfileError` when a rank fails.
     """
@@ -442,6 +460,9 @@ def profile_collectives(
     if len(set(sizes)) < 2 or min(sizes) <= 0:
         raise ValueError(f"need at least two different positive sizes (bytes) to fit, got {sizes}")
     repeats = repeats or (3 if quick else 5)
+    reduce_fn = {"median": statistics.median, "min": min}.get(stat)
+    if reduce_fn is None:
+        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
     cfg = dict(backend=backend, kinds=list(kinds), sizes=list(sizes), repeats=repeats, warmup=warmup)
     cfg["timeout_s"] = timeout_s
     argv = [sys.executable, "-m", "hapnb.profile", "--collective-worker", json.dumps(cfg)]
@@ -465,7 +486,7 @@ def profile_collectives(
             if not times:
                 raise ProfileError(f"no timings came back for {kind} at {size} bytes (ranks' output lost?)")
             nbytes, launches = meta[(kind, size)]
-            pts.append((nbytes, launches, statistics.median(times)))
+            pts.append((nbytes, launches, reduce_fn(times)))
         fits[kind] = fit_collective(kind, pts)
     return fits
 
@@ -541,7 +562,9 @@ class CalibrationReport:
             )
         import dataclasses
 
-        devices = tuple(dataclasses.replace(d, flops=d.flops * self.throughput_scale) for d in cluster.devices)
+        devices = tuple(
+            dataclasses.replace(d, flops=d.flops * self.throughput_scale) for d in cluster.devices
+        )
         return cluster.replace(devices=devices)
 
     def to_json(self) -> dict[str, Any]:
@@ -565,7 +588,8 @@ class CalibrationReport:
         lines = [
             f"plan {self.plan}: predicted {self.predicted_s * ms:.4g} ms/iteration "
             f"(comm {self.predicted_comm_s * ms:.4g} + comp {self.predicted_comp_s * ms:.4g}), measured "
-            f"{self.measured_s * ms:.4g} ms (median of {self.steps_used} step{'s' * (self.steps_used != 1)}); "
+            f"{self.measured_s * ms:.4g} ms (median of {self.steps_used} step{'s' * (self.steps_used != 1)});"
+            " "
             f"measured/predicted = {self.ratio:.3g}",
         ]
         if self.throughput_scale is not None:
@@ -577,14 +601,17 @@ class CalibrationReport:
             lines.append("predicted communication alone exceeds the measurement: re-profile the collectives")
         for s in self.stages:
             lines.append(
-                f"  stage {s.index}: {s.predicted_s * ms:.4g} ms (comm {s.comm_s * ms:.4g}, comp {s.comp_s * ms:.4g})"
+                f"  stage {s.index}: {s.predicted_s * ms:.4g} ms "
+                f"(comm {s.comm_s * ms:.4g}, comp {s.comp_s * ms:.4g})"
             )
         return "\n".join(lines)
 
     __str__ = summary
 
 
-def calibrate(plan: Any, measured_step_s: float | Sequence[Mapping[str, Any]] | Any, *, warmup: int = 1) -> CalibrationReport:
+def calibrate(
+    plan: Any, measured_step_s: float | Sequence[Mapping[str, Any]] | Any, *, warmup: int = 1
+) -> CalibrationReport:
     """Compare ``plan``'s predicted iteration time with a measured one.
 
     ``measured_step_s``: seconds per iteration, or metrics lines from a launch (``job.steps``,
@@ -606,13 +633,17 @@ def calibrate(plan: Any, measured_step_s: float | Sequence[Mapping[str, Any]] | 
     else:
         times = step_times(list(measured_step_s), warmup)
         if not times:
-            raise ValueError("no step times in the metrics (lines need 'step' and 'step_s'); did the launch run?")
+            raise ValueError(
+                "no step times in the metrics (lines need 'step' and 'step_s'); did the launch run?"
+            )
         measured, used = statistics.median(times), len(times)
     if not (measured > 0 and math.isfinite(measured)):
         raise ValueError(f"measured step time must be a positive number of seconds, got {measured!r}")
     predicted = float(plan.cost_s)
     if not predicted > 0:
-        raise ValueError(f"plan {getattr(plan, 'name', '?')} predicts {predicted} s per iteration; nothing to compare")
+        raise ValueError(
+            f"plan {getattr(plan, 'name', '?')} predicts {predicted} s per iteration; nothing to compare"
+        )
     stages = tuple(
         StageCalibration(
             int(s.index),
@@ -671,7 +702,13 @@ def profile_main(ns: argparse.Namespace) -> int:
     sizes = [_parse_size(s) for s in ns.sizes.split(",")] if ns.sizes else None
     try:
         cluster = profile_cluster(
-            ns.nproc, ns.backend, ns.name, quick=ns.quick, sizes=sizes, repeats=ns.repeats, timeout_s=ns.timeout
+            ns.nproc,
+            ns.backend,
+            ns.name,
+            quick=ns.quick,
+            sizes=sizes,
+            repeats=ns.repeats,
+            timeout_s=ns.timeout,
         )
     except (ProfileError, ValueError) as e:
         print(f"hapnb profile: {e}", file=sys.stderr)
@@ -733,4 +770,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--collective-worker":
         _collective_worker(json.loads(sys.argv[2]))
     else:
-        raise SystemExit(profile_main(add_profile_args(argparse.ArgumentParser(prog="hapnb profile")).parse_args()))
+        raise SystemExit(
+            profile_main(add_profile_args(argparse.ArgumentParser(prog="hapnb profile")).parse_args())
+        )

@@ -49,6 +49,7 @@ __all__ = [
     "resolve_graph",
     "verify",
     "verify_main",
+    "spawn_ranks",
     "run_reference",
     "distribute",
     "DistributedModule",
@@ -351,13 +352,17 @@ def _tail(path: Path, limit: int = 6000) -> str:
 
 
 def spawn_ranks(
-    nproc: int, worker_args: Sequence[str], workdir: Path, timeout: float, env: Mapping[str, str] | None = None
-) -> None:
-    """Start ``python -m hapnb.worker *worker_args`` as ranks 0..nproc-1 on this machine and wait.
+    nproc: int, argv: Sequence[str], workdir: Path, timeout: float, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """Start ``python *argv`` (e.g. ``["-m", "hapnb.worker", BUNDLE, ...]``) as ranks 0..nproc-1 on this
+    machine, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), wait,
+    and return every rank's output (stdout and stderr, also in ``workdir/rank<r>.log``).
 
     Raises :class:`VerifyError` with the failing rank's traceback when a rank exits with an error, or
     naming the ranks still running after ``timeout`` seconds; every process is killed in both cases.
     """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     root = str(Path(__file__).resolve().parent.parent)
     base = dict(os.environ)
@@ -375,7 +380,7 @@ def spawn_ranks(
             with open(log, "wb") as fh:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "hapnb.worker", *worker_args],
+                        [sys.executable, *argv],
                         env=e,
                         stdout=fh,
                         stderr=subprocess.STDOUT,
@@ -397,7 +402,7 @@ def spawn_ranks(
                     + f". Its output:\n{_tail(logs[r])}"
                 )
             if all(c == 0 for c in codes):
-                return
+                return [_tail(log, 1 << 20) for log in logs]
             if time.monotonic() > deadline:
                 hung = [r for r, c in enumerate(codes) if c is None]
                 raise VerifyError(
@@ -485,6 +490,8 @@ def verify(
         bundle = load_bundle(bdir)
         out = work / "ranks"
         args = [
+            "-m",
+            "hapnb.worker",
             str(bdir),
             "--steps", str(steps),
             "--backend", backend,

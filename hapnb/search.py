@@ -111,6 +111,7 @@ class _Compiled:
     comp: tuple[float, ...]
     out_bits: int
     needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
+    reshards: tuple[Conversion, ...] = ()  # G inputs from another segment whose cut differs
 
 
 @dataclass
@@ -226,7 +227,13 @@ class Search:
                     if g.tensors[t].consumers or t == g.loss:
                         out_bits |= self._bit[(t, f)]
                 needs = tuple(dict.fromkeys(zip(op.inputs, s.inputs)))
-                comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs))
+                resh = []
+                for t, f in needs:
+                    a = cm.segment_of[t]
+                    if f.kind == "G" and a != op.segment:
+                        if th.lengths(t, f.dim, self.ratios[a]) != th.lengths(t, f.dim, self.ratios[op.segment]):
+                            resh.append(Conversion(t, "reshard", f, f, op.segment))
+                comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs, tuple(resh)))
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
@@ -479,6 +486,8 @@ class Search:
                 ct = [x.tensor for x in convs]
                 if len(ct) != len(set(ct)):
                     continue  # one tensor converted twice in one step
+                if c.reshards:
+                    convs += c.reshards  # segment boundary: re-cut for this op's ratios
                 step = Step(op.id, c.strategy, loads, convs)
                 new_props = props | c.out_bits
                 new_comm = comm

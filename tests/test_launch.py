@@ -35,6 +35,7 @@ STANDIN = textwrap.dedent(
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--hang-rank", type=int, default=-1)
+    p.add_argument("--sigkill-rank", type=int, default=-1)
     p.add_argument("--at-step", type=int, default=2)
     p.add_argument("--child", action="store_true")
     p.add_argument("--others-block", action="store_true")
@@ -49,6 +50,8 @@ STANDIN = textwrap.dedent(
     for step in range(a.steps):
         if rank == a.crash_rank and step == a.at_step:
             raise ValueError(f"boom on rank {rank} at step {step}")
+        if rank == a.sigkill_rank and step == a.at_step:
+            os.kill(os.getpid(), 9)
         if rank == a.hang_rank and step == a.at_step:
             time.sleep(600)
         if a.others_block and step == a.at_step:
@@ -151,6 +154,17 @@ def test_crashing_rank_stops_job_with_its_error(standin) -> None:
     assert "boom on rank 2" in result.stderr_tails[2]
     assert result.returncodes[2] == 1
     _assert_no_leftovers(_all_pids(job))
+
+
+def test_rank_killed_by_signal(standin) -> None:
+    worker, bundle = standin
+    job = launch(
+        bundle, nproc=2, steps=50, worker=worker, extra_args=["--sigkill-rank", "0", "--others-block"]
+    )
+    result = job.wait(timeout=30)
+    assert result.failed_rank == 0 and result.returncode == 128 + 9 and result.returncodes[0] == -9
+    assert "rank 0 was killed by SIGKILL (often the out-of-memory killer) after step 1" in result.error
+    _assert_no_leftovers(set(job.pids))
 
 
 def test_hanging_rank_is_stopped_by_timeout(standin) -> None:
@@ -272,3 +286,26 @@ def test_launch_main_cli(standin, capsys) -> None:
     assert launch_main(ns) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "--node-rank 1" in lines[1] and "--rdzv-endpoint h:1234" in lines[1]
+
+
+def test_plan_is_bundled_lazily_and_temp_bundle_removed(standin) -> None:
+    from hapnb.cluster import Cluster
+
+    worker, _ = standin
+    written = []
+
+    class FakePlan:  # the two things launch uses: .cluster (rank count) and .bundle(dir)
+        cluster = Cluster.parse("3xV100")
+
+        def bundle(self, directory):
+            Path(directory).mkdir(parents=True)
+            written.append(Path(directory))
+            return Path(directory)
+
+    job = launch(FakePlan(), steps=2, worker=worker)  # nproc from the plan's 3 devices
+    result = job.wait(timeout=20, check=True)
+    assert sorted({m["rank"] for m in result.metrics}) == [0, 1, 2]
+    assert len(written) == 1 and not written[0].exists()  # the temporary bundle is gone
+    with pytest.raises(ValueError, match="plan is for 3 devices"):
+        launch(FakePlan(), nproc=2, worker=worker)
+    assert not written[1].parent.exists()

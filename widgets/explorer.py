@@ -129,7 +129,8 @@ class Explorer:
                 graph = self._rebuild_graph(plan)
             if graph is None:
                 raise ValueError(
-                    f"Explorer: plan {plan.name!r} has no traced graph (it was loaded from JSON) and its model "
+                    f"Explorer: plan {plan.name!r} has no traced graph (it was loaded from JSON) and its "
+                    "model "
                     "could not be rebuilt; pass the Graph, the nn.Module with example_inputs, or the zoo name"
                 )
             self.theory = theory(graph)
@@ -711,7 +712,8 @@ class Explorer:
             )
             s = W.FloatSlider(
                 value=value, min=0.0, max=1.0, step=0.001, readout_format=".3f", description=d,
-                continuous_update=False, style={"description_width": "initial"}, layout=W.Layout(width="420px"),
+                continuous_update=False, style={"description_width": "initial"},
+                layout=W.Layout(width="420px"),
             )  # fmt: skip
             lock = W.Checkbox(value=d in self.ratio_locks, description="lock", indent=False)
 
@@ -938,7 +940,8 @@ class Explorer:
             return display.safe_html(display.gantt_svg, self.plan)
         height = 110 + 28 * (self.cluster.n + (2 if self.measured else 0))
         return (
-            f"<iframe srcdoc=\"{html.escape(page, quote=True)}\" style='width:100%;height:{height}px;border:0' "
+            f'<iframe srcdoc="{html.escape(page, quote=True)}" '
+            f"style='width:100%;height:{height}px;border:0' "
             "sandbox='allow-scripts'></iframe>"
         )
 

@@ -1,0 +1,187 @@
+"""Runtime: bundles, local multi-rank verification against one device, the worker CLI, and
+distribute/full_state_dict under local ranks. Every multi-process run has a timeout and is cleaned up."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hapnb import zoo
+from hapnb.codegen import generate, program_weights
+from hapnb.optimize import synthesize
+from hapnb.plan import Plan
+from hapnb.runtime import (
+    BundleError,
+    VerifyError,
+    load_bundle,
+    spawn_ranks,
+    verify,
+    verify_main,
+    write_bundle,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mlp(cluster: str, ratios, **kw) -> Plan:
+    return synthesize("mlp", cluster, ratios=ratios, **{**zoo.TINY["mlp"], **kw})
+
+
+@pytest.fixture(scope="module")
+def dp_plan() -> Plan:
+    """Data parallel on uneven ratios: every weight replicated, the batch split 6/2."""
+    return _mlp("2xV100", [0.75, 0.25], pins={"x": "G0", "y": "G0"})
+
+
+def _descendants_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_verify_uneven_two_ranks(dp_plan: Plan) -> None:
+    tp = _mlp("2xV100", [0.7, 0.3])  # the searched (tensor-parallel) program
+    assert any(i.kind == "load" and i.form.startswith("G") and "weight" in i.tensor for i in tp.program)
+    report = verify(tp, nproc=2, steps=2, timeout=90)
+    assert report.ok, report.text()
+    names = {c.name for c in report.checks}
+    params = {tp.graph.tensors[t].name for t in tp.graph.params}
+    assert params <= names  # every gradient and weight was compared
+    assert {c.kind for c in report.checks} == {"loss", "grad", "weight"}
+    assert report.max_rel < 1e-10
+    assert "OK" in report.text() and "OK" in report._repr_html_()
+
+
+def test_verify_main_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    plan = _mlp("3xV100", [0.5, 0.0, 0.5])
+    assert any(0 in ls for _, _, ls in plan.lengths)  # rank 1 holds empty shards
+    path = plan.save(tmp_path / "plan.json")
+    code = verify_main(argparse.Namespace(plan=str(path), nproc=3, backend="gloo", steps=2))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "OK on 3 ranks" in out
+
+
+def test_corrupted_plan_fails_with_a_report(dp_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # loading a replicated weight as "load_sfb" skips its gradient all-reduce: it runs, but is wrong
+    k = next(i for i, ins in enumerate(dp_plan.program) if ins.kind == "load" and ins.tensor == "layers.1.weight")
+    assert dp_plan.program[k].form == "I"
+    bad = dataclasses.replace(dp_plan.program[k], name="load_sfb")
+    corrupt = dataclasses.replace(dp_plan, program=dp_plan.program[:k] + (bad,) + dp_plan.program[k + 1 :])
+    path = corrupt.save(tmp_path / "corrupt.json")
+    code = verify_main(argparse.Namespace(plan=str(path), nproc=2, steps=2))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "MISMATCH" in out and "max relative error per tensor" in out
+    fail_lines = [ln for ln in out.splitlines() if "FAIL" in ln]
+    assert any("grad" in ln and "layers.1.weight" in ln for ln in fail_lines), out
+    # the other weights are still right: the report points at the corrupted one
+    assert not any("layers.0.weight" in ln and "grad" in ln for ln in fail_lines), out
+
+
+def test_crashing_rank_gives_its_traceback(dp_plan: Plan) -> None:
+    # y is cut 5/3 while the activations are cut 6/2: the loss op fails on every rank
+    lengths = tuple((t, d, (5, 3) if t == "y" else ls) for t, d, ls in dp_plan.lengths)
+    broken = dataclasses.replace(dp_plan, lengths=lengths)
+    with pytest.raises(VerifyError, match=r"(?s)rank \d of 2 failed.*Traceback"):
+        verify(broken, nproc=2, steps=1, timeout=60)
+
+
+def test_hung_rank_is_killed(tmp_path: Path) -> None:
+    with pytest.raises(VerifyError, match="still running after") as info:
+        spawn_ranks(2, ["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"], tmp_path, 3)
+    assert "ranks [0, 1]" in str(info.value)
+    pids = [int((tmp_path / f"rank{r}.log").read_text().split()[0]) for r in range(2)]
+    assert _descendants_alive(pids) == []
+
+
+def test_verify_rejects_wrong_nproc(dp_plan: Plan) -> None:
+    with pytest.raises(ValueError, match="nproc=2"):
+        verify(dp_plan, nproc=3)
+
+
+def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:
+    d = write_bundle(dp_plan, tmp_path / "b")
+    assert {p.name for p in d.iterdir()} >= {"plan.json", "program.pt2", "cluster.json", "inputs.pt"}
+    b = load_bundle(d)
+    assert b.plan == dp_plan
+    assert b.graph.fingerprint == dp_plan.graph_fingerprint
+    _, inputs, _ = zoo.build("mlp", devices=2, **zoo.TINY["mlp"])
+    assert all(torch.equal(a, c) for a, c in zip(b.inputs, inputs))
+    w0, w1 = program_weights(dp_plan.graph), program_weights(b.graph)
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    for rank in range(2):
+        assert generate(b.plan, b.graph, rank).code == generate(dp_plan, dp_plan.graph, rank).code
+    # a plan read back from JSON has no graph: the bundle is rebuilt from the plan's zoo spec
+    loaded = Plan.load(dp_plan.save(tmp_path / "p.json"))
+    assert loaded.graph is None
+    b2 = load_bundle(write_bundle(loaded, tmp_path / "b2"))
+    assert b2.graph.fingerprint == dp_plan.graph_fingerprint
+    (tmp_path / "b2" / "inputs.pt").unlink()
+    with pytest.raises(BundleError, match="missing inputs.pt"):
+        load_bundle(tmp_path / "b2")
+    wrong_model, wrong_inputs, _ = zoo.build("mlp", devices=2, **{**zoo.TINY["mlp"], "hidden": 16})
+    with pytest.raises(BundleError, match="made for graph"):
+        write_bundle(dp_plan, tmp_path / "b3", model=wrong_model, example_inputs=wrong_inputs)
+
+
+def test_worker_cli_metrics(dp_plan: Plan, tmp_path: Path) -> None:
+    d = write_bundle(dp_plan, tmp_path / "bundle")
+    metrics = tmp_path / "m{rank}.jsonl"
+    args = ["-m", "hapnb.worker", str(d), "--steps", "3", "--metrics", str(metrics), "--optimizer", "sgd"]
+    spawn_ranks(2, args, tmp_path, 90)
+    rows = [[json.loads(ln) for ln in (tmp_path / f"m{r}.jsonl").read_text().splitlines()] for r in range(2)]
+    keys = {"rank", "step", "loss", "global_loss", "step_s", "max_memory_bytes"}
+    for r, rs in enumerate(rows):
+        assert [m["step"] for m in rs] == [0, 1, 2]
+        assert all(set(m) == keys and m["rank"] == r and m["step_s"] > 0 for m in rs)
+    for s in range(3):
+        total = rows[0][s]["loss"] + rows[1][s]["loss"]
+        assert rows[0][s]["global_loss"] == pytest.approx(total, rel=1e-6)
+        assert rows[1][s]["global_loss"] is None
+    assert rows[0][2]["global_loss"] < rows[0][0]["global_loss"]  # it trains
+
+
+def test_worker_cli_reports_bad_bundle(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "hapnb.worker", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "1"},
+    )
+    assert r.returncode == 1
+    assert "is not a hapnb bundle" in r.stderr
+
+
+def test_distribute_and_full_state_dict_round_trip(tmp_path: Path) -> None:
+    out = tmp_path / "trained.pt"
+    args = [
+        str(ROOT / "examples" / "train.py"), "--model", "mlp", "--ratios", "0.7,0.3", "--steps", "3",
+        "--check", "--out", str(out), "--layers", "2", "--hidden", "32", "--input", "16", "--batch", "8",
+    ]  # fmt: skip
+    logs = spawn_ranks(2, args, tmp_path, 90)
+    assert all("full_state_dict round trip exact" in log for log in logs)
+    steps = [json.loads(ln) for ln in logs[0].splitlines() if ln.startswith('{"step"')]
+    assert len(steps) == 3 and steps[-1]["loss"] < steps[0]["loss"]
+    final = json.loads(next(ln for ln in logs[0].splitlines() if "trained_single_device_loss" in ln))
+    # the gathered weights, loaded into the single-device model, are the trained ones
+    assert final["trained_single_device_loss"] < steps[-1]["loss"]
+    state = torch.load(out, weights_only=True)
+    model, _, _ = zoo.build("mlp", devices=2, **zoo.TINY["mlp"])
+    model.load_state_dict(state)
+    assert set(state) == set(model.state_dict())
