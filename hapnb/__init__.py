@@ -18,7 +18,10 @@ from typing import Any
 
 from .cluster import Cluster, Collective, Device
 from .forms import G, I, R, Partial, Replicate, Shard, parse_form, shard_lengths
-from .theory import theory  # noqa: E402 - the function shadows its module's name on purpose (DESIGN §3.1)
+# these functions share their module's name (DESIGN §3.1): importing them here binds the name to the
+# function for good (Python sets a package attribute to a submodule only on the submodule's first import)
+from .launch import launch
+from .theory import theory
 
 __version__ = "0.1.0"
 
@@ -37,7 +40,6 @@ _LAZY = {
     "verify": "runtime",
     "distribute": "runtime",
     "full_state_dict": "runtime",
-    "launch": "launch",  # bound to the function in __getattr__ below (same name as its module)
     "zoo": None,
     "rules": None,
     "collectives": None,
@@ -46,16 +48,11 @@ _LAZY = {
 
 __all__ = [
     "Cluster", "Collective", "Device", "G", "I", "R", "Partial", "Replicate", "Shard", "parse_form",
-    "shard_lengths", "theory", *sorted(_LAZY),
+    "shard_lengths", "theory", "launch", *sorted(_LAZY),
 ]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    if name == "launch":
-        from .launch import launch as fn
-
-        globals()["launch"] = fn  # rebind: importing the submodule set the name to the module
-        return fn
     if name in _LAZY:
         mod = _LAZY[name]
         if mod is None:

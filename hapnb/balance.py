@@ -141,7 +141,7 @@ def balance(
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
     prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
     r = [
-        [pulp.LpVariable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)] for s in range(S)
+        [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)] for s in range(S)
     ]
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
@@ -168,7 +168,7 @@ def balance(
                             coef[tseg][j] += x
                         else:
                             const[j] += x
-        P = pulp.LpVariable(f"P_{k}", 0)
+        P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
         for j in range(n):
             prob += (
@@ -179,12 +179,12 @@ def balance(
             if tm.slope == 0.0:
                 constant += tm.const
                 continue
-            M = pulp.LpVariable(f"M_{k}_{c}", 0)
+            M = prob.add_variable(f"M_{k}_{c}", 0)
             objective.append(M)
             if tm.segment2 >= 0:
                 # reshard: u_b >= |prefix_a(b) - prefix_b(b)| at every inner boundary b
                 a, b2 = tm.segment, tm.segment2
-                u = [None] + [pulp.LpVariable(f"U_{k}_{c}_{j}", 0) for j in range(1, n)] + [None]
+                u = [None] + [prob.add_variable(f"U_{k}_{c}_{j}", 0) for j in range(1, n)] + [None]
                 for j in range(1, n):
                     diff = pulp.lpSum(r[a][i] for i in range(j)) - pulp.lpSum(r[b2][i] for i in range(j))
                     prob += u[j] >= diff, f"ua_{k}_{c}_{j}"

@@ -73,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
 
-    from . import launch as _launch
+    from .launch import add_launch_args
+    from .profile import add_calibrate_args, add_profile_args
 
-    _launch.add_launch_args(sub.add_parser("launch", help="launch a plan or bundle with torchrun"))
-    from . import profile as _profile
-
-    _profile.add_profile_args(sub.add_parser("profile", help="profile devices and collectives -> cluster JSON"))
+    add_launch_args(sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)"))
+    add_profile_args(sub.add_parser("profile", help="profile devices and collectives -> cluster JSON"))
+    add_calibrate_args(sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time"))
 
     p = sub.add_parser("theory", help="list or check the rules")
     p.add_argument("--check", action="store_true")
@@ -268,13 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "launch":
-            from . import launch
+            from .launch import launch_main
 
-            return launch.launch_main(ns)
-        if ns.command == "profile":
-            from . import profile
+            return launch_main(ns)
+        if ns.command in ("profile", "calibrate"):
+            from .profile import calibrate_main, profile_main
 
-            return profile.profile_main(ns)
+            return (profile_main if ns.command == "profile" else calibrate_main)(ns)
         return COMMANDS[ns.command](ns)
     except KeyboardInterrupt:
         print("hapnb: interrupted", file=sys.stderr)

@@ -54,7 +54,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1060,15 +1059,3 @@ def launch_main(ns: argparse.Namespace) -> int:
         print(f"hapnb launch: {result.error}", file=sys.stderr)
         return result.returncode or 1
     return 0
-
-
-class _CallableModule(types.ModuleType):
-    """``hapnb.launch`` is both this module and the function :func:`launch` (DESIGN §3.1
-    ``hap.launch(plan, ...)``): once the submodule is imported, Python binds ``hapnb.launch`` to the
-    module, so the module itself forwards calls to :func:`launch`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Job:
-        return launch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

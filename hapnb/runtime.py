@@ -83,7 +83,17 @@ class Bundle:
 
 
 def _spec_json(plan: Plan) -> dict[str, Any] | None:
-    return plan.to_json().get("model") or None
+    """The plan's model spec as ModelSpec JSON (options as an object, however the plan stored them)."""
+    from .plan import _jsonable
+
+    spec = plan.model_spec
+    if not spec:
+        return None
+    out = dict(_jsonable(spec))
+    opts = spec.get("options", {})
+    if isinstance(opts, (list, tuple)):
+        out["options"] = {str(k): _jsonable(v) for k, v in opts}
+    return out
 
 
 def resolve_graph(

@@ -35,10 +35,19 @@ def _mlp(cluster: str, ratios, **kw) -> Plan:
     return synthesize("mlp", cluster, ratios=ratios, **{**zoo.TINY["mlp"], **kw})
 
 
+DP_PINS = {
+    "x": "G0",
+    "y": "G0",
+    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
+}
+
+
 @pytest.fixture(scope="module")
 def dp_plan() -> Plan:
-    """Data parallel on uneven ratios: every weight replicated, the batch split 6/2."""
-    return _mlp("2xV100", [0.75, 0.25], pins={"x": "G0", "y": "G0"})
+    """Plain data parallel on uneven ratios: every weight replicated (gradient all-reduce), batch 6/2."""
+    plan = _mlp("2xV100", [0.75, 0.25], pins=DP_PINS, options={"sfb": False})
+    assert all(i.name == "load" for i in plan.program if i.kind == "load")
+    return plan
 
 
 def _descendants_alive(pids: list[int]) -> list[int]:
@@ -66,7 +75,9 @@ def test_verify_uneven_two_ranks(dp_plan: Plan) -> None:
 
 
 def test_verify_main_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    plan = _mlp("3xV100", [0.5, 0.0, 0.5])
+    # data parallel with sufficient-factor broadcasting, rank 1 gets no samples
+    plan = _mlp("3xV100", [0.5, 0.0, 0.5], pins=DP_PINS)
+    assert any(i.name == "load_sfb" for i in plan.program)
     assert any(0 in ls for _, _, ls in plan.lengths)  # rank 1 holds empty shards
     path = plan.save(tmp_path / "plan.json")
     code = verify_main(argparse.Namespace(plan=str(path), nproc=3, backend="gloo", steps=2))

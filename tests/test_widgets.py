@@ -201,7 +201,7 @@ def test_gantt_and_history_views(ex):
 
 
 def test_verify_and_launch_stream_metrics(ex, monkeypatch):
-    import hapnb.launch
+    launch_module = sys.modules["hapnb.launch"]
 
     calls = {}
 
@@ -235,7 +235,7 @@ def test_verify_and_launch_stream_metrics(ex, monkeypatch):
         return Job(steps)
 
     monkeypatch.setitem(sys.modules, "hapnb.runtime", types.SimpleNamespace(verify=fake_verify))
-    monkeypatch.setattr(hapnb.launch, "launch", fake_launch)
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
     ex.controls["nproc"].value = 2
     ex.buttons["verify"].click()
     assert ex.last_error is None and calls["verify"] == (ex.plan, 2)
