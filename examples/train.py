@@ -50,7 +50,9 @@ def main() -> int:
         torch.cuda.set_device(device)
 
     opts = {k: getattr(args, k) for k in ("layers", "hidden", "batch", "seq", "heads", "vocab", "input")}
-    model, inputs, _ = zoo.build(args.model, devices=world, **{k: v for k, v in opts.items() if v is not None})
+    model, inputs, _ = zoo.build(
+        args.model, devices=world, **{k: v for k, v in opts.items() if v is not None}
+    )
 
     # the plan is computed once (rank 0) and shipped to every rank
     box: list = [None]
@@ -108,6 +110,7 @@ def main() -> int:
         if args.out:
             torch.save({k: v.cpu() for k, v in full.items()}, args.out)
             print(f"saved the full state_dict to {args.out}", flush=True)
+    dist.barrier()  # let every rank finish before the group goes away
     dist.destroy_process_group()
     return 0
 

@@ -365,8 +365,8 @@ def generate(
         if inputs == "local" and gforms:
             if len(forms) != 1:
                 raise CodegenError(
-                    f"input {t.name} is loaded as {', '.join(str(f) for f, _ in forms)}; inputs='local' needs "
-                    "one form per input (use inputs='full')"
+                    f"input {t.name} is loaded as {', '.join(str(f) for f, _ in forms)}; "
+                    "inputs='local' needs one form per input (use inputs='full')"
                 )
             d = gforms[0].dim
             ls = lengths(t.name, d, f"load {t.name}")
@@ -428,7 +428,8 @@ def generate(
             have = sorted(str(ff) for (tt, ff) in env if tt == tid)
             raise CodegenError(
                 f"{where}: needs {g.tensors[tid].name}:{f}, which no earlier instruction produced "
-                f"(available forms: {', '.join(have) or 'none'}); the plan's program is out of order or corrupt"
+                f"(available forms: {', '.join(have) or 'none'}); "
+                "the plan's program is out of order or corrupt"
             )
         return nd
 
@@ -656,7 +657,11 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
                 owner._buffers[leaf] = b.to(dtype)
         for name in dir(gm):  # lifted constants become plain tensor attributes
             v = getattr(gm, name, None)
-            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.is_floating_point():
+            if (
+                isinstance(v, torch.Tensor)
+                and not isinstance(v, torch.nn.Parameter)
+                and v.is_floating_point()
+            ):
                 if name not in gm._buffers:
                     setattr(gm, name, v.to(dtype))
     return gm

@@ -299,9 +299,9 @@ class VerifyReport:
 
     def text(self) -> str:
         head = (
-            f"verify {self.plan}: {'OK' if self.ok else 'MISMATCH'} on {self.nproc} ranks, {self.steps} steps, "
-            f"{self.dtype}, max relative error {self.max_rel:.3e} (rtol {self.rtol:g}, atol {self.atol:g}), "
-            f"{self.seconds:.1f} s"
+            f"verify {self.plan}: {'OK' if self.ok else 'MISMATCH'} on {self.nproc} ranks, "
+            f"{self.steps} steps, {self.dtype}, max relative error {self.max_rel:.3e} "
+            f"(rtol {self.rtol:g}, atol {self.atol:g}), {self.seconds:.1f} s"
         )
         rows = self.checks if not self.ok else ()
         lines = [head]
@@ -428,7 +428,9 @@ def _compare(kind: str, name: str, a: torch.Tensor, b: torch.Tensor, rtol: float
     a = a.detach().to(torch.float64)
     b = b.detach().to(torch.float64)
     if a.shape != b.shape:
-        return TensorCheck(kind, name, float("inf"), float("inf"), False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        return TensorCheck(
+            kind, name, float("inf"), float("inf"), False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        )
     if a.numel() == 0:
         return TensorCheck(kind, name, 0.0, 0.0, True)
     diff = float((a - b).abs().max())
@@ -521,7 +523,9 @@ def verify(
         ref = run_reference(bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype)
         checks: list[TensorCheck] = []
         dist_loss = torch.tensor(recs[0]["global_losses"], dtype=torch.float64)
-        summed = torch.tensor([sum(rec["losses"][s] for rec in recs) for s in range(steps)], dtype=torch.float64)
+        summed = torch.tensor(
+            [sum(rec["losses"][s] for rec in recs) for s in range(steps)], dtype=torch.float64
+        )
         ref_loss = torch.tensor(ref["losses"], dtype=torch.float64)
         checks.append(_compare("loss", "", summed, ref_loss, rtol, atol))
         if not torch.allclose(dist_loss, summed, rtol=1e-12, atol=1e-12):
@@ -540,10 +544,14 @@ def verify(
                     continue
                 if full is None or want is None:
                     which = "the distributed run" if full is None else "the single-device run"
-                    checks.append(TensorCheck(kind, t.name, float("inf"), float("inf"), False, f"missing in {which}"))
+                    checks.append(
+                        TensorCheck(kind, t.name, float("inf"), float("inf"), False, f"missing in {which}")
+                    )
                     continue
                 if len(copies) > 1:  # replicated: every rank's copy must match
-                    worst = max((_compare(kind, t.name, c, want, rtol, atol) for c in copies), key=lambda c: c.rel)
+                    worst = max(
+                        (_compare(kind, t.name, c, want, rtol, atol) for c in copies), key=lambda c: c.rel
+                    )
                     checks.append(worst)
                 else:
                     checks.append(_compare(kind, t.name, full, want, rtol, atol))

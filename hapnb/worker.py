@@ -80,7 +80,9 @@ class _Sink:
         elif hasattr(out, "write"):
             self.fn = lambda d: _write_line(out, d)
         else:
-            raise TypeError(f"metrics_out must be None, a path, a file descriptor, a file or a callable, not {out!r}")
+            raise TypeError(
+                f"metrics_out must be None, a path, a file descriptor, a file or a callable, not {out!r}"
+            )
 
     def __call__(self, d: dict) -> None:
         self.fn(d)
@@ -138,15 +140,19 @@ def run_worker(
     plan = bundle.plan
     if world_size != plan.cluster.n:
         raise ValueError(
-            f"the plan in {bundle_dir} is for {plan.cluster.n} devices ({', '.join(plan.devices)}) but the job "
-            f"has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
+            f"the plan in {bundle_dir} is for {plan.cluster.n} devices ({', '.join(plan.devices)}) "
+            f"but the job has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
         )
     created = False
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            raise RuntimeError("MASTER_PORT is not set: run the worker under torchrun (or set MASTER_ADDR/PORT)")
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            raise RuntimeError(
+                "MASTER_PORT is not set: run the worker under torchrun (or set MASTER_ADDR/PORT)"
+            )
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         created = True
     elif dist.get_rank() != rank or dist.get_world_size() != world_size:
         raise ValueError(
@@ -166,7 +172,9 @@ def run_worker(
             torch.set_default_dtype(tdtype)
         prog = generate(plan, bundle.graph, rank, inputs=inputs, dropout=dropout, dtype=tdtype)
         module = prog.module.to(device)
-        full = tuple(x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs)
+        full = tuple(
+            x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs
+        )
         batch = tuple(x.to(device) for x in prog.local_inputs(*full))
         params = [p for p in module.parameters() if p.requires_grad]
         opt = make_optimizer(optimizer, params, lr)
@@ -212,7 +220,8 @@ def run_worker(
                 "grads": grads,
                 "weights": weights,
                 "params": [
-                    [p.local_name, p.name, p.kind, p.dim, p.start, p.length, list(p.lengths)] for p in prog.params
+                    [p.local_name, p.name, p.kind, p.dim, p.start, p.length, list(p.lengths)]
+                    for p in prog.params
                 ],
             }
             d = Path(verify_out)
@@ -220,6 +229,8 @@ def run_worker(
             tmp = d / f".rank{rank}.pt.tmp"
             torch.save(rec, tmp)
             tmp.replace(d / f"rank{rank}.pt")
+        if created:
+            dist.barrier()  # no rank tears the group down while a peer still uses it
         return out
     finally:
         sink.close()
@@ -237,7 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
     ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
-    ap.add_argument("--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch")
+    ap.add_argument(
+        "--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch"
+    )
     ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
     ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
     g = ap.add_mutually_exclusive_group()

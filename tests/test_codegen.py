@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import synthetic
 import torch
 
 from hapnb import zoo
@@ -24,7 +25,6 @@ from hapnb.forms import parse_form, shard_offsets
 from hapnb.optimize import synthesize
 from hapnb.plan import Instruction, Plan
 from hapnb.theory import theory
-import synthetic
 
 
 def _plan(name: str, cluster: str, ratios=None, **kw) -> Plan:
@@ -184,7 +184,9 @@ def test_clear_errors(mlp3: Plan) -> None:
         generate(broken, mlp3.graph, 0)
     odd = Instruction("collective", "teleport", 0, tensor="linear", src="G1", form="I")
     with pytest.raises(CodegenError, match="unknown collective"):
-        generate(dataclasses.replace(mlp3, program=mlp3.program[:4] + (odd,) + mlp3.program[4:]), mlp3.graph, 0)
+        generate(
+            dataclasses.replace(mlp3, program=mlp3.program[:4] + (odd,) + mlp3.program[4:]), mlp3.graph, 0
+        )
     with pytest.raises(ValueError, match="out of range"):
         generate(mlp3, mlp3.graph, 3)
 

@@ -86,9 +86,13 @@ def test_verify_main_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFix
     assert "OK on 3 ranks" in out
 
 
-def test_corrupted_plan_fails_with_a_report(dp_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_corrupted_plan_fails_with_a_report(
+    dp_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     # loading a replicated weight as "load_sfb" skips its gradient all-reduce: it runs, but is wrong
-    k = next(i for i, ins in enumerate(dp_plan.program) if ins.kind == "load" and ins.tensor == "layers.1.weight")
+    k = next(
+        i for i, ins in enumerate(dp_plan.program) if ins.kind == "load" and ins.tensor == "layers.1.weight"
+    )
     assert dp_plan.program[k].form == "I"
     bad = dataclasses.replace(dp_plan.program[k], name="load_sfb")
     corrupt = dataclasses.replace(dp_plan, program=dp_plan.program[:k] + (bad,) + dp_plan.program[k + 1 :])
@@ -113,7 +117,9 @@ def test_crashing_rank_gives_its_traceback(dp_plan: Plan) -> None:
 
 def test_hung_rank_is_killed(tmp_path: Path) -> None:
     with pytest.raises(VerifyError, match="still running after") as info:
-        spawn_ranks(2, ["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"], tmp_path, 3)
+        spawn_ranks(
+            2, ["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"], tmp_path, 3
+        )
     assert "ranks [0, 1]" in str(info.value)
     pids = [int((tmp_path / f"rank{r}.log").read_text().split()[0]) for r in range(2)]
     assert _descendants_alive(pids) == []

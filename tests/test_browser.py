@@ -1,0 +1,180 @@
+"""A real-browser test: notebook 01 run in JupyterLab by headless Chromium (driven by playwright).
+
+JupyterLab starts on 127.0.0.1 on a free port with an empty token, on a temporary copy of the notebook
+and with temporary Jupyter config/settings/workspace folders (the news announcements plugin disabled,
+so its toast cannot cover the page). Chromium runs with a fresh profile. The test clicks Run > Run All
+Cells, waits until every cell has run and the kernel is idle, then checks that the Explorer widget, a
+bokeh chart and a graphviz drawing rendered and that no cell printed a traceback. JupyterLab and
+Chromium are always stopped (no processes are left behind). Skipped, with the reason, when Chromium or
+playwright is missing (``apt-get install chromium``; ``pip install playwright``, no
+``playwright install`` needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "01_tour.ipynb"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+RUN_TIMEOUT_S = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.3)
+    raise TimeoutError(f"JupyterLab did not answer {url} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
+    """SIGTERM the server's process group (it shuts its kernels down), SIGKILL what is left."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # kernels it started share the group
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def _start_lab(tmp: Path, port: int) -> tuple[subprocess.Popen, Path]:
+    config = tmp / "jupyter-config"
+    (config / "labconfig").mkdir(parents=True)
+    disabled = {"@jupyterlab/apputils-extension:announcements": True}
+    (config / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": disabled}))
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(config),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "lab-workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+    )
+    log = tmp / "jupyterlab.log"
+    cmd = [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
+        "--ServerApp.ip=127.0.0.1", "--ServerApp.token=", "--ServerApp.password=",
+        "--ServerApp.port_retries=0", f"--ServerApp.root_dir={tmp / 'nb'}",
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _wait_all_run(page, n_code: int, timeout: float) -> None:
+    """Every code cell shows an execution count (no ``[*]`` / blank prompt) and the kernel is idle."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        done = [p for p in prompts if p.strip().startswith("[") and p.strip()[1:-2].strip().isdigit()]
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        last = f"{len(done)}/{n_code} cells done, prompts {prompts[-3:]}, idle={idle}"
+        if len(done) >= n_code and idle:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"notebook did not finish within {timeout:.0f} s: {last}")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    if shutil.which("dot") is None:
+        pytest.skip("graphviz 'dot' is not installed (apt-get install -y graphviz): no drawing to check")
+    (tmp_path / "nb").mkdir()
+    shutil.copy(NOTEBOOK, tmp_path / "nb" / NOTEBOOK.name)
+    n_code = sum(c["cell_type"] == "code" for c in json.loads(NOTEBOOK.read_text())["cells"])
+    port = _free_port()
+    lab: subprocess.Popen | None = None
+    pw = context = None
+    console_errors: list[str] = []
+    try:
+        lab, log = _start_lab(tmp_path, port)
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/api/status", lab, log)
+        pw = sync_api.sync_playwright().start()
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = context.pages[0] if context.pages else context.new_page()
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+        page.goto(f"{base}/lab/tree/{NOTEBOOK.name}", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        _wait_all_run(page, n_code, RUN_TIMEOUT_S)
+        page.wait_for_selector(".jupyter-widgets .widget-button", timeout=30_000)
+        page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=30_000)
+        page.screenshot(path=str(tmp_path / "screenshot.png"), full_page=False)
+
+        tracebacks = [
+            t
+            for t in page.locator(
+                ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
+            ).all_inner_texts()
+            if "Traceback" in t or "Error" in t
+        ]
+        assert not tracebacks, f"error outputs in the notebook: {tracebacks[:2]}"
+        assert page.locator(".jupyter-widgets").count() > 0
+        assert page.locator(".widget-button").count() >= 3, "the Explorer's buttons did not render"
+        buttons = " ".join(page.locator(".widget-button").all_inner_texts())
+        assert "Step" in buttons, f"no Step button among {buttons!r}"
+        assert page.locator("div[data-root-id] canvas, .bk-root canvas").count() > 0, "no bokeh canvas"
+        svgs = page.locator(".jp-RenderedSVG svg, .jp-RenderedImage svg, [data-mime-type='image/svg+xml'] svg")
+        assert svgs.count() >= 2, "the graphviz drawings did not render"
+        assert "matmul" in svgs.first.inner_html(), "the graph drawing does not show the matmul op"
+        assert not [e for e in console_errors if "bokeh" in e.lower()], f"bokeh errors: {console_errors}"
+    finally:
+        if context is not None:
+            with contextlib.suppress(Exception):
+                context.close()
+        if pw is not None:
+            with contextlib.suppress(Exception):
+                pw.stop()
+        _stop(lab)

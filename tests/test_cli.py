@@ -1,0 +1,75 @@
+"""The command line contract (DESIGN §3.2): flags, JSON keys, files, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hapnb.cli import main
+
+SMALL = ["--model", "mlp", "--layers", "2", "--set", "hidden=64", "--set", "input=32", "--batch", "16"]
+PLAN_KEYS = {"cost_s", "lower_bound_s", "synthesis_s", "expansions", "iterations", "ratios", "program", "stages",
+             "baselines", "devices"}  # fmt: skip
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_json_keys_and_files(capsys, tmp_path):
+    plan_path, report = tmp_path / "plan.json", tmp_path / "report.html"
+    rc, out, _ = run(capsys, "plan", *SMALL, "--cluster", "2xV100+2xP100", "--json", "-o", str(plan_path),
+                     "--report", str(report))  # fmt: skip
+    assert rc == 0
+    d = json.loads(out)
+    assert set(d) == PLAN_KEYS
+    assert set(d["baselines"]) == {"dp_ev", "dp_cp"}
+    assert d["devices"] == ["v100-0", "v100-1", "p100-0", "p100-1"]
+    assert len(d["ratios"]) == 1 and len(d["ratios"][0]) == 4
+    assert d["lower_bound_s"] <= d["cost_s"] <= min(d["baselines"].values()) * (1 + 1e-9)
+    assert json.loads(plan_path.read_text())["format"] == 1
+    html = report.read_text()
+    assert "<html" in html.lower() and "cdn.bokeh.org" not in html
+
+    rc, out, _ = run(capsys, "simulate", str(plan_path), "--json")
+    sim = json.loads(out)
+    assert rc == 0 and sim["iteration_s"] == pytest.approx(d["cost_s"])
+    assert [x["name"] for x in sim["devices"]] == d["devices"]
+    assert all({"name", "peak_memory_bytes", "oom"} <= set(x) for x in sim["devices"])
+
+
+def test_plan_with_pins_and_ratios(capsys):
+    rc, out, _ = run(capsys, "plan", *SMALL, "--cluster", "2xV100+2xP100", "--json", "--no-baselines",
+                     "--pin", "layers.0.weight=G0", "--ratios", "0.4,0.3,0.2,0.1")  # fmt: skip
+    assert rc == 0
+    d = json.loads(out)
+    assert d["ratios"][0] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    assert any(line.startswith("layers.0.weight:G0 = load") for line in d["program"])
+
+
+def test_compare_json(capsys):
+    rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "paper-hetero-8", "--json")
+    d = json.loads(out)
+    assert rc == 0 and {"hap", "dp_ev", "dp_cp"} <= set(d)
+    assert d["hap"] <= min(d.values()) * (1 + 1e-9)
+
+
+def test_errors_are_clear(capsys):
+    rc, _, err = run(capsys, "plan", "--model", "nope", "--cluster", "2xA100")
+    assert rc == 2 and "nope" in err
+    rc, _, err = run(capsys, "plan", *SMALL, "--cluster", "2xA100", "--pin", "zzz=G0")
+    assert rc == 2 and "zzz" in err
+    rc, _, err = run(capsys, "simulate", "/no/such/plan.json")
+    assert rc == 2 and "no plan file" in err
+
+
+def test_python_m_hapnb_is_the_same_program():
+    out = subprocess.run([sys.executable, "-m", "hapnb", "plan", *SMALL, "--cluster", "2xV100+2xP100", "--json",
+                          "--no-baselines"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout)) == PLAN_KEYS
