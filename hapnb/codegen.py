@@ -325,7 +325,7 @@ def generate(
     strat_fn = strategies or rules.strategies
     local_fn = localize or rules.localize
     if weights is None:
-        weights = program_weights(g) if any(g.tensors[t].role != "input" for t in g.params) else {}
+        weights = program_weights(g) if g.params else {}
     ops_by_name = {op.name: op for op in g.ops}
 
     def lengths(name: str, dim: int, where: str) -> tuple[int, ...]:

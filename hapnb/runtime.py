@@ -303,11 +303,10 @@ class VerifyReport:
             f"{self.steps} steps, {self.dtype}, max relative error {self.max_rel:.3e} "
             f"(rtol {self.rtol:g}, atol {self.atol:g}), {self.seconds:.1f} s"
         )
-        rows = self.checks if not self.ok else ()
         lines = [head]
-        if rows:
-            lines.append("  max relative error per tensor:")
-            for c in sorted(rows, key=lambda c: (c.ok, -c.rel)):
+        if not self.ok:
+            lines.append("  max relative error per tensor (worst first):")
+            for c in sorted(self.checks, key=lambda c: (c.ok, -c.rel)):
                 mark = "ok  " if c.ok else "FAIL"
                 extra = f"  ({c.detail})" if c.detail else ""
                 lines.append(f"  {mark} {c.kind:6s} {c.name:40s} {c.rel:.3e}{extra}")
@@ -564,11 +563,16 @@ def verify(
             shutil.rmtree(work, ignore_errors=True)
 
 
+_ZOO_FLAGS = ("layers", "batch", "seq", "hidden", "heads", "vocab", "input")
+
+
 def verify_main(args: Any) -> int:
     """``hapnb verify`` (argparse namespace): exit status 0 only when the plan matches one device.
 
-    Reads ``plan`` (a plan JSON path) or ``model`` + ``cluster`` (+ ``pin`` NAME=FORM list, ``layers``,
-    ``batch``, ``seq``), and ``nproc``, ``backend``, ``steps``, ``dtype``, ``timeout`` when present.
+    Reads ``plan`` (a plan JSON path) or ``model`` + ``cluster`` (+ ``pin`` NAME=FORM list, ``ratios``
+    "r1,r2,...", zoo options ``layers``, ``batch``, ``seq``, ``hidden``, ``heads``, ``vocab``, ``input``),
+    and ``nproc``, ``backend``, ``steps``, ``dtype``, ``timeout``, ``json`` when present. Prints the
+    report (on a mismatch: the max relative error of every tensor, worst first).
     """
     get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
     try:
@@ -578,13 +582,16 @@ def verify_main(args: Any) -> int:
             from .optimize import synthesize
 
             pins = {}
-            for p in get("pin") or ():
+            for p in get("pin") or get("pins") or ():
                 k, sep, v = str(p).partition("=")
                 if not sep:
                     raise ValueError(f"--pin {p!r}: use NAME=FORM, e.g. x=Shard(0)")
                 pins[k] = v
-            zoo_opts = {k: get(k) for k in ("layers", "batch", "seq") if get(k) is not None}
-            plan = synthesize(get("model"), get("cluster"), pins=pins or None, **zoo_opts)
+            zoo_opts = {k: get(k) for k in _ZOO_FLAGS if get(k) is not None}
+            ratios = get("ratios")
+            if isinstance(ratios, str):
+                ratios = [float(x) for x in ratios.split(",")]
+            plan = synthesize(get("model"), get("cluster"), pins=pins or None, ratios=ratios, **zoo_opts)
         else:
             print("hapnb verify: give --plan PLAN or --model NAME --cluster SPEC", file=sys.stderr)
             return 2
@@ -600,11 +607,10 @@ def verify_main(args: Any) -> int:
     except (VerifyError, BundleError, CodegenError, ValueError, FileNotFoundError) as e:
         print(f"hapnb verify: {e}", file=sys.stderr)
         return 1
-    print(report.text())
-    if not report.ok:
-        print("max relative error per tensor:")
-        for name, err in sorted(report.errors().items(), key=lambda kv: -kv[1]):
-            print(f"  {name}: {err:.3e}")
+    if get("json"):
+        print(json.dumps({"ok": report.ok, "max_rel": report.max_rel, "errors": report.errors()}))
+    else:
+        print(report.text())
     return 0 if report.ok else 1
 
 
