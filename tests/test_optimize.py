@@ -129,3 +129,15 @@ def test_plan_json_rejects_bad_input(tmp_path):
         Plan.load(bad)
     with pytest.raises(ValueError, match="malformed"):
         Plan.from_json({"format": 1, "name": "x"})
+
+
+def test_virtual_devices_add_inner_data_parallel_sync():
+    phys = hap.Cluster.preset("paper-hetero-16")
+    virt = phys.virtual()
+    assert virt.n == 8 and all(d.gpus == 2 for d in virt.devices)
+    g_opts = {**zoo.TINY["gpt"], "batch": 16}
+    plan = hap.synthesize("gpt", virt, **g_opts)
+    assert plan.cost_s >= plan.lower_bound_s
+    # the same devices as single GPUs with the same total throughput: no inner sync, so cheaper or equal
+    flat = virt.replace(devices=tuple(d.__class__(**{**d.__dict__, "gpus": 1}) for d in virt.devices))
+    assert hap.synthesize("gpt", flat, **g_opts).cost_s < plan.cost_s

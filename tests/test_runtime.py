@@ -61,6 +61,7 @@ def _descendants_alive(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.slow
 def test_verify_uneven_two_ranks(dp_plan: Plan) -> None:
     tp = _mlp("2xV100", [0.7, 0.3])  # the searched (tensor-parallel) program
     assert any(i.kind == "load" and i.form.startswith("G") and "weight" in i.tensor for i in tp.program)
@@ -74,6 +75,7 @@ def test_verify_uneven_two_ranks(dp_plan: Plan) -> None:
     assert "OK" in report.text() and "OK" in report._repr_html_()
 
 
+@pytest.mark.slow
 def test_verify_main_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # data parallel with sufficient-factor broadcasting, rank 1 gets no samples
     plan = _mlp("3xV100", [0.5, 0.0, 0.5], pins=DP_PINS)
@@ -86,6 +88,7 @@ def test_verify_main_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFix
     assert "OK on 3 ranks" in out
 
 
+@pytest.mark.slow
 def test_corrupted_plan_fails_with_a_report(
     dp_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -107,6 +110,7 @@ def test_corrupted_plan_fails_with_a_report(
     assert not any("layers.0.weight" in ln and "grad" in ln for ln in fail_lines), out
 
 
+@pytest.mark.slow
 def test_crashing_rank_gives_its_traceback(dp_plan: Plan) -> None:
     # y is cut 5/3 while the activations are cut 6/2: the loss op fails on every rank
     lengths = tuple((t, d, (5, 3) if t == "y" else ls) for t, d, ls in dp_plan.lengths)
@@ -115,6 +119,7 @@ def test_crashing_rank_gives_its_traceback(dp_plan: Plan) -> None:
         verify(broken, nproc=2, steps=1, timeout=60)
 
 
+@pytest.mark.slow
 def test_hung_rank_is_killed(tmp_path: Path) -> None:
     with pytest.raises(VerifyError, match="still running after") as info:
         spawn_ranks(
@@ -155,6 +160,7 @@ def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:
         write_bundle(dp_plan, tmp_path / "b3", model=wrong_model, example_inputs=wrong_inputs)
 
 
+@pytest.mark.slow
 def test_worker_cli_metrics(dp_plan: Plan, tmp_path: Path) -> None:
     d = write_bundle(dp_plan, tmp_path / "bundle")
     metrics = tmp_path / "m{rank}.jsonl"
@@ -185,6 +191,7 @@ def test_worker_cli_reports_bad_bundle(tmp_path: Path) -> None:
     assert "is not a hapnb bundle" in r.stderr
 
 
+@pytest.mark.slow
 def test_distribute_and_full_state_dict_round_trip(tmp_path: Path) -> None:
     out = tmp_path / "trained.pt"
     args = [

@@ -145,3 +145,50 @@ def test_step_events_and_frontier():
     assert s.done and s.best is not None and s.best.complete
     assert s.best.cost == pytest.approx(Search(th, Cluster.parse("2xV100+2xP100")).run().cost)
     assert s.stats["expansions"] >= 1
+
+
+def test_sfb_chosen_for_small_batch_large_weight_and_not_otherwise():
+    g = S.mlp_graph(batch=8, dims=(4096, 4096, 4096))
+    th = theory(g, S.strategies)
+    c = Cluster.parse("2xV100+2xP100")
+    res = Search(th, c, pins={"x": G(0)}).run()
+    first = res.program[0]
+    assert first.strategy.name == "sfb"
+    assert [ld.sfb for ld in first.loads if g.tensors[ld.tensor].role == "param"] == [True]
+    # with SFB switched off the search falls back to all-reducing the weight gradients, at a higher cost
+    off = Search(th, c, pins={"x": G(0)}, options={"sfb": False}).run()
+    assert off.cost > res.cost
+    # a big batch makes the sufficient factors larger than the gradient: plain data parallel wins
+    g2 = S.mlp_graph(batch=65536, dims=(64, 64, 64))
+    th2 = theory(g2, S.strategies)
+    res2 = Search(th2, c, pins={"x": G(0)}).run()
+    assert "sfb" not in {st.strategy.name for st in res2.program}
+
+
+def _gather_graph():
+    """x -> mm (data parallel, w pinned I) -> sum replicated: the activation must be all-gathered."""
+    b = S.Builder()
+    x = b.tensor("x", (1024, 256), "input")
+    w = b.tensor("w", (256, 256), "param")
+    h = b.op("mm", [x, w], (1024, 256), 2.0 * 1024 * 256 * 256)
+    loss = b.op("sum", [h], (), 1024 * 256.0)
+    return b.build(loss)
+
+
+def _gather_strategies(graph, op):
+    out = S.strategies(graph, op)
+    if op.target == "sum":  # force the all-gather: only the replicated sum is allowed
+        return [s for s in out if s.name == "replicated"]
+    return [s for s in out if s.name == "data"]
+
+
+def test_grouped_broadcast_wins_on_skewed_ratios_padded_on_even():
+    th = theory(_gather_graph(), _gather_strategies)
+    c = Cluster.parse("8xP100")
+
+    def gather_kind(ratios):
+        res = Search(th, c, ratios=ratios, pins={"x": G(0), "w": I}).run()
+        return [cv.name for st in res.program for cv in st.conversions]
+
+    assert gather_kind([1.0] * 8) == ["all_gather"]  # even: no padding, one launch
+    assert gather_kind([0.93] + [0.01] * 7) == ["grouped_all_gather"]  # skewed: padding would be 8x
