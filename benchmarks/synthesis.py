@@ -47,7 +47,14 @@ def cluster_json(kind: str) -> dict:
         "name": kind,
         "dtype_bytes": 4,
         "devices": [
-            {"name": f"d{j}", "kind": "custom", "flops": float(f), "memory_bytes": 32 << 30, "machine": f"m{j}", "gpus": 1}
+            {
+                "name": f"d{j}",
+                "kind": "custom",
+                "flops": float(f),
+                "memory_bytes": 32 << 30,
+                "machine": f"m{j}",
+                "gpus": 1,
+            }
             for j, f in enumerate(flops)
         ],
         "collectives": {k: {"latency_s": 0.0, "bandwidth_Bps": float(v)} for k, v in HAP_BW.items()},

@@ -17,7 +17,8 @@ import importlib
 from typing import Any
 
 from .cluster import Cluster, Collective, Device
-from .forms import G, I, R, Partial, Replicate, Shard, parse_form, shard_lengths
+from .forms import G, I, Partial, R, Replicate, Shard, parse_form, shard_lengths
+
 # these functions share their module's name (DESIGN §3.1): importing them here binds the name to the
 # function for good (Python sets a package attribute to a submodule only on the submodule's first import)
 from .launch import launch

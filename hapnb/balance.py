@@ -141,7 +141,8 @@ def balance(
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
     prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
     r = [
-        [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)] for s in range(S)
+        [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)]
+        for s in range(S)
     ]
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"

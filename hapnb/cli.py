@@ -20,29 +20,53 @@ DEMO_CLUSTER = "paper-hetero-8"
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required, help="zoo model (mlp, vgg19, vit, bert, bert-moe, gpt) or pkg.mod:factory")
+    p.add_argument(
+        "--model",
+        required=required,
+        help="zoo model (mlp, vgg19, vit, bert, bert-moe, gpt) or pkg.mod:factory",
+    )
     p.add_argument("--layers", type=int, help="number of layers (zoo models)")
     p.add_argument("--batch", type=int, help="global batch size (default 32 per device)")
     p.add_argument("--seq", type=int, help="sequence length (language models)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="other model options, e.g. --set hidden=64 --set heads=4 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="other model options, e.g. --set hidden=64 --set heads=4 (repeatable)",
+    )
 
 
 def _cluster_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--cluster", required=required, help="preset name, cluster JSON path, or inline like 2xV100+6xP100")
+    p.add_argument(
+        "--cluster", required=required, help="preset name, cluster JSON path, or inline like 2xV100+6xP100"
+    )
 
 
 def _pin_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pin", action="append", default=[], metavar="NAME=FORM",
-                   help="pin a tensor's form, e.g. --pin layers.0.fc1.weight=G1 (I, R, Gd, Shard(d), Replicate)")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME=FORM",
+        help="pin a tensor's form, e.g. --pin layers.0.fc1.weight=G1 (I, R, Gd, Shard(d), Replicate)",
+    )
     p.add_argument("--ratios", help="fixed ratios r1,r2,... (one per device; no LP)")
-    p.add_argument("--ratio-pin", action="append", default=[], metavar="DEVICE=VALUE|LO:HI",
-                   help="pin a device's ratio or bound it, e.g. --ratio-pin v100-0=0.3 --ratio-pin p100-1=0.05:0.2")
+    p.add_argument(
+        "--ratio-pin",
+        action="append",
+        default=[],
+        metavar="DEVICE=VALUE|LO:HI",
+        help="pin a device's ratio or bound it, e.g. --ratio-pin v100-0=0.3 --ratio-pin p100-1=0.05:0.2",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hapnb", description="Synthesize, explain, verify and launch SPMD training "
-                                 "programs for heterogeneous GPU clusters (HAP).")
+    ap = argparse.ArgumentParser(
+        prog="hapnb",
+        description="Synthesize, explain, verify and launch SPMD training "
+        "programs for heterogeneous GPU clusters (HAP).",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="synthesize a plan")
@@ -76,9 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .launch import add_launch_args
     from .profile import add_calibrate_args, add_profile_args
 
-    add_launch_args(sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)"))
+    add_launch_args(
+        sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
+    )
     add_profile_args(sub.add_parser("profile", help="profile devices and collectives -> cluster JSON"))
-    add_calibrate_args(sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time"))
+    add_calibrate_args(
+        sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time")
+    )
 
     p = sub.add_parser("theory", help="list or check the rules")
     p.add_argument("--check", action="store_true")
@@ -234,8 +262,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from .optimize import baselines, synthesize
 
     c = Cluster.preset(DEMO_CLUSTER)
-    print(f"hapnb demo: planning {DEMO_MODEL} (paper configuration: 12 layers, hidden 768, seq 128, batch "
-          f"{32 * c.n}) on {DEMO_CLUSTER}: {c}")
+    print(
+        f"hapnb demo: planning {DEMO_MODEL} (paper configuration: 12 layers, hidden 768, seq 128, batch "
+        f"{32 * c.n}) on {DEMO_CLUSTER}: {c}"
+    )
     t0 = time.perf_counter()
     plan = synthesize(DEMO_MODEL, c)
     print(f"(trace + synthesis {time.perf_counter() - t0:.1f} s)")
@@ -250,8 +280,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from . import runtime
 
     small = Cluster.parse("1xV100+3xP100")
-    print(f"\nverifying a small {DEMO_MODEL} (2 layers, hidden 32) planned on {small} against one device "
-          "(4 local gloo ranks, float64)...")
+    print(
+        f"\nverifying a small {DEMO_MODEL} (2 layers, hidden 32) planned on {small} against one device "
+        "(4 local gloo ranks, float64)..."
+    )
     splan = synthesize(DEMO_MODEL, small, layers=2, hidden=32, heads=4, seq=16, vocab=128, batch=8)
     rep = runtime.verify(splan, nproc=small.n, steps=2)
     print(rep)

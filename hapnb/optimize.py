@@ -84,7 +84,9 @@ def assign_segments(graph: Graph, segments: Any) -> Graph:
     elif callable(segments):
         label = segments
     else:
-        raise ValueError(f"segments={segments!r}: use None, 'layer', a mapping module-prefix -> label, or a function")
+        raise ValueError(
+            f"segments={segments!r}: use None, 'layer', a mapping module-prefix -> label, or a function"
+        )
     labels: dict[Any, int] = {"": 0}
     ops = []
     for op in graph.ops:
@@ -198,7 +200,9 @@ def synthesize(
         while it < limit:
             it += 1
             res, s = search(B, form_pins)
-            improved = consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds)
+            improved = consider(
+                res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds
+            )
             if fixed is not None or not improved:
                 break
             if _same_ratios(best[3], B):  # type: ignore[index]
@@ -376,14 +380,28 @@ def make_plan(
             if cv.name == "reshard":
                 dst = f"{cv.dst}@{cv.segment}"
                 resharded[cv.tensor] = dst
-                emit(Instruction(
-                    "collective", "reshard", stage, tensor=name(cv.tensor), src=str(cv.src), form=dst,
-                    lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
-                ))
+                emit(
+                    Instruction(
+                        "collective",
+                        "reshard",
+                        stage,
+                        tensor=name(cv.tensor),
+                        src=str(cv.src),
+                        form=dst,
+                        lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
+                    )
+                )
             else:
-                emit(Instruction(
-                    "collective", cv.name, stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
-                ))
+                emit(
+                    Instruction(
+                        "collective",
+                        cv.name,
+                        stage,
+                        tensor=name(cv.tensor),
+                        src=str(cv.src),
+                        form=str(cv.dst),
+                    )
+                )
             for f in (cv.src, cv.dst):
                 if f.kind == "G":
                     used.add((cv.tensor, f.dim))

@@ -231,7 +231,9 @@ class Search:
                 for t, f in needs:
                     a = cm.segment_of[t]
                     if f.kind == "G" and a != op.segment:
-                        if th.lengths(t, f.dim, self.ratios[a]) != th.lengths(t, f.dim, self.ratios[op.segment]):
+                        if th.lengths(t, f.dim, self.ratios[a]) != th.lengths(
+                            t, f.dim, self.ratios[op.segment]
+                        ):
                             resh.append(Conversion(t, "reshard", f, f, op.segment))
                 comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs, tuple(resh)))
             if not comp_list:
@@ -352,7 +354,9 @@ class Search:
                 return 0.0
             best = inf
             for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                best = min(best, sum(tm.time(self.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b))))
+                best = min(
+                    best, sum(tm.time(self.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b)))
+                )
             return best
 
         # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
@@ -663,7 +667,7 @@ class Search:
     def frontier(self) -> list[SearchNode]:
         """Open partial programs, best score first."""
         live = []
-        for score, _, nid in sorted(self._heap):
+        for _score, _, nid in sorted(self._heap):
             node = self._nodes[nid]
             entries = self._seen.get((node.pos, node.props, node.comm), [])
             if node.complete or any(b is node.base and a is node.acc for b, a in entries):

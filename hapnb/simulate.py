@@ -58,8 +58,13 @@ class Timeline:
         return {
             "iteration_s": self.iteration_s,
             "devices": [
-                {"name": d, "peak_memory_bytes": m, "capacity_bytes": c, "oom": m > c,
-                 "busy_fraction": self.busy_fraction()[d]}
+                {
+                    "name": d,
+                    "peak_memory_bytes": m,
+                    "capacity_bytes": c,
+                    "oom": m > c,
+                    "busy_fraction": self.busy_fraction()[d],
+                }
                 for d, m, c in zip(self.devices, self.peak_memory_bytes, self.memory_capacity_bytes)
             ],
             "segments": [[s.device, s.stage, s.kind, s.start_s, s.end_s] for s in self.segments],

@@ -83,12 +83,11 @@ class Triple:
 
         i = self.instr
         if i.kind == "compute":
-            label = f"{graph.ops[i.op].target.split('.')[1] if '.' in graph.ops[i.op].target else ''}"
-            label = f"{graph.ops[i.op].name}[{i.strategy.name}]" if i.strategy else label
+            label = f"{graph.ops[i.op].name}[{i.name}]"
         elif i.kind == "load":
             label = f"load {graph.tensors[i.tensor].name}"
         else:
-            label = f"{i.name}"
+            label = i.name
         return f"{{{props(self.pre)}}} {label} {{{props(self.post)}}}"
 
 

@@ -17,7 +17,9 @@ from hapnb.rules import Strategy
 def strategies(graph: Graph, op: Op) -> list[Strategy]:
     t = graph.tensors
     F = op.flops
-    out: list[Strategy] = [Strategy("replicated", tuple(I for _ in op.inputs), tuple(I for _ in op.outputs), 0.0, 3 * F)]
+    out: list[Strategy] = [
+        Strategy("replicated", tuple(I for _ in op.inputs), tuple(I for _ in op.outputs), 0.0, 3 * F)
+    ]
     if op.target == "mm":  # x[b,k] @ w[k,n]
         out += [
             Strategy("data", (G(0), I), (G(0),), 3 * F, 0.0),
@@ -60,13 +62,31 @@ class Builder:
 
     def build(self, loss: int, name: str = "synthetic") -> Graph:
         ts = tuple(
-            TensorRef(i, d["name"], d["shape"], "float32", d["role"], d["producer"], tuple(dict.fromkeys(d["consumers"])),
-                      d["role"] == "param")
+            TensorRef(
+                i,
+                d["name"],
+                d["shape"],
+                "float32",
+                d["role"],
+                d["producer"],
+                tuple(dict.fromkeys(d["consumers"])),
+                d["role"] == "param",
+            )
             for i, d in enumerate(self.tensors)
         )
         ops = tuple(
-            Op(i, f"{d['target']}_{i}", d["target"], tuple(d["inputs"]), tuple(d["outputs"]),
-               tuple(TensorArg(k) for k in range(len(d["inputs"]))), (), "", float(d["flops"]), "test")
+            Op(
+                i,
+                f"{d['target']}_{i}",
+                d["target"],
+                tuple(d["inputs"]),
+                tuple(d["outputs"]),
+                tuple(TensorArg(k) for k in range(len(d["inputs"]))),
+                (),
+                "",
+                float(d["flops"]),
+                "test",
+            )
             for i, d in enumerate(self.ops)
         )
         inputs = tuple(t.id for t in ts if t.role == "input")

@@ -19,7 +19,9 @@ def _dp_program(th):
     prog = []
     for op in g.ops:
         s = next(s for s in th.strategies[op.id] if s.name in ("data", "G0"))
-        loads = tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role in ("input", "param"))
+        loads = tuple(
+            Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role in ("input", "param")
+        )
         prog.append(Step(op.id, s, loads))
     return prog
 
@@ -31,7 +33,9 @@ def test_compute_only_gives_throughput_proportional_ratios():
     # drop the gradient all-reduce: load weights sharded (a compute-only program)
     prog = []
     for st in _dp_program(th):
-        loads = tuple(Load(ld.tensor, ld.form if g.tensors[ld.tensor].role == "input" else G(0)) for ld in st.loads)
+        loads = tuple(
+            Load(ld.tensor, ld.form if g.tensors[ld.tensor].role == "input" else G(0)) for ld in st.loads
+        )
         prog.append(Step(st.op, st.strategy, loads))
     res = balance(CostModel(th, c), prog)
     assert res.ratios[0] == pytest.approx((0.5, 0.25, 0.125, 0.125), abs=1e-6)

@@ -14,8 +14,13 @@ from hapnb.forms import G, I, R
 from hapnb.search import PinError, Search
 from hapnb.theory import LOADABLE_ROLES, theory
 
-CONV = {("G", "I"): ["all_gather", "grouped_all_gather"], ("R", "I"): ["all_reduce"],
-        ("R", "G"): ["reduce_scatter", "grouped_reduce_scatter"], ("G", "G"): ["all_to_all"], ("I", "G"): ["slice"]}
+CONV = {
+    ("G", "I"): ["all_gather", "grouped_all_gather"],
+    ("R", "I"): ["all_reduce"],
+    ("R", "G"): ["reduce_scatter", "grouped_reduce_scatter"],
+    ("G", "G"): ["all_to_all"],
+    ("I", "G"): ["slice"],
+}
 
 
 def brute_force(th, cluster, ratios, sfb=True):
@@ -34,8 +39,13 @@ def brute_force(th, cluster, ratios, sfb=True):
             return
         op = g.ops[i]
         for s in th.strategies[i]:
-            if s.sfb and (not sfb or any(g.tensors[t].role == "param" and f == I and n_cons[t] > 1
-                                         for t, f in zip(op.inputs, s.inputs))):
+            if s.sfb and (
+                not sfb
+                or any(
+                    g.tensors[t].role == "param" and f == I and n_cons[t] > 1
+                    for t, f in zip(op.inputs, s.inputs)
+                )
+            ):
                 continue
             needs = list(dict.fromkeys(zip(op.inputs, s.inputs)))
             options = []
@@ -53,7 +63,11 @@ def brute_force(th, cluster, ratios, sfb=True):
                     ok = False
                     break
                 else:
-                    opts = [Conversion(t, n, src, f) for src in sorted(have) for n in CONV.get((src.kind, f.kind), [])]
+                    opts = [
+                        Conversion(t, n, src, f)
+                        for src in sorted(have)
+                        for n in CONV.get((src.kind, f.kind), [])
+                    ]
                     if not opts:
                         ok = False
                         break
@@ -72,7 +86,9 @@ def brute_force(th, cluster, ratios, sfb=True):
                     nf[c.tensor].add(c.dst)
                 for t, f in zip(op.outputs, s.outputs):
                     nf.setdefault(t, set()).add(f)
-                rec(i + 1, nf, converted | {c.tensor for c in convs}, program + [Step(op.id, s, loads, convs)])
+                rec(
+                    i + 1, nf, converted | {c.tensor for c in convs}, program + [Step(op.id, s, loads, convs)]
+                )
 
     rec(0, {}, frozenset(), [])
     return best[0], best[1]
