@@ -57,7 +57,7 @@ class CodegenError(ValueError):
 
 
 #: hapnb.collectives functions that communicate (what the plan's communicating instructions become)
-COLLECTIVE_FUNCTIONS = (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all)
+COLLECTIVE_FUNCTIONS = (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.reshard)
 
 DROPOUT_TARGETS = ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default")
 _NATIVE_DROPOUT = "aten.native_dropout.default"
@@ -352,6 +352,7 @@ def generate(
     root = torch.nn.Module()
     used: set[str] = set()
     env: dict[tuple[int, Form], fx.Node] = {}
+    tagged: dict[tuple[int, Form, str], tuple[fx.Node, tuple[int, ...]]] = {}  # re-cut at a segment edge
     notes: list[str] = []
 
     # ------------------------------------------------------------------ placeholders (user inputs)
@@ -433,6 +434,19 @@ def generate(
             )
         return nd
 
+    def fetch(tid: int, text: str, where: str) -> tuple[fx.Node, tuple[int, ...] | None]:
+        """The node of ``tensor:text`` and, for a segment-tagged form (``G1@2``), its re-cut lengths."""
+        f, tag = _split_form(text)
+        if not tag:
+            return need(tid, f, where), None
+        ent = tagged.get((tid, f, tag))
+        if ent is None:
+            raise CodegenError(
+                f"{where}: needs {g.tensors[tid].name}:{text}, which no earlier reshard produced; "
+                "the plan's program is out of order or corrupt"
+            )
+        return ent
+
     # ------------------------------------------------------------------ walk the program
     for k, ins in enumerate(plan.program):
         where = f"instruction {k} ({ins})"
@@ -483,13 +497,20 @@ def generate(
                 t = g.tensor(ins.tensor)
             except KeyError as e:
                 raise CodegenError(f"{where}: {e}") from None
-            src, dst = parse_form(ins.src), parse_form(ins.form)
-            x = need(t.id, src, where)
+            (src, _), (dst, dst_tag) = _split_form(ins.src), _split_form(ins.form)
+            x, src_lens = fetch(t.id, ins.src, where)
+
+            def cut(
+                f: Form, given: tuple[int, ...] | None, _t: str = t.name, _w: str = where
+            ) -> tuple[int, ...]:
+                return given if given is not None else lengths(_t, f.dim, _w)
+
             nm = tname(t.name, dst)
             name = ins.name
+            new_lens: tuple[int, ...] | None = None
             if name in ("all_gather", "grouped_all_gather"):
                 _expect(where, src.kind == "G" and dst == I, name)
-                ls = lengths(t.name, src.dim, where)
+                ls = cut(src, src_lens)
                 nd = emit(C.all_gather, (x, src.dim, ls), {"padded": name == "all_gather"}, nm)
             elif name in ("reduce_scatter", "grouped_reduce_scatter"):
                 _expect(where, src == R and dst.kind == "G", name)
@@ -500,9 +521,15 @@ def generate(
                 nd = emit(C.all_reduce, (x,), name=nm)
             elif name == "all_to_all":
                 _expect(where, src.kind == "G" and dst.kind == "G" and src.dim != dst.dim, name)
-                cl = lengths(t.name, src.dim, where)
+                cl = cut(src, src_lens)
                 sl = lengths(t.name, dst.dim, where)
                 nd = emit(C.all_to_all, (x, src.dim, dst.dim, cl, sl), name=nm)
+            elif name == "reshard":
+                _expect(where, src.kind == "G" and dst == src, name)
+                new_lens = tuple(int(v) for v in getattr(ins, "lengths", ()) or ())
+                if len(new_lens) != n:
+                    raise CodegenError(f"{where}: a reshard needs the {n} new shard lengths, got {new_lens}")
+                nd = emit(C.reshard, (x, src.dim, cut(src, src_lens), new_lens), name=nm)
             elif name == "slice":
                 _expect(where, src == I and dst.kind == "G", name)
                 nd = emit(C.shard, (x, dst.dim, lengths(t.name, dst.dim, where)), name=nm)
@@ -511,7 +538,10 @@ def generate(
                 nd = emit(C.to_partial, (x,), name=nm)
             else:
                 raise CodegenError(f"{where}: unknown collective {name!r}")
-            env[(t.id, dst)] = nd
+            if dst_tag:
+                tagged[(t.id, dst, dst_tag)] = (nd, new_lens if new_lens is not None else ())
+            else:
+                env[(t.id, dst)] = nd
             continue
 
         if ins.kind != "compute":
@@ -519,14 +549,21 @@ def generate(
         op = ops_by_name.get(ins.op)
         if op is None:
             raise CodegenError(f"{where}: the graph has no op named {ins.op!r}")
-        in_forms = tuple(parse_form(f) for _, f in ins.inputs)
+        in_forms = tuple(_split_form(f)[0] for _, f in ins.inputs)
         out_forms = tuple(parse_form(f) for _, f in ins.outputs)
         if len(in_forms) != len(op.inputs) or len(out_forms) != len(op.outputs):
             raise CodegenError(
                 f"{where}: op {op.name} has {len(op.inputs)} inputs and {len(op.outputs)} outputs but the "
                 f"instruction gives {len(in_forms)} and {len(out_forms)} forms"
             )
-        args_nodes = [need(tid, f, where) for tid, f in zip(op.inputs, in_forms)]
+        args_nodes = []
+        recut: dict[tuple[int, int], tuple[int, ...]] = {}  # inputs re-cut for this op's segment
+        for tid, (_, text) in zip(op.inputs, ins.inputs):
+            node, lens = fetch(tid, text, where)
+            args_nodes.append(node)
+            f0 = _split_form(text)[0]
+            if lens is not None and f0.kind == "G":
+                recut[(tid, f0.dim)] = lens
         if not dropout and op.target in DROPOUT_TARGETS + (_NATIVE_DROPOUT,):
             if out_forms[0] != in_forms[0]:
                 raise CodegenError(f"{where}: dropout changes the form {in_forms[0]} -> {out_forms[0]}")
@@ -543,9 +580,10 @@ def generate(
             )
         from .rules import LocalContext
 
-        def ctx_lengths(tid: int, dim: int, _w: str = where) -> tuple[int, ...]:
-            return lengths(g.tensors[tid].name, dim, _w)
+        def ctx_lengths(tid: int, dim: int, _w: str = where, _r: dict = recut) -> tuple[int, ...]:
+            return _r.get((tid, dim)) or lengths(g.tensors[tid].name, dim, _w)
 
+        _check_cuts(g, op, strat, ctx_lengths, where)
         try:
             call = local_fn(g, op, strat, LocalContext(rank, n, ctx_lengths))
         except CodegenError:
@@ -594,6 +632,33 @@ def generate(
         fingerprint=g.fingerprint,
         notes=tuple(notes),
     )
+
+
+def _check_cuts(
+    g: Graph, op: Op, strat: Any, lengths: Callable[[int, int], tuple[int, ...]], where: str
+) -> None:
+    """All G-form dims of one strategy are one partition: their per-rank lengths must be proportional to
+    the dims' sizes. A mismatch means tensors cut for different ratio segments meet without a reshard."""
+    pairs = [(t, f.dim) for t, f in zip(op.inputs, strat.inputs) if f.kind == "G"]
+    pairs += [(t, f.dim) for t, f in zip(op.outputs, strat.outputs) if f.kind == "G"]
+    if len(pairs) < 2:
+        return
+    t0, d0 = pairs[0]
+    s0, l0 = g.tensors[t0].shape[d0], lengths(t0, d0)
+    for t, d in pairs[1:]:
+        s, ls = g.tensors[t].shape[d], lengths(t, d)
+        if any(a * s != b * s0 for a, b in zip(l0, ls)):
+            raise CodegenError(
+                f"{where}: {g.tensors[t0].name} dim {d0} is cut {l0} but {g.tensors[t].name} dim {d} is cut "
+                f"{ls}; op {op.name} needs both cut alike (tensors from different ratio segments meet "
+                "without a reshard). The plan is inconsistent: re-synthesize it, or without segments"
+            )
+
+
+def _split_form(text: str) -> tuple[Form, str]:
+    """``"G1@2"`` -> ``(G(1), "@2")`` (a G form re-cut for segment 2's ratios); ``"I"`` -> ``(I, "")``."""
+    base, sep, tag = text.partition("@")
+    return parse_form(base), sep + tag
 
 
 def _expect(where: str, ok: bool, name: str) -> None:

@@ -48,7 +48,8 @@ class Term:
         if self.slope == 0.0:
             return self.const
         if self.segment2 >= 0:
-            return self.const + self.slope * reshard_share(ratios[self.segment], ratios[self.segment2])
+            share = reshard_share(ratios[self.segment], ratios[self.segment2])
+            return self.const + self.slope * share if share > 0 else 0.0
         return self.const + self.slope * max(ratios[self.segment])
 
 
@@ -252,11 +253,18 @@ class CostModel:
         return tuple(v)
 
     # ------------------------------------------------------------------ programs
-    def stages(self, program: Sequence[Step]) -> list[list[int]]:
-        """Group step indices into stages: a step that communicates starts a new stage."""
+    def stages(self, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None) -> list[list[int]]:
+        """Group step indices into stages: a step that communicates starts a new stage. A reshard moves
+        data only where the segments' ratios differ: with ``ratios`` it counts when it moves data, without
+        (the LP's view) it never starts a stage."""
         out: list[list[int]] = []
         for i, st in enumerate(program):
-            if not out or self.step_terms(st):
+            terms = self.step_terms(st)
+            if ratios is None:
+                comm = any(tm.segment2 < 0 for tm in terms)
+            else:
+                comm = any(tm.time(ratios) > 0 for tm in terms)
+            if not out or comm:
                 out.append([i])
             else:
                 out[-1].append(i)
@@ -265,7 +273,7 @@ class CostModel:
     def evaluate(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> Evaluation:
         stages = []
         total = 0.0
-        for k, idx in enumerate(self.stages(program)):
+        for k, idx in enumerate(self.stages(program, ratios)):
             comm = sum(tm.time(ratios) for tm in self.step_terms(program[idx[0]]))
             comp = [0.0] * self.n
             for i in idx:

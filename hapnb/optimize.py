@@ -493,6 +493,11 @@ def memory_estimate(plan: Plan, th: Theory) -> tuple[int, ...]:
             k = 4.0 if t.role == "param" else 1.0
             for j, b in enumerate(local(ins.tensor, ins.form)):
                 mem[j] += k * b
+        elif ins.kind == "collective" and ins.name == "reshard":
+            t = g.tensor(ins.tensor)
+            d = parse_form(ins.src).dim
+            for j, x in enumerate(ins.lengths):
+                mem[j] += t.nbytes / t.shape[d] * x
         elif ins.kind == "collective":
             for j, b in enumerate(local(ins.tensor, ins.form)):
                 mem[j] += b

@@ -249,7 +249,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "name": self.name,
             "graph_fingerprint": self.graph_fingerprint,
-            "model": self.model_spec,
+            "model": _jsonable(self.model) if self.model else None,
             "cluster": self.cluster.to_json(),
             "ratios": [list(r) for r in self.ratios],
             "program": [i.to_json() for i in self.program],

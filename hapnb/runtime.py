@@ -352,6 +352,12 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
+def _peer_loss(text: str) -> bool:
+    """Whether a rank's output says it failed only because a peer went away."""
+    keys = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
+    return any(k in text for k in keys)
+
+
 def _tail(path: Path, limit: int = 6000) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -402,13 +408,22 @@ def spawn_ranks(
             codes = [p.poll() for p in procs]
             bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                time.sleep(0.3)  # let a crashing peer finish writing its traceback
-                r = bad[0]
-                others = ", ".join(str(x) for x in bad[1:])
+                # a crashed rank may still be tearing down while its peers already report the lost
+                # connection: wait a little, then blame a rank whose traceback is not a peer loss
+                grace = time.monotonic() + 3.0
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
+                codes = [p.poll() for p in procs]
+                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                texts = [_tail(log) for log in logs]
+                root = [r for r in range(nproc) if "Traceback" in texts[r] and not _peer_loss(texts[r])]
+                r = (root or bad)[0]
+                others = ", ".join(str(x) for x in bad if x != r)
                 raise VerifyError(
-                    f"rank {r} of {nproc} failed (exit status {codes[r]})"
+                    f"rank {r} of {nproc} failed"
+                    + (f" (exit status {codes[r]})" if codes[r] is not None else "")
                     + (f"; ranks {others} failed too" if others else "")
-                    + f". Its output:\n{_tail(logs[r])}"
+                    + f". Its output:\n{texts[r]}"
                 )
             if all(c == 0 for c in codes):
                 return [_tail(log, 1 << 20) for log in logs]
@@ -499,6 +514,8 @@ def verify(
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
         bundle = load_bundle(bdir)
+        for r in range(n):  # codegen errors surface here, clearly, before any process starts
+            generate(bundle.plan, bundle.graph, r, dropout=False)
         out = work / "ranks"
         args = [
             "-m",

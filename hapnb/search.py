@@ -111,7 +111,7 @@ class _Compiled:
     comp: tuple[float, ...]
     out_bits: int
     needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
-    reshards: tuple[Conversion, ...] = ()  # G inputs from another segment whose cut differs
+    reshards: tuple[Conversion, ...] = ()  # G inputs from another segment (re-cut for this op's ratios)
 
 
 @dataclass
@@ -231,10 +231,9 @@ class Search:
                 for t, f in needs:
                     a = cm.segment_of[t]
                     if f.kind == "G" and a != op.segment:
-                        if th.lengths(t, f.dim, self.ratios[a]) != th.lengths(
-                            t, f.dim, self.ratios[op.segment]
-                        ):
-                            resh.append(Conversion(t, "reshard", f, f, op.segment))
+                        # always recorded (free while the two segments' cuts agree), so that the LP may
+                        # change the segments' ratios independently
+                        resh.append(Conversion(t, "reshard", f, f, op.segment))
                 comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs, tuple(resh)))
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -83,6 +84,10 @@ def _start_lab(tmp: Path, port: int) -> tuple[subprocess.Popen, Path]:
     (config / "labconfig").mkdir(parents=True)
     disabled = {"@jupyterlab/apputils-extension:announcements": True}
     (config / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": disabled}))
+    # render every cell (no windowing), so the checks see outputs below the fold too
+    tracker = tmp / "lab-settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text(json.dumps({"windowingMode": "none"}))
     env = dict(
         os.environ,
         JUPYTER_CONFIG_DIR=str(config),
@@ -102,13 +107,32 @@ def _start_lab(tmp: Path, port: int) -> tuple[subprocess.Popen, Path]:
     return proc, log
 
 
+def _prompts(page) -> list[str]:
+    return [p.strip() for p in page.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()]
+
+
+def _run_all_from_menu(page, tries: int = 4) -> None:
+    """Click Run > Run All Cells until a cell starts (the first click can land before the kernel is
+    connected, when the command is still disabled)."""
+    for _ in range(tries):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if any(p not in ("", "[ ]:") for p in _prompts(page)):
+                return
+            time.sleep(0.3)
+        page.keyboard.press("Escape")
+    raise RuntimeError(f"Run > Run All Cells started no cell after {tries} tries: prompts {_prompts(page)[:3]}")
+
+
 def _wait_all_run(page, n_code: int, timeout: float) -> None:
     """Every code cell shows an execution count (no ``[*]`` / blank prompt) and the kernel is idle."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
-        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
-        done = [p for p in prompts if p.strip().startswith("[") and p.strip()[1:-2].strip().isdigit()]
+        prompts = _prompts(page)
+        done = [p for p in prompts if p.startswith("[") and p[1:-2].strip().isdigit()]
         idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
         last = f"{len(done)}/{n_code} cells done, prompts {prompts[-3:]}, idle={idle}"
         if len(done) >= n_code and idle:
@@ -146,8 +170,7 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         page.goto(f"{base}/lab/tree/{NOTEBOOK.name}", timeout=90_000)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        _run_all_from_menu(page)
         _wait_all_run(page, n_code, RUN_TIMEOUT_S)
         page.wait_for_selector(".jupyter-widgets .widget-button", timeout=30_000)
         page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=30_000)
@@ -166,9 +189,15 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         buttons = " ".join(page.locator(".widget-button").all_inner_texts())
         assert "Step" in buttons, f"no Step button among {buttons!r}"
         assert page.locator("div[data-root-id] canvas, .bk-root canvas").count() > 0, "no bokeh canvas"
-        svgs = page.locator(".jp-RenderedSVG svg, .jp-RenderedImage svg, [data-mime-type='image/svg+xml'] svg")
-        assert svgs.count() >= 2, "the graphviz drawings did not render"
-        assert "matmul" in svgs.first.inner_html(), "the graph drawing does not show the matmul op"
+        # JupyterLab shows image/svg+xml outputs as <img src="data:image/svg+xml,..."> (or inline <svg>)
+        drawings = [
+            urllib.parse.unquote(src)
+            for src in page.locator(".jp-RenderedSVG img").evaluate_all("els => els.map(e => e.src)")
+        ] + page.locator(".jp-RenderedSVG svg").evaluate_all("els => els.map(e => e.outerHTML)")
+        assert len(drawings) >= 3, f"expected the graph, search-tree and proof drawings, got {len(drawings)}"
+        assert all("<svg" in d for d in drawings), "a drawing output is not SVG"
+        assert "matmul" in drawings[0], "the graph drawing does not show the matmul op"
+        assert page.locator(".jp-RenderedSVG img").first.evaluate("e => e.naturalWidth") > 0
         assert not [e for e in console_errors if "bokeh" in e.lower()], f"bokeh errors: {console_errors}"
     finally:
         if context is not None:

@@ -189,9 +189,19 @@ def test_clear_errors(mlp3: Plan) -> None:
         )
     with pytest.raises(ValueError, match="out of range"):
         generate(mlp3, mlp3.graph, 3)
+    # an op whose G tensors are cut differently (e.g. two ratio segments meeting without a reshard)
+    recut = tuple((t, d, (20, 12, 0) if t == "relu" else ls) for t, d, ls in mlp3.lengths)
+    with pytest.raises(CodegenError, match="cut alike"):
+        generate(dataclasses.replace(mlp3, lengths=recut), mlp3.graph, 0)
 
 
 def test_collective_functions_are_the_communicating_ones() -> None:
     from hapnb import collectives as C
 
-    assert set(COLLECTIVE_FUNCTIONS) == {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all}
+    assert set(COLLECTIVE_FUNCTIONS) == {
+        C.all_gather,
+        C.reduce_scatter,
+        C.all_reduce,
+        C.all_to_all,
+        C.reshard,
+    }

@@ -141,3 +141,13 @@ def test_virtual_devices_add_inner_data_parallel_sync():
     # the same devices as single GPUs with the same total throughput: no inner sync, so cheaper or equal
     flat = virt.replace(devices=tuple(d.__class__(**{**d.__dict__, "gpus": 1}) for d in virt.devices))
     assert hap.synthesize("gpt", flat, **g_opts).cost_s < plan.cost_s
+
+
+def test_per_layer_segments_run_exactly():
+    """Segments with different ratios meet through reshards; the program still equals one device."""
+    from hapnb import runtime
+
+    plan = hap.synthesize("gpt", "2xV100+1xP100", segments="layer", **{**zoo.TINY["gpt"], "layers": 3})
+    assert len({r for r in plan.ratios}) > 1  # the LP gave the segments different ratios
+    assert any(i.name == "reshard" for i in plan.program)
+    assert runtime.verify(plan, nproc=3, steps=2).ok

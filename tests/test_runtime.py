@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hapnb import zoo
-from hapnb.codegen import generate, program_weights
+from hapnb.codegen import CodegenError, generate, program_weights
 from hapnb.optimize import synthesize
 from hapnb.plan import Plan
 from hapnb.runtime import (
@@ -110,13 +110,27 @@ def test_corrupted_plan_fails_with_a_report(
     assert not any("layers.0.weight" in ln and "grad" in ln for ln in fail_lines), out
 
 
-@pytest.mark.slow
-def test_crashing_rank_gives_its_traceback(dp_plan: Plan) -> None:
-    # y is cut 5/3 while the activations are cut 6/2: the loss op fails on every rank
+def test_inconsistent_cuts_are_refused_before_any_rank_starts(dp_plan: Plan) -> None:
+    # y is cut 5/3 while the activations are cut 6/2: the loss op could not run on any rank
     lengths = tuple((t, d, (5, 3) if t == "y" else ls) for t, d, ls in dp_plan.lengths)
     broken = dataclasses.replace(dp_plan, lengths=lengths)
-    with pytest.raises(VerifyError, match=r"(?s)rank \d of 2 failed.*Traceback"):
+    with pytest.raises(CodegenError, match=r"y dim 0 is cut \(5, 3\)"):
         verify(broken, nproc=2, steps=1, timeout=60)
+
+
+@pytest.mark.slow
+def test_crashing_rank_gives_its_traceback(tmp_path: Path) -> None:
+    script = (
+        "import os, time\n"
+        "print(os.getpid(), flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('rank one exploded')\n"
+        "time.sleep(60)\n"
+    )
+    with pytest.raises(VerifyError, match=r"(?s)rank 1 of 2 failed.*Traceback.*rank one exploded"):
+        spawn_ranks(2, ["-c", script], tmp_path, 30)
+    pids = [int((tmp_path / f"rank{r}.log").read_text().split()[0]) for r in range(2)]
+    assert _descendants_alive(pids) == []  # the surviving rank was killed
 
 
 @pytest.mark.slow
