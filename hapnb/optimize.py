@@ -181,6 +181,7 @@ def synthesize(
         it: int,
         exp: int,
         s_sec: float,
+        source: str = "search",
     ) -> bool:
         nonlocal best
         if fixed is not None:
@@ -190,7 +191,9 @@ def synthesize(
             ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)
-        history.append(Round(it, cost_before, cost_k, ratios_k, exp, s_sec, b_sec, len(prog), accepted))
+        history.append(
+            Round(it, cost_before, cost_k, ratios_k, exp, s_sec, b_sec, len(prog), accepted, source)
+        )
         if accepted:
             best = (cost_k, prog, extra, ratios_k)
         return accepted
@@ -222,7 +225,15 @@ def synthesize(
                 continue  # the same program was balanced already
             tried.add(res.program)
             it += 1
-            if consider(res.program, s.final_conversions(), res.cost, it, s.stats["expansions"], res.seconds):
+            if consider(
+                res.program,
+                s.final_conversions(),
+                res.cost,
+                it,
+                s.stats["expansions"],
+                res.seconds,
+                f"seed {_name}",
+            ):
                 it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
     assert best is not None
     cost, prog, extra, ratios_best = best
@@ -463,7 +474,11 @@ def make_plan(
         fallback_ops=fallback,
         model=freeze_mapping(model),
         options=freeze_mapping(
-            {**(options or {}), "inputs": [t.name for t in g.tensors if t.role == "input"]}
+            {
+                **(options or {}),
+                "inputs": [t.name for t in g.tensors if t.role == "input"],
+                "params": [t.name for t in g.tensors if t.role == "param"],
+            }
         ),
         synthesis_s=synthesis_s,
         graph=g,

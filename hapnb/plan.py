@@ -125,6 +125,7 @@ class Round:
     balance_s: float
     instructions: int
     accepted: bool
+    source: str = "search"  # "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev" (a baseline program)
 
 
 def _tuplify(x: Any) -> Any:
@@ -219,14 +220,28 @@ class Plan:
         ]
         if self.history:
             lines.append(
-                "  Q/B rounds: "
+                "  Q/B rounds (ms): "
                 + " -> ".join(
-                    f"{r.balanced_cost_s * 1e3:.3f}" + ("" if r.accepted else " (stop)") for r in self.history
+                    ("" if r.source == "search" else f"[{r.source}] ")
+                    + f"{r.balanced_cost_s * 1e3:.3f}"
+                    + (" *" if r.accepted else "")
+                    for r in self.history
                 )
-                + " ms"
+                + "   (* = new best)"
             )
         comm = sum(1 for i in self.program if i.communicates)
-        lines.append(f"  {comm} collectives; synthesis {self.synthesis_s:.2f} s")
+        synced = sum(
+            1
+            for i in self.program
+            if i.kind == "load"
+            and i.name == "load"
+            and i.form == "I"
+            and i.tensor in dict(self.options).get("params", ())
+        )
+        lines.append(
+            f"  {comm} collectives in the program, {synced} replicated parameters (gradient all-reduce); "
+            f"synthesis {self.synthesis_s:.2f} s"
+        )
         if self.fallback_ops:
             lines.append(
                 f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}"
