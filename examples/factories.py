@@ -98,3 +98,31 @@ def prenorm_lm(
     model = PrenormLM(vocab, hidden, heads, layers, seq)
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+class CumulativeMixLM(nn.Module):
+    """A tiny LM whose token mixing is a running log-sum-exp over the sequence (``torch.logcumsumexp``,
+    an op without a sharding rule: it runs replicated and the plan lists it)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norm1 = nn.LayerNorm(hidden)
+        self.mix = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + torch.logcumsumexp(self.mix(self.norm1(h)), dim=1)
+        logits = self.head(self.norm2(h))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def cumulative_mix_lm(
+    batch: int = 4, seq: int = 8, vocab: int = 64, hidden: int = 32
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`CumulativeMixLM` on random tokens (next-token targets)."""
+    model = CumulativeMixLM(vocab, hidden)
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

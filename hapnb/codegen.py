@@ -301,6 +301,8 @@ def generate(
     replaces dropout by identity (exact verification). ``dtype`` (e.g. ``torch.float64``) casts floating
     weights and float32 dtype constants in op arguments. ``weights`` overrides the weights taken from
     ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
+    A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.expand.expand_virtual`):
+    ``rank`` then counts physical GPUs.
     """
     from . import rules
 
@@ -317,6 +319,10 @@ def generate(
         )
     if inputs not in ("full", "local"):
         raise ValueError(f"inputs must be 'full' or 'local', got {inputs!r}")
+    from .expand import expand_virtual, has_virtual
+
+    if has_virtual(plan):  # virtual devices: rank = one physical GPU of the expanded plan
+        plan = expand_virtual(plan, g, strategies=strategies)
     n = plan.cluster.n
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is out of range for a plan on {n} devices")

@@ -644,10 +644,10 @@ def _step_text(step: Any) -> str:
 
 
 def _plan_devices(path: Path) -> int | None:
-    """Number of devices of a plan JSON (read as plain JSON; None if unreadable)."""
+    """Ranks a plan JSON needs: its GPUs, a virtual device counting its ``gpus`` (None if unreadable)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return len(data["cluster"]["devices"])
+        return sum(int(d.get("gpus", 1)) for d in data["cluster"]["devices"])  # one rank per GPU
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -664,7 +664,7 @@ def _prepare_bundle(
         else:
             target = Path(bundle_dir)
         out = Path(plan_or_bundle.bundle(target) or target)
-        return out, tmp, plan_or_bundle.cluster.n
+        return out, tmp, plan_or_bundle.cluster.gpus
     if not isinstance(plan_or_bundle, (str, os.PathLike)):
         raise TypeError(
             "launch needs a Plan, a bundle directory or a plan JSON path, "
@@ -680,9 +680,9 @@ def _prepare_bundle(
         if bundle_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="hapnb-bundle-"))
             out = Path(plan.bundle(tmp / "bundle") or tmp / "bundle")
-            return out, tmp, plan.cluster.n
+            return out, tmp, plan.cluster.gpus
         out = Path(plan.bundle(Path(bundle_dir)) or bundle_dir)
-        return out, None, plan.cluster.n
+        return out, None, plan.cluster.gpus
     raise FileNotFoundError(
         f"{str(path)!r} is neither a bundle directory nor a plan JSON file; make one with "
         "`hapnb plan ... -o plan.json` or plan.bundle(dir)"

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .codegen import CodegenError, RankProgram, generate, reference_module, reference_params
+from .expand import expand_virtual, has_virtual
 from .graph import Graph
 from .plan import Plan
 
@@ -489,6 +490,9 @@ def verify(
 ) -> VerifyReport:
     """Run ``plan`` on ``nproc`` local ranks and compare with the single-device program.
 
+    ``nproc`` defaults to the plan's GPUs: one rank per device, or, for a plan over virtual devices
+    (``gpus > 1``), one rank per physical GPU of its expansion (:func:`hapnb.expand.expand_virtual`).
+
     Compares the summed loss at every step, every parameter gradient after the first backward (sharded
     gradients concatenated; a replicated gradient on every rank) and every weight after ``steps``
     optimizer steps. Dropout is off in both runs; ``dtype`` (default float64) casts weights and float
@@ -496,14 +500,17 @@ def verify(
     folder to keep the bundle and rank outputs in (default: a temporary folder, removed).
     """
     t0 = time.perf_counter()
-    n = plan.cluster.n
+    n = plan.cluster.gpus
     if nproc is None:
         nproc = n
     if nproc != n:
-        raise ValueError(
-            f"plan {plan.name} is for {n} devices ({', '.join(plan.devices)}); verify it with nproc={n}, "
-            f"not {nproc}"
+        what = (
+            f"{n} GPUs ({plan.cluster.n} virtual devices of "
+            f"{'+'.join(str(d.gpus) for d in plan.cluster.devices)} GPUs, one rank per GPU)"
+            if has_virtual(plan)
+            else f"{n} devices ({', '.join(plan.devices)})"
         )
+        raise ValueError(f"plan {plan.name} is for {what}; verify it with nproc={n}, not {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < n:
         raise ValueError(f"backend nccl needs {n} CUDA devices, this machine has {torch.cuda.device_count()}")
     if rtol is None:
@@ -514,8 +521,11 @@ def verify(
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
         bundle = load_bundle(bdir)
+        # a plan over virtual devices runs as its expansion over the physical GPUs (hapnb.expand); the
+        # bundle keeps the plan as given and every worker expands it the same way
+        physical = expand_virtual(bundle.plan, bundle.graph)
         for r in range(n):  # codegen errors surface here, clearly, before any process starts
-            generate(bundle.plan, bundle.graph, r, dropout=False)
+            generate(physical, bundle.graph, r, dropout=False)
         out = work / "ranks"
         args = [
             "-m",
@@ -612,7 +622,7 @@ def verify_main(args: Any) -> int:
         else:
             print("hapnb verify: give --plan PLAN or --model NAME --cluster SPEC", file=sys.stderr)
             return 2
-        nproc = get("nproc") or plan.cluster.n
+        nproc = get("nproc") or plan.cluster.gpus
         report = verify(
             plan,
             nproc=nproc,
@@ -676,8 +686,8 @@ def distribute(
             "torch.distributed.init_process_group() first (or use hapnb.verify for a local check)"
         )
     n, rank = dist.get_world_size(), dist.get_rank()
-    if n != plan.cluster.n:
-        raise ValueError(f"plan {plan.name} is for {plan.cluster.n} devices but the job has {n} ranks")
+    if n != plan.cluster.gpus:
+        raise ValueError(f"plan {plan.name} is for {plan.cluster.gpus} GPUs but the job has {n} ranks")
     if model is None:
         g, _ = resolve_graph(plan, None, example_inputs)
     else:
@@ -687,6 +697,7 @@ def distribute(
                 raise ValueError("distribute(model, plan) needs example_inputs=(...) to trace the model")
             example_inputs = ex
         g, _ = resolve_graph(plan, model, example_inputs)
+    plan = expand_virtual(plan, g)  # a virtual plan runs one rank per physical GPU
     prog = generate(plan, g, rank, inputs=inputs)
     dev = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
     dm = DistributedModule(prog, plan)

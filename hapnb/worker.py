@@ -132,15 +132,16 @@ def run_worker(
 
     from . import collectives as C
     from .codegen import generate
+    from .expand import physical_plan
     from .runtime import load_bundle
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
     bundle = load_bundle(bundle_dir)
-    plan = bundle.plan
+    plan = physical_plan(bundle.plan, bundle.graph)  # virtual devices: one rank per physical GPU
     if world_size != plan.cluster.n:
         raise ValueError(
-            f"the plan in {bundle_dir} is for {plan.cluster.n} devices ({', '.join(plan.devices)}) "
+            f"the plan in {bundle_dir} is for {plan.cluster.n} GPUs ({', '.join(plan.devices)}) "
             f"but the job has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
         )
     created = False

@@ -1,0 +1,76 @@
+"""The generated programs equal the single-device program (DESIGN §7): every zoo model on several
+clusters (uneven ratios, a zero-length shard), with pins, and model code that is not in the zoo.
+Each case runs the distributed program on local gloo ranks in float64 and compares the loss, every
+gradient and the weights after optimizer steps with one device (hapnb.verify)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hapnb as hap
+from hapnb import zoo
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    # name: (cluster, fixed ratios or None for the LP's)
+    "hetero3": ("2xV100+1xP100", None),
+    "pair": ("1xA100+1xP100", None),
+    "zero-shard": ("1xV100+2xP100", [0.55, 0.45, 0.0]),
+}
+
+
+def _verify(plan: hap.Plan, n: int) -> None:
+    rep = hap.verify(plan, nproc=n, steps=2)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+def test_zoo_model_equals_one_device(name: str, case: str) -> None:
+    spec, ratios = CASES[case]
+    c = hap.Cluster.parse(spec)
+    opts = dict(zoo.TINY[name])
+    if name == "bert-moe":
+        opts["experts"] = 2 * c.n
+    plan = hap.synthesize(name, c, ratios=ratios, **opts)
+    if ratios is not None and 0.0 in ratios:
+        assert any(0 in ls for _, _, ls in plan.lengths)  # some tensor really has an empty shard
+    _verify(plan, c.n)
+
+
+@pytest.mark.parametrize(
+    ("name", "pins"),
+    [
+        ("gpt", {"blocks.0.fc1.weight": hap.Shard(0), "blocks.0.fc2.weight": hap.Shard(1)}),
+        ("bert", {"embed.weight": hap.Shard(0)}),
+        ("mlp", {"x": hap.Replicate(), "layers.0.weight": hap.Shard(0)}),
+    ],
+)
+def test_pinned_plans_equal_one_device(name: str, pins: dict) -> None:
+    c = hap.Cluster.parse("2xV100+1xP100")
+    g_model, inputs, _ = zoo.build(name, devices=c.n, **zoo.TINY[name])
+    g = hap.trace(g_model, inputs, name=name)
+    pins = {k: v for k, v in pins.items() if any(t.name == k for t in g.tensors)}
+    assert pins, "the pinned tensors exist in the model"
+    plan = hap.synthesize(name, c, pins=pins, **zoo.TINY[name])
+    for k, v in pins.items():
+        assert str(v) in plan.form_of(k)
+    _verify(plan, c.n)
+
+
+@pytest.mark.parametrize("factory", ["examples.factories:small_convnet", "examples.factories:prenorm_lm",
+                                     "examples.factories:cumulative_mix_lm"])  # fmt: skip
+def test_model_code_outside_the_zoo(factory: str) -> None:
+    c = hap.Cluster.parse("1xV100+2xP100")
+    plan = hap.synthesize(factory, c)
+    if factory.endswith("cumulative_mix_lm"):
+        assert [t for _, t in plan.fallback_ops] == ["aten.logcumsumexp.default"]
+    _verify(plan, c.n)
+
+
+def test_torch_transformer_layer_model() -> None:
+    """nn.TransformerEncoderLayer (PyTorch's own attention, which folds the batch into other dims)."""
+    c = hap.Cluster.parse("1xA100+1xP100")
+    plan = hap.synthesize("vit", c, attention="torch", **zoo.TINY["vit"])
+    _verify(plan, c.n)
