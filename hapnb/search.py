@@ -348,15 +348,20 @@ class Search:
                 v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
             return v
 
+        conv_cache: dict[tuple[int, Form, Form], float] = {}
+
         def conv(ti: int, a: Form, b: Form) -> float:
             if a == b:
                 return 0.0
-            best = inf
-            for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                best = min(
-                    best, sum(tm.time(self.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b)))
-                )
-            return best
+            key = (ti, a, b)
+            v = conv_cache.get(key)
+            if v is None:
+                v = inf
+                for name in _CONVERSIONS.get((a.kind, b.kind), ()):
+                    cv = Conversion(ti, name, a, b)
+                    v = min(v, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
+                conv_cache[key] = v
+            return v
 
         # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
         spine_at: list[int | None] = [None] * (n_ops + 1)
@@ -373,13 +378,14 @@ class Search:
                 k_out = op.outputs.index(out)
                 nxt = V[i + 1]
                 row: dict[Form, float] = {}
+                locals_ = [local(i, c) for c in comp]
                 for f in th.forms[src]:
                     best = inf
-                    for c in comp:
+                    for c, lc in zip(comp, locals_):
                         cv = conv(src, f, c.strategy.inputs[k_in])
                         if cv == inf:
                             continue
-                        best = min(best, cv + local(i, c) + nxt.get(c.strategy.outputs[k_out], inf))
+                        best = min(best, cv + lc + nxt.get(c.strategy.outputs[k_out], inf))
                     row[f] = best
                 V[i] = row
                 cur = src
