@@ -138,7 +138,7 @@ def synthesize(
     loss: Any = None,
     options: Mapping[str, bool] | None = None,
     max_iterations: int = 10,
-    max_expansions: int | None = None,
+    max_expansions: int | None = 30_000,
     max_seconds: float | None = None,
     segments: Any = None,
     seed_baselines: bool = True,
@@ -148,6 +148,9 @@ def synthesize(
 ) -> Plan:
     """Synthesize a plan: the program Q and ratios B minimising the per-iteration time.
 
+    ``max_expansions`` / ``max_seconds`` bound each A* search (the default budget proves optimality for
+    the paper's transformers many times over; when a search hits it, the best program found by A* plus
+    greedy dives is used and ``plan.stats["optimal"]`` is False).
     ``segments``: ``None`` (one ratio vector), ``"layer"`` or markers (see :func:`assign_segments`).
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or a list of
     per-device ratios (one list, or one per segment) to use as they are (no LP).
@@ -318,6 +321,7 @@ def baselines(
     cluster: Cluster | str,
     *,
     example_inputs: Sequence[Any] | None = None,
+    max_expansions: int | None = 30_000,
     **zoo_options: Any,
 ) -> dict[str, Plan]:
     """Data parallel with even (``dp_ev``) and throughput-proportional (``dp_cp``) ratios, and Megatron-style
@@ -331,7 +335,7 @@ def baselines(
         t0 = time.perf_counter()
         try:
             s = Search(th, c, ratios=ratios, pins=pins, options=opts)
-            res = s.run()
+            res = s.run(max_expansions=max_expansions)
         except (NoProgramError, ValueError):
             continue
         st = s.stats

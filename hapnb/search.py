@@ -140,6 +140,7 @@ class _Node:
     score: float
     complete: bool = False
     extra: tuple[Conversion, ...] = field(default=())
+    expanded: bool = False
 
 
 class Search:
@@ -558,6 +559,8 @@ class Search:
         while self._heap:
             score, _, nid = heapq.heappop(self._heap)
             node = self._nodes[nid]
+            if node.expanded:
+                continue  # already expanded by a dive
             entries = self._seen.get((node.pos, node.props, node.comm), [])
             if not node.complete and not any(b is node.base and a is node.acc for b, a in entries):
                 continue  # superseded by a dominating program with the same properties
@@ -586,16 +589,28 @@ class Search:
         if node.complete:
             self._stats.seconds += time.perf_counter() - t0
             return SearchEvent(self.node(nid), (), (), True)
-        self._stats.expansions += 1
-        kids, pruned = self._children(nid, record=True)
+        kids, pruned = self._expand(nid, record=True)
         self._stats.seconds += time.perf_counter() - t0
         return SearchEvent(self.node(nid), tuple(self.node(k) for k in kids), tuple(pruned), self.done)
 
     def run(
-        self, max_expansions: int | None = None, max_seconds: float | None = None, progress: bool = False
+        self,
+        max_expansions: int | None = None,
+        max_seconds: float | None = None,
+        progress: bool = False,
+        dives: int = 32,
     ) -> SearchResult:
-        """Search until the best complete program is proven optimal (or a limit is hit)."""
+        """Search until the best complete program is proven optimal (or a limit is hit).
+
+        Before the A* loop, a greedy dive (always the child with the lowest score) finds a complete
+        program whose cost then prunes every partial program that cannot beat it; if a limit stops the
+        search before any complete program is known, a last dive from the best open program completes
+        one, and up to ``dives`` dives from the best open programs try to improve it. ``optimal`` in the
+        result says whether the best program was proven optimal.
+        """
         t0 = time.perf_counter()
+        if self._best is None and self.options.get("dive", True) and self._heap:
+            self._dive(self._heap[0][2])
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -614,19 +629,18 @@ class Search:
                 if self._nodes[nid].complete:
                     heapq.heappush(self._heap, (self._nodes[nid].score, -1, nid))
                     break
-                self._stats.expansions += 1
                 n += 1
-                self._children(nid, record=False)
+                self._expand(nid, record=False)
                 if bar is not None and n % 200 == 0:
                     bar.update(200)
         finally:
             if bar is not None:
                 bar.close()
             self._stats.seconds += time.perf_counter() - t0
+        if not self.done:
+            self._improve_by_dives(dives)
         if self._best is None:
-            if self.done:
-                raise NoProgramError(self._explain_no_program())
-            raise NoProgramError("the search stopped (limit reached) before finding any complete program")
+            raise NoProgramError(self._explain_no_program())
         return SearchResult(
             self.program(self._best),
             self._nodes[self._best].base,
@@ -634,6 +648,33 @@ class Search:
             self._stats.expansions,
             time.perf_counter() - t0,
         )
+
+    def _expand(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
+        self._nodes[nid].expanded = True
+        self._stats.expansions += 1
+        return self._children(nid, record)
+
+    def _dive(self, nid: int) -> None:
+        """Greedy descent: expand, follow the child with the lowest score, until a complete program."""
+        while not self._nodes[nid].complete:
+            kids, _ = self._expand(nid, record=False)
+            if not kids:
+                return  # every child was pruned here: leave the rest to A*
+            nid = min(kids, key=lambda k: (self._nodes[k].score, k))
+
+    def _improve_by_dives(self, count: int) -> None:
+        """A limit stopped A*: dive from the most promising open programs (lowest score first) to
+        complete them greedily, keeping the best complete program found (not proven optimal)."""
+        tried = 0
+        while (tried < count or self._best is None) and self._heap:
+            nid = self._pop()
+            if nid is None:
+                break
+            if self._nodes[nid].complete:
+                heapq.heappush(self._heap, (self._nodes[nid].score, -1, nid))
+                break
+            self._dive(nid)
+            tried += 1
 
     def _explain_no_program(self) -> str:
         pins = ", ".join(f"{self.graph.tensors[t].name}={f}" for t, f in self.pins.items())

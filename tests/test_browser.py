@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,19 +112,49 @@ def _prompts(page) -> list[str]:
     return [p.strip() for p in page.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()]
 
 
-def _run_all_from_menu(page, tries: int = 4) -> None:
-    """Click Run > Run All Cells until a cell starts (the first click can land before the kernel is
-    connected, when the command is still disabled)."""
+def _dismiss_dialogs(page, seen: list[str]) -> None:
+    """Accept any modal dialog (e.g. JupyterLab's kernel chooser when the session starts slowly) and
+    remember its text for the failure message."""
+    dialogs = page.locator(".jp-Dialog")
+    for _ in range(3):
+        if dialogs.count() == 0:
+            return
+        seen.append(" ".join(dialogs.first.inner_text().split())[:300])
+        accept = dialogs.first.locator(".jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        time.sleep(0.5)
+
+
+def _run_all_from_menu(page, dialogs: list[str], tries: int = 4) -> None:
+    """Click Run > Run All Cells until every cell is queued (the first click can land before the kernel
+    is connected, when the command is still disabled; the last cell's prompt turns to ``[*]``)."""
+    from playwright.sync_api import Error as PlaywrightError
+
     for _ in range(tries):
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-        deadline = time.monotonic() + 15
+        _dismiss_dialogs(page, dialogs)
+        try:
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click(timeout=10_000)
+            item = page.locator(".lm-Menu-item[data-command='runmenu:run-all']")
+            if item.count() == 0:  # another JupyterLab version: find it by its label
+                item = page.locator(".lm-Menu-item", has_text=re.compile(r"^Run All Cells"))
+            item.first.click(timeout=10_000)
+        except PlaywrightError:  # a dialog popped up over the menu: dismiss it and try again
+            page.keyboard.press("Escape")
+            continue
+        deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            if any(p not in ("", "[ ]:") for p in _prompts(page)):
+            prompts = _prompts(page)
+            if prompts and prompts[-1] not in ("", "[ ]:"):
                 return
             time.sleep(0.3)
         page.keyboard.press("Escape")
-    raise RuntimeError(f"Run > Run All Cells started no cell after {tries} tries: prompts {_prompts(page)[:3]}")
+    raise RuntimeError(
+        f"Run > Run All Cells did not queue the cells after {tries} tries: prompts {_prompts(page)[-3:]}, "
+        f"dialogs seen: {dialogs}"
+    )
 
 
 def _wait_all_run(page, n_code: int, timeout: float) -> None:
@@ -138,12 +169,16 @@ def _wait_all_run(page, n_code: int, timeout: float) -> None:
         if len(done) >= n_code and idle:
             return
         time.sleep(0.5)
-    raise TimeoutError(f"notebook did not finish within {timeout:.0f} s: {last}")
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    shown = "\n".join(t[-1500:] for t in errors.all_text_contents()[:2])
+    raise TimeoutError(f"notebook did not finish within {timeout:.0f} s: {last}\n{shown}")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+    )
     if shutil.which("dot") is None:
         pytest.skip("graphviz 'dot' is not installed (apt-get install -y graphviz): no drawing to check")
     (tmp_path / "nb").mkdir()
@@ -153,6 +188,7 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
     lab: subprocess.Popen | None = None
     pw = context = None
     console_errors: list[str] = []
+    dialogs: list[str] = []
     try:
         lab, log = _start_lab(tmp_path, port)
         base = f"http://127.0.0.1:{port}"
@@ -170,18 +206,19 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         page.goto(f"{base}/lab/tree/{NOTEBOOK.name}", timeout=90_000)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        _run_all_from_menu(page)
+        _run_all_from_menu(page, dialogs)
+        if dialogs:
+            print("dismissed JupyterLab dialogs:", dialogs)
         _wait_all_run(page, n_code, RUN_TIMEOUT_S)
         page.wait_for_selector(".jupyter-widgets .widget-button", timeout=30_000)
         page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=30_000)
-        page.screenshot(path=str(tmp_path / "screenshot.png"), full_page=False)
 
         tracebacks = [
             t
             for t in page.locator(
                 ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
             ).all_inner_texts()
-            if "Traceback" in t or "Error" in t
+            if "Traceback" in t
         ]
         assert not tracebacks, f"error outputs in the notebook: {tracebacks[:2]}"
         assert page.locator(".jupyter-widgets").count() > 0
@@ -199,6 +236,18 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         assert "matmul" in drawings[0], "the graph drawing does not show the matmul op"
         assert page.locator(".jp-RenderedSVG img").first.evaluate("e => e.naturalWidth") > 0
         assert not [e for e in console_errors if "bokeh" in e.lower()], f"bokeh errors: {console_errors}"
+
+        # the widget talks to the kernel: Reset, then Step, and the panel reports the new search state
+        panel = page.locator(".jupyter-widgets").first
+        panel.locator(".widget-button", has_text="Reset").first.click()
+        panel.get_by_text(re.compile(r"\b0 expansions")).first.wait_for(timeout=30_000)
+        panel.locator(".widget-button", has_text=re.compile(r"^\W*Step$")).first.click()
+        panel.get_by_text(re.compile(r"\b1 expansions?")).first.wait_for(timeout=30_000)
+    except BaseException:
+        if context is not None and context.pages:
+            with contextlib.suppress(Exception):
+                context.pages[0].screenshot(path=str(tmp_path / "failure.png"))
+        raise
     finally:
         if context is not None:
             with contextlib.suppress(Exception):

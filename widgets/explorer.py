@@ -240,7 +240,7 @@ class Explorer:
         bar.value = 0
         while not self.search.done:
             try:
-                self.search.run(max_expansions=chunk)
+                self.search.run(max_expansions=chunk, dives=0)
             except NoProgramError:
                 if self.search.done:
                     raise
