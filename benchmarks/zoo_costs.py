@@ -45,6 +45,7 @@ def main() -> None:
                 "synthesis_s": plan.synthesis_s,
                 "trace_s": trace_s,
                 "expansions": plan.stats.get("expansions"),
+                "optimal": plan.stats.get("optimal"),
                 "collectives": sum(1 for i in plan.program if i.communicates),
                 "sharded_params": sum(
                     1 for i in plan.program if i.kind == "load" and i.form.startswith("G") and "." in i.tensor

@@ -85,10 +85,11 @@ def _start_lab(tmp: Path, port: int) -> tuple[subprocess.Popen, Path]:
     (config / "labconfig").mkdir(parents=True)
     disabled = {"@jupyterlab/apputils-extension:announcements": True}
     (config / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": disabled}))
-    # render every cell (no windowing), so the checks see outputs below the fold too
+    # render every cell (no windowing), so the checks see outputs below the fold too; start the
+    # notebook's kernel without the "Select Kernel" dialog
     tracker = tmp / "lab-settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
-    tracker.write_text(json.dumps({"windowingMode": "none"}))
+    tracker.write_text(json.dumps({"windowingMode": "none", "autoStartDefaultKernel": True}))
     env = dict(
         os.environ,
         JUPYTER_CONFIG_DIR=str(config),
@@ -146,6 +147,7 @@ def _run_all_from_menu(page, dialogs: list[str], tries: int = 4) -> None:
             continue
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
+            _dismiss_dialogs(page, dialogs)  # Run All on a notebook without a kernel asks for one
             prompts = _prompts(page)
             if prompts and prompts[-1] not in ("", "[ ]:"):
                 return
