@@ -253,7 +253,9 @@ class CostModel:
         return tuple(v)
 
     # ------------------------------------------------------------------ programs
-    def stages(self, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None) -> list[list[int]]:
+    def stages(
+        self, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None
+    ) -> list[list[int]]:
         """Group step indices into stages: a step that communicates starts a new stage. A reshard moves
         data only where the segments' ratios differ: with ``ratios`` it counts when it moves data, without
         (the LP's view) it never starts a stage."""
