@@ -13,8 +13,11 @@ Solved with PuLP: HiGHS (via highspy) when installed, CBC otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .cost import CostModel, Step
@@ -60,6 +63,26 @@ def solver_name() -> str:
     except Exception:  # noqa: BLE001 - any failure means HiGHS is not usable
         pass
     return "CBC"
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence the solver's own printing at the file-descriptor level (HiGHS >= 1.16 prints a banner to
+    fd 1 even with msg=False, which would corrupt ``hapnb plan --json``)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real fd 1 (some notebook frontends): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _solver():  # noqa: ANN202
@@ -197,7 +220,8 @@ def balance(
             for j in range(n):
                 prob += M >= tm.const + tm.slope * r[tm.segment][j], f"comm_{k}_{c}_{j}"
     prob += pulp.lpSum(objective) + constant
-    status = prob.solve(_solver())
+    with _quiet_stdout():
+        status = prob.solve(_solver())
     if pulp.LpStatus[status] != "Optimal":
         raise RuntimeError(
             f"the ratio LP is {pulp.LpStatus[status]}: check the ratio pins {', '.join(map(str, ratio_pins))}"
