@@ -152,8 +152,6 @@ def balance(
     cm: CostModel,
     program: Sequence[Step],
     ratio_pins: Sequence[RatioPin] = (),
-    *,
-    fixed_segments: int | None = None,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)``."""
     import pulp

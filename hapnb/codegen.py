@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from . import collectives as C
 from .forms import Form, G, I, R, parse_form, shard_offsets
-from .graph import Graph, Op, TensorArg
+from .graph import Graph, Op, map_args
 
 __all__ = [
     "CodegenError",
@@ -232,15 +232,7 @@ def _retype(value: Any, dtype: torch.dtype | None) -> Any:
     """Replace float32 dtype constants in an argument tree by ``dtype`` (for float64 verification)."""
     if dtype is None:
         return value
-    if isinstance(value, torch.dtype):
-        return dtype if value == torch.float32 else value
-    if type(value) is tuple:
-        return tuple(_retype(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_retype(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _retype(v, dtype) for k, v in value.items()}
-    return value
+    return map_args(value, lambda v: dtype if isinstance(v, torch.dtype) and v == torch.float32 else v)
 
 
 def _zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -255,18 +247,6 @@ def _zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             elif k < len(args) and not a.kwarg_only:
                 args = (*args[:k], 0.0, *args[k + 1 :])
     return args, kwargs
-
-
-def _subst(value: Any, nodes: Sequence[fx.Node]) -> Any:
-    if isinstance(value, TensorArg):
-        return nodes[value.index]
-    if type(value) is tuple:
-        return tuple(_subst(v, nodes) for v in value)
-    if isinstance(value, list):
-        return [_subst(v, nodes) for v in value]
-    if isinstance(value, dict):
-        return {k: _subst(v, nodes) for k, v in value.items()}
-    return value
 
 
 def _find_strategy(
@@ -599,8 +579,8 @@ def generate(
                 f"{where}: localizing op {op.name} ({op.target}) with strategy {strat.name} failed: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        cargs = _retype(_subst(tuple(call.args), args_nodes), dtype)
-        ckw = _retype(_subst(dict(call.kwargs), args_nodes), dtype)
+        cargs, ckw = call.bind(args_nodes)
+        cargs, ckw = _retype(cargs, dtype), _retype(ckw, dtype)
         if not dropout:
             cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
         out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .forms import Form
 from .rules import Strategy
-from .theory import LOADABLE_ROLES, Theory
+from .theory import Theory
 
 __all__ = ["Term", "Step", "Load", "Conversion", "CostModel", "StageCost", "Evaluation"]
 
@@ -288,7 +288,3 @@ class CostModel:
 
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce")
-
-
-def is_loadable(th: Theory, t: int) -> bool:
-    return th.graph.tensors[t].role in LOADABLE_ROLES

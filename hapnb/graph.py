@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorRef", "Op", "Graph", "TraceError", "trace"]
+__all__ = ["TensorRef", "Op", "Graph", "TraceError", "trace", "map_args"]
 
 
 class TraceError(RuntimeError):
@@ -122,6 +122,22 @@ class TensorArg:
 
     def __repr__(self) -> str:
         return f"%{self.index}"
+
+
+def map_args(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Apply ``leaf`` to every non-container value of an argument tree (tuples, lists, dicts), keeping
+    its shape: the one walk used to fill :class:`TensorArg` placeholders or to rewrite constants.
+
+    >>> map_args((TensorArg(0), [1, TensorArg(1)]), lambda v: "t" if isinstance(v, TensorArg) else v)
+    ('t', [1, 't'])
+    """
+    if type(value) is tuple:
+        return tuple(map_args(v, leaf) for v in value)
+    if isinstance(value, list):
+        return [map_args(v, leaf) for v in value]
+    if isinstance(value, dict):
+        return {k: map_args(v, leaf) for k, v in value.items()}
+    return leaf(value)
 
 
 @dataclass(frozen=True, eq=False)

@@ -297,7 +297,7 @@ def _baseline_specs(
     th: Theory, c: Cluster, user_pins: Mapping[str, Form]
 ) -> list[tuple[str, dict[str, Form], tuple[tuple[float, ...], ...], dict[str, bool]]]:
     g = th.graph
-    nseg = CostModel(th, c).n_segments
+    nseg = 1 + max((op.segment for op in th.graph.ops), default=0)
     even = tuple(tuple(1.0 / c.n for _ in range(c.n)) for _ in range(nseg))
     cp = normalize_ratios(None, c, nseg)
     dp_pins: dict[str, Form] = {}

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .forms import Form, G, I, R, shard_lengths, shard_offsets
-from .graph import Graph, Op, TensorArg, TensorRef
+from .graph import Graph, Op, TensorArg, TensorRef, map_args
 
 __all__ = [
     "Strategy",
@@ -109,19 +109,19 @@ class LocalCall:
     args: tuple[Any, ...]
     kwargs: tuple[tuple[str, Any], ...] = ()
 
-    def run(self, tensors: Sequence[Any]) -> Any:
-        """Call ``fn`` with the placeholders replaced by ``tensors`` (the rank's local inputs)."""
+    def bind(self, values: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with each placeholder ``TensorArg(i)`` replaced by ``values[i]`` (local
+        tensors when running, fx nodes when generating code)."""
 
         def sub(v: Any) -> Any:
-            if isinstance(v, TensorArg):
-                return tensors[v.index]
-            if isinstance(v, tuple):
-                return type(v)(sub(x) for x in v) if type(v) is tuple else v
-            if isinstance(v, list):
-                return [sub(x) for x in v]
-            return v
+            return values[v.index] if isinstance(v, TensorArg) else v
 
-        return self.fn(*[sub(a) for a in self.args], **{k: sub(v) for k, v in self.kwargs})
+        return map_args(tuple(self.args), sub), map_args(dict(self.kwargs), sub)
+
+    def run(self, tensors: Sequence[Any]) -> Any:
+        """Call ``fn`` with the placeholders replaced by ``tensors`` (the rank's local inputs)."""
+        args, kwargs = self.bind(tensors)
+        return self.fn(*args, **kwargs)
 
 
 # ============================================================================ candidate + registry

@@ -260,14 +260,11 @@ class Search:
             if p is not None and p != f:
                 return False
         for t, f in zip(ins, in_forms):
-            if self._loadable_t(t):
+            if self._loadable[t]:
                 p = self.pins.get(t)
                 if p is not None and p != f:
                     return False
         return True
-
-    def _loadable_t(self, t: int) -> bool:
-        return self.graph.tensors[t].role in LOADABLE_ROLES
 
     def _explain_no_strategy(self, op_id: int) -> str:
         g = self.graph
