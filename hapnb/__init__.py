@@ -19,18 +19,14 @@ from typing import Any
 from .cluster import Cluster, Collective, Device
 from .forms import G, I, Partial, R, Replicate, Shard, parse_form, shard_lengths
 
-# these functions share their module's name (DESIGN §3.1): importing them here binds the name to the
-# function for good (Python sets a package attribute to a submodule only on the submodule's first import)
-from .launch import launch
-from .theory import theory
-
 __version__ = "0.1.0"
 
 _LAZY = {
-    "trace": "graph",
+    "trace": "tracing",
     "Graph": "graph",
     "TraceError": "graph",
-    "Theory": "theory",
+    "theory": "triples",
+    "Theory": "triples",
     "Search": "search",
     "PinError": "search",
     "NoProgramError": "search",
@@ -38,9 +34,10 @@ _LAZY = {
     "baselines": "optimize",
     "OutOfMemoryError": "optimize",
     "Plan": "plan",
-    "verify": "runtime",
-    "distribute": "runtime",
-    "full_state_dict": "runtime",
+    "verify": "run.runtime",
+    "distribute": "run.runtime",
+    "full_state_dict": "run.runtime",
+    "launch": "run.launch",
     "zoo": None,
     "rules": None,
     "collectives": None,
@@ -49,7 +46,7 @@ _LAZY = {
 
 __all__ = [
     "Cluster", "Collective", "Device", "G", "I", "R", "Partial", "Replicate", "Shard", "parse_form",
-    "shard_lengths", "theory", "launch", *sorted(_LAZY),
+    "shard_lengths", *sorted(_LAZY),
 ]  # fmt: skip
 
 

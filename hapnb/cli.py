@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
 
-    from .launch import add_launch_args
-    from .profile import add_calibrate_args, add_profile_args
+    from .run.launch import add_launch_args
+    from .run.profile import add_calibrate_args, add_profile_args
 
     add_launch_args(
         sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
@@ -236,8 +236,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from . import runtime
     from .plan import Plan
+    from .run import runtime
 
     if ns.plan:
         plan = Plan.load(ns.plan)
@@ -277,7 +277,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     print(f"report written to {ns.report}")
     if ns.no_verify:
         return 0
-    from . import runtime
+    from .run import runtime
 
     small = Cluster.parse("1xV100+3xP100")
     print(
@@ -300,11 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "launch":
-            from .launch import launch_main
+            from .run.launch import launch_main
 
             return launch_main(ns)
         if ns.command in ("profile", "calibrate"):
-            from .profile import calibrate_main, profile_main
+            from .run.profile import calibrate_main, profile_main
 
             return (profile_main if ns.command == "profile" else calibrate_main)(ns)
         return COMMANDS[ns.command](ns)

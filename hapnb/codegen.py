@@ -163,7 +163,7 @@ def count_collectives(gm: fx.GraphModule) -> int:
 
 
 def _strip(path: str) -> str:
-    from .graph import _strip as strip
+    from .tracing import module_path as strip
 
     return strip(path)
 
@@ -290,7 +290,7 @@ def generate(
     if g is None:
         raise CodegenError(
             f"plan {plan.name} carries no graph; pass graph=hapnb.trace(model, example_inputs) or use "
-            "hapnb.runtime.load_bundle"
+            "hapnb.run.runtime.load_bundle"
         )
     if plan.graph_fingerprint and g.fingerprint and plan.graph_fingerprint != g.fingerprint:
         raise CodegenError(

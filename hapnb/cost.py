@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .forms import Form
 from .rules import Strategy
-from .theory import Theory
+from .triples import Theory
 
 __all__ = ["Term", "Step", "Load", "Conversion", "CostModel", "StageCost", "Evaluation"]
 

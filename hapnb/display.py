@@ -643,7 +643,7 @@ def theory_html(
     :func:`enabled_triples` at a search node); ``only`` keeps just those ids. ``words`` uses the paper's
     words (All-Gather(0), Identity, All-Reduce).
     """
-    from .theory import COLLECTIVES
+    from .triples import COLLECTIVES
 
     triples = (
         th.filter(op=op, tensor=tensor, kind=kind) if (op, tensor, kind) != (None, None, None) else list(th)

@@ -114,7 +114,7 @@ def expand_virtual(
                 f"plan {plan.name} has virtual devices; expanding it needs the graph it was made for "
                 "(pass graph=..., or use hapnb.runtime.resolve_graph(plan))"
             )
-        from .theory import theory as build_theory
+        from .triples import theory as build_theory
 
         theory = build_theory(g, strategies)
     g = theory.graph

@@ -20,7 +20,7 @@ from .forms import Form, G, I, parse_form
 from .graph import Graph
 from .plan import Instruction, Plan, Round, Stage, freeze_mapping
 from .search import NoProgramError, Search, normalize_ratios
-from .theory import Theory, theory
+from .triples import Theory, theory
 
 __all__ = ["synthesize", "baselines", "make_plan", "resolve_model", "memory_estimate", "OutOfMemoryError"]
 
@@ -41,7 +41,7 @@ def resolve_model(
         return model_or_graph, None
     if isinstance(model_or_graph, Theory):
         return model_or_graph.graph, None
-    from .graph import trace
+    from .tracing import trace
 
     if isinstance(model_or_graph, str):
         from . import zoo

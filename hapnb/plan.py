@@ -364,7 +364,7 @@ class Plan:
 
     def bundle(self, directory: str | os.PathLike[str]) -> Path:
         """Write plan.json + the traced program (torch.export format) + cluster.json into ``directory``."""
-        from . import runtime
+        from .run import runtime
 
         return runtime.write_bundle(self, directory)
 

@@ -1852,7 +1852,7 @@ def _single_op(target: str, args: tuple, kwargs: dict) -> tuple[Graph, Op, list[
     """A one-op Graph for ``target(*args, **kwargs)`` with real tensors as its inputs."""
     import torch
 
-    from .graph import _normalize
+    from .graph import normalize_args as _normalize
 
     fn = _aten(target)
     args, kwargs = _normalize(fn, tuple(args), dict(kwargs))
@@ -2409,11 +2409,11 @@ def _short(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI body: ``python -m hapnb.theory --check [OP ...] [--trials N] [--seed S] [--list]``."""
+    """CLI body: ``python -m hapnb.triples --check [OP ...] [--trials N] [--seed S] [--list]``."""
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m hapnb.theory", description="check hapnb's per-op sharding rules"
+        prog="python -m hapnb.triples", description="check hapnb's per-op sharding rules"
     )
     p.add_argument(
         "--check", nargs="*", metavar="OP", help="check all rules, or only these ops (e.g. linear)"

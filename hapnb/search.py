@@ -43,8 +43,8 @@ from .cost import Conversion, CostModel, Load, Step
 from .forms import Form, I, R
 from .graph import Graph
 from .rules import Strategy
-from .theory import LOADABLE_ROLES, Theory
-from .theory import theory as build_theory
+from .triples import LOADABLE_ROLES, Theory
+from .triples import theory as build_theory
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 

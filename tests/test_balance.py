@@ -10,7 +10,7 @@ from hapnb.cluster import Cluster
 from hapnb.cost import Conversion, CostModel, Load, Step
 from hapnb.forms import G, I, R
 from hapnb.rules import Strategy
-from hapnb.theory import theory
+from hapnb.triples import theory
 
 
 def _dp_program(th):

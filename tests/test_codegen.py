@@ -24,7 +24,7 @@ from hapnb.codegen import (
 from hapnb.forms import parse_form, shard_offsets
 from hapnb.optimize import synthesize
 from hapnb.plan import Instruction, Plan
-from hapnb.theory import theory
+from hapnb.triples import theory
 
 
 def _plan(name: str, cluster: str, ratios=None, **kw) -> Plan:

@@ -19,7 +19,7 @@ from hapnb.cluster import Cluster  # noqa: E402
 from hapnb.optimize import synthesize  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
 from hapnb.search import Search  # noqa: E402
-from hapnb.theory import theory  # noqa: E402
+from hapnb.triples import theory  # noqa: E402
 
 HAS_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="graphviz `dot` is not installed")

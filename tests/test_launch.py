@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hapnb.launch import (
+from hapnb.run.launch import (
     Job,
     JobResult,
     LaunchError,
@@ -23,7 +23,7 @@ from hapnb.launch import (
     step_times,
 )
 
-# The stand-in: same CLI as `python -m hapnb.worker BUNDLE --steps N --backend B`, prints one JSON line per
+# The stand-in: same CLI as `python -m hapnb.run.worker BUNDLE --steps N --backend B`, prints one JSON line per
 # step; can crash or hang on a chosen rank/step, and spawns a child process (to check no orphans remain).
 STANDIN = textwrap.dedent(
     """
@@ -243,7 +243,7 @@ def test_launch_commands_and_slurm() -> None:
     for i, c in enumerate(cmds):
         assert c.startswith("python -m torch.distributed.run ")
         flags = ["--nnodes 2", "--nproc-per-node 4", f"--node-rank {i}", "--rdzv-backend c10d"]
-        flags += ["--rdzv-endpoint node0:29500", "-m hapnb.worker /shared/b --steps 7 --backend nccl"]
+        flags += ["--rdzv-endpoint node0:29500", "-m hapnb.run.worker /shared/b --steps 7 --backend nccl"]
         for flag in flags:
             assert flag in c
     (local,) = launch_commands("b", 1, 3, backend="gloo")
@@ -253,7 +253,7 @@ def test_launch_commands_and_slurm() -> None:
     script = slurm_script("/shared/b", 3, 8, steps=5, partition="gpu")
     texts = ["#!/bin/bash", "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"]
     texts += ["#SBATCH --partition=gpu", "srun", "--nnodes 3", "--nproc-per-node 8", "--rdzv-backend c10d"]
-    texts += ['--rdzv-endpoint "$rdzv"', "scontrol show hostnames", "-m hapnb.worker /shared/b --steps 5"]
+    texts += ['--rdzv-endpoint "$rdzv"', "scontrol show hostnames", "-m hapnb.run.worker /shared/b --steps 5"]
     for text in texts:
         assert text in script
     assert "gpus-per-node" not in slurm_script("b", 2, 2, backend="gloo")

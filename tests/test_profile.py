@@ -13,7 +13,7 @@ import pytest
 
 from hapnb.cluster import COLLECTIVE_KINDS, Cluster, Collective
 from hapnb.plan import Plan, Stage
-from hapnb.profile import (
+from hapnb.run.profile import (
     CalibrationReport,
     add_calibrate_args,
     add_profile_args,
@@ -65,7 +65,7 @@ def test_fit_constraints_keep_coefficients_physical() -> None:
 
 def test_training_flops_use_the_cost_models_formulas() -> None:
     from hapnb import zoo
-    from hapnb.graph import trace
+    from hapnb.tracing import trace
 
     model, inputs, _ = zoo.build("mlp", devices=1, layers=2, hidden=32, input=16, batch=8)
     ops = trace(model, inputs).ops

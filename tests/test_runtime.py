@@ -18,7 +18,7 @@ from hapnb import zoo
 from hapnb.codegen import CodegenError, generate, program_weights
 from hapnb.optimize import synthesize
 from hapnb.plan import Plan
-from hapnb.runtime import (
+from hapnb.run.runtime import (
     BundleError,
     VerifyError,
     load_bundle,
@@ -178,7 +178,7 @@ def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:
 def test_worker_cli_metrics(dp_plan: Plan, tmp_path: Path) -> None:
     d = write_bundle(dp_plan, tmp_path / "bundle")
     metrics = tmp_path / "m{rank}.jsonl"
-    args = ["-m", "hapnb.worker", str(d), "--steps", "3", "--metrics", str(metrics), "--optimizer", "sgd"]
+    args = ["-m", "hapnb.run.worker", str(d), "--steps", "3", "--metrics", str(metrics), "--optimizer", "sgd"]
     spawn_ranks(2, args, tmp_path, 90)
     rows = [[json.loads(ln) for ln in (tmp_path / f"m{r}.jsonl").read_text().splitlines()] for r in range(2)]
     keys = {"rank", "step", "loss", "global_loss", "step_s", "max_memory_bytes"}
@@ -194,7 +194,7 @@ def test_worker_cli_metrics(dp_plan: Plan, tmp_path: Path) -> None:
 
 def test_worker_cli_reports_bad_bundle(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "hapnb.worker", str(tmp_path)],
+        [sys.executable, "-m", "hapnb.run.worker", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -307,7 +307,7 @@ def test_expand_virtual_cuts(virtual_plans: dict[str, Plan], name: str) -> None:
 
 
 def test_virtual_plan_rank_counts(virtual_plans: dict[str, Plan], tmp_path: Path) -> None:
-    from hapnb.launch import _plan_devices
+    from hapnb.run.launch import _plan_devices
 
     plan = virtual_plans["mlp"]
     with pytest.raises(ValueError, match=r"is for 4 GPUs \(2 virtual devices of 2\+2 GPUs.*nproc=4, not 2"):

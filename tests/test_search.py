@@ -12,7 +12,7 @@ from hapnb.cluster import Cluster
 from hapnb.cost import Conversion, CostModel, Load, Step
 from hapnb.forms import G, I, R
 from hapnb.search import PinError, Search
-from hapnb.theory import LOADABLE_ROLES, theory
+from hapnb.triples import LOADABLE_ROLES, theory
 
 CONV = {
     ("G", "I"): ["all_gather", "grouped_all_gather"],

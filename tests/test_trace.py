@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hapnb import rules
-from hapnb.graph import Graph, TensorArg, TraceError, trace
+from hapnb.graph import Graph, TensorArg, TraceError
+from hapnb.tracing import trace
 
 
 class MLP(nn.Module):

@@ -17,7 +17,7 @@ from hapnb.widgets import Explorer  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
 from hapnb.optimize import synthesize  # noqa: E402
 from hapnb.search import Search  # noqa: E402
-from hapnb.theory import theory  # noqa: E402
+from hapnb.triples import theory  # noqa: E402
 
 CLUSTER = "2xV100+2xP100"
 
@@ -201,7 +201,7 @@ def test_gantt_and_history_views(ex):
 
 
 def test_verify_and_launch_stream_metrics(ex, monkeypatch):
-    launch_module = sys.modules["hapnb.launch"]
+    launch_module = sys.modules["hapnb.run.launch"]
 
     calls = {}
 
@@ -234,7 +234,7 @@ def test_verify_and_launch_stream_metrics(ex, monkeypatch):
         calls["launch"] = (plan, nproc, backend, steps)
         return Job(steps)
 
-    monkeypatch.setitem(sys.modules, "hapnb.runtime", types.SimpleNamespace(verify=fake_verify))
+    monkeypatch.setitem(sys.modules, "hapnb.run.runtime", types.SimpleNamespace(verify=fake_verify))
     monkeypatch.setattr(launch_module, "launch", fake_launch)
     ex.controls["nproc"].value = 2
     ex.buttons["verify"].click()
@@ -255,7 +255,7 @@ def test_verify_and_launch_stream_metrics(ex, monkeypatch):
     def broken_verify(plan, nproc):
         raise RuntimeError("rank 1 gradient mismatch")
 
-    monkeypatch.setitem(sys.modules, "hapnb.runtime", types.SimpleNamespace(verify=broken_verify))
+    monkeypatch.setitem(sys.modules, "hapnb.run.runtime", types.SimpleNamespace(verify=broken_verify))
     ex.buttons["verify"].click()  # never raises in the panel
     assert "gradient mismatch" in ex.outputs["status"].value
 

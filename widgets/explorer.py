@@ -56,7 +56,7 @@ from hapnb.cluster import PRESETS, Cluster, Collective
 from hapnb.forms import Form, parse_form
 from hapnb.plan import Plan
 from hapnb.search import NoProgramError, Search
-from hapnb.theory import Theory, theory
+from hapnb.triples import Theory, theory
 
 __all__ = ["Explorer"]
 
@@ -456,7 +456,7 @@ class Explorer:
     # ============================================================================ launch API
     def verify(self, nproc: int | None = None) -> Any:
         """Run ``hapnb.runtime.verify(plan, nproc=...)`` and show its result."""
-        fn = _optional("hapnb.runtime", "verify")
+        fn = _optional("hapnb.run.runtime", "verify")
         if fn is None:
             raise RuntimeError("hapnb.runtime.verify is not available in this installation")
         nproc = int(self.controls["nproc"].value if nproc is None else nproc)
@@ -473,7 +473,7 @@ class Explorer:
 
         ``wait=False`` reads the metrics in a background thread (the Launch button does this).
         """
-        fn = _optional("hapnb.launch", "launch")
+        fn = _optional("hapnb.run.launch", "launch")
         if fn is None:
             raise RuntimeError("hapnb.launch.launch is not available in this installation")
         nproc = int(self.controls["nproc"].value if nproc is None else nproc)

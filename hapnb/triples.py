@@ -280,7 +280,7 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hapnb.theory --check [OP ...]``: check every rule against ground truth."""
+    """``python -m hapnb.triples --check [OP ...]``: check every rule against ground truth."""
     from . import rules
 
     return rules.main(list(sys.argv[1:] if argv is None else argv))

@@ -2,7 +2,7 @@
 
 Command line (under ``torchrun``, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)::
 
-    torchrun --nproc-per-node 4 -m hapnb.worker BUNDLE [--steps N] [--backend gloo|nccl] [--lr LR]
+    torchrun --nproc-per-node 4 -m hapnb.run.worker BUNDLE [--steps N] [--backend gloo|nccl] [--lr LR]
         [--optimizer adam|sgd] [--inputs local|full] [--metrics FILE | --metrics-fd FD] [--no-dropout]
 
 Every rank prints one JSON line per step (to stdout, or appended to ``--metrics FILE`` — ``{rank}`` in the
@@ -16,7 +16,7 @@ process's peak resident memory (CPU). Every step trains on the bundle's example 
 
 Python entry (for :mod:`hapnb.launch` and tests)::
 
-    from hapnb.worker import run_worker
+    from hapnb.run.worker import run_worker
     metrics = run_worker("bundle/", rank, world_size, "gloo", steps=10, metrics_out="m{rank}.jsonl")
 
 ``run_worker`` initialises the default process group from the environment (``env://``) unless one is
@@ -130,9 +130,9 @@ def run_worker(
     import torch
     import torch.distributed as dist
 
-    from . import collectives as C
-    from .codegen import generate
-    from .expand import physical_plan
+    from .. import collectives as C
+    from ..codegen import generate
+    from ..expand import physical_plan
     from .runtime import load_bundle
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
@@ -241,7 +241,7 @@ def run_worker(
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hapnb.worker",
+        prog="python -m hapnb.run.worker",
         description="Run one rank of a hapnb plan bundle (start it under torchrun).",
     )
     ap.add_argument("bundle", help="bundle folder (plan.json + program.pt2 + inputs.pt)")
@@ -263,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: ``python -m hapnb.worker BUNDLE ...``; exit status 1 on any error."""
+    """Command-line entry: ``python -m hapnb.run.worker BUNDLE ...``; exit status 1 on any error."""
     args = _parser().parse_args(argv)
     metrics: Any = args.metrics if args.metrics is not None else args.metrics_fd
     try:
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except Exception:
         rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"hapnb.worker rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.write(f"hapnb.run.worker rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         return 1
     return 0

@@ -1,6 +1,6 @@
 """Launch a plan on ranks and stream their per-step metrics (``hapnb launch``).
 
-:func:`launch` starts one worker process per rank, by default ``python -m hapnb.worker BUNDLE --steps N
+:func:`launch` starts one worker process per rank, by default ``python -m hapnb.run.worker BUNDLE --steps N
 --backend B``, which prints one JSON line per training step on stdout::
 
     {"rank": 0, "step": 3, "loss": 2.31, "global_loss": 2.30, "step_s": 0.012, "max_memory_bytes": 1048576}
@@ -75,8 +75,8 @@ __all__ = [
     "step_times",
 ]
 
-#: The per-rank worker: ``python -m hapnb.worker BUNDLE --steps N --backend B``.
-DEFAULT_WORKER: tuple[str, ...] = ("-m", "hapnb.worker")
+#: The per-rank worker: ``python -m hapnb.run.worker BUNDLE --steps N --backend B``.
+DEFAULT_WORKER: tuple[str, ...] = ("-m", "hapnb.run.worker")
 _TAIL_LINES = 40
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 # stderr markers of a rank that failed only because a peer died first (not the root cause)
@@ -674,7 +674,7 @@ def _prepare_bundle(
     if path.is_dir():
         return path, None, _plan_devices(path / "plan.json")
     if path.is_file():
-        from .plan import Plan
+        from ..plan import Plan
 
         plan = Plan.load(path)
         if bundle_dir is None:
@@ -850,7 +850,7 @@ def launch_commands(
 
     >>> launch_commands("b", 2, 4, "node0:29500")[1]  # doctest: +NORMALIZE_WHITESPACE
     'python -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d
-    --rdzv-endpoint node0:29500 --rdzv-id hapnb -m hapnb.worker b --steps 10 --backend nccl'
+    --rdzv-endpoint node0:29500 --rdzv-id hapnb -m hapnb.run.worker b --steps 10 --backend nccl'
     """
     _check_backend(backend)
     if nnodes < 1 or nproc_per_node < 1:
@@ -965,7 +965,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--bundle-dir", default=None, help="where to write the bundle of a plan JSON")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may stay silent")
     parser.add_argument("--wall-timeout", type=float, default=None, help="limit on the whole run (s)")
-    parser.add_argument("--worker", default="hapnb.worker", help="worker module (or a .py file)")
+    parser.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     parser.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
     return parser
 

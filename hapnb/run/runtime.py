@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .codegen import CodegenError, RankProgram, generate, reference_module, reference_params
-from .expand import expand_virtual, has_virtual
-from .graph import Graph
-from .plan import Plan
+from ..codegen import CodegenError, RankProgram, generate, reference_module, reference_params
+from ..expand import expand_virtual, has_virtual
+from ..graph import Graph
+from ..plan import Plan
 
 __all__ = [
     "Bundle",
@@ -85,7 +85,7 @@ class Bundle:
 
 def _spec_json(plan: Plan) -> dict[str, Any] | None:
     """The plan's model spec as ModelSpec JSON (options as an object, however the plan stored them)."""
-    from .plan import _jsonable
+    from ..plan import _jsonable
 
     spec = plan.model_spec
     if not spec:
@@ -102,7 +102,7 @@ def resolve_graph(
 ) -> tuple[Graph, tuple[torch.Tensor, ...]]:
     """The plan's graph and example inputs: ``plan.graph`` when it is there, else traced from ``model``
     (with ``example_inputs``), else rebuilt from the plan's zoo/factory spec. Checks the fingerprint."""
-    from .graph import trace
+    from ..tracing import trace
 
     g = plan.graph
     if g is not None and model is None:
@@ -119,7 +119,7 @@ def resolve_graph(
                 f"plan {plan.name} has no graph in memory and no model spec to rebuild it; "
                 "pass model=... and example_inputs=(...)"
             )
-        from . import zoo
+        from .. import zoo
 
         model, built_inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
         if example_inputs is None:
@@ -185,12 +185,9 @@ def write_bundle(
 
 
 def _graph_from_program(ep: Any, names: list[str], name: str, inputs: tuple) -> Graph:
-    from . import graph as graph_mod
+    from ..tracing import from_export
 
-    builder = getattr(graph_mod, "from_export", None)
-    if builder is not None:
-        return builder(ep, names, name)
-    return graph_mod._from_export(ep, names, name)
+    return from_export(ep, names, name)
 
 
 def load_bundle(directory: str | os.PathLike[str]) -> Bundle:
@@ -370,7 +367,7 @@ def _tail(path: Path, limit: int = 6000) -> str:
 def spawn_ranks(
     nproc: int, argv: Sequence[str], workdir: Path, timeout: float, env: Mapping[str, str] | None = None
 ) -> list[str]:
-    """Start ``python *argv`` (e.g. ``["-m", "hapnb.worker", BUNDLE, ...]``) as ranks 0..nproc-1 on this
+    """Start ``python *argv`` (e.g. ``["-m", "hapnb.run.worker", BUNDLE, ...]``) as ranks 0..nproc-1 on this
     machine, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), wait,
     and return every rank's output (stdout and stderr, also in ``workdir/rank<r>.log``).
 
@@ -529,7 +526,7 @@ def verify(
         out = work / "ranks"
         args = [
             "-m",
-            "hapnb.worker",
+            "hapnb.run.worker",
             str(bdir),
             "--steps", str(steps),
             "--backend", backend,
@@ -606,7 +603,7 @@ def verify_main(args: Any) -> int:
         if get("plan"):
             plan = Plan.load(get("plan"))
         elif get("model") and get("cluster"):
-            from .optimize import synthesize
+            from ..optimize import synthesize
 
             pins = {}
             for p in get("pin") or get("pins") or ():
@@ -712,7 +709,7 @@ def full_state_dict(dm: DistributedModule) -> dict[str, torch.Tensor]:
     Keys are the model's own names (``model.state_dict()`` keys), so ``model.load_state_dict(
     full_state_dict(dm))`` restores the single-device model exactly.
     """
-    from . import collectives as C
+    from .. import collectives as C
 
     state = dict(dm.module.named_parameters())
     state.update(dict(dm.module.named_buffers()))

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+from ..cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
 
 __all__ = [
     "BENCHMARKS",
@@ -118,7 +118,7 @@ class ProfileError(RuntimeError):
 def training_flops(model: Any, inputs: Sequence[Any]) -> float:
     """Training flops of one fwd+bwd step in the cost model's units: ``3 x sum(op.flops)`` of
     ``hapnb.trace(model, inputs)`` (backward = 2x forward, as the rules' replicated strategy charges)."""
-    from .graph import trace
+    from ..tracing import trace
 
     graph = trace(model, tuple(inputs))
     total = math.fsum(float(op.flops) for op in graph.ops)
@@ -192,7 +192,7 @@ def _ram_bytes() -> int:
 
 
 def _benchmark(device: Any, models: Sequence[tuple[str, Mapping[str, Any]]], steps: int, warmup: int):
-    from . import zoo
+    from .. import zoo
 
     details = []
     for name, options in models:
@@ -465,7 +465,7 @@ def profile_collectives(
         raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
     cfg = dict(backend=backend, kinds=list(kinds), sizes=list(sizes), repeats=repeats, warmup=warmup)
     cfg["timeout_s"] = timeout_s
-    argv = [sys.executable, "-m", "hapnb.profile", "--collective-worker", json.dumps(cfg)]
+    argv = [sys.executable, "-m", "hapnb.run.profile", "--collective-worker", json.dumps(cfg)]
     envs = rank_envs(nproc, "127.0.0.1", free_port())
     job = Job([argv] * nproc, envs, timeout_s=timeout_s, wall_timeout_s=timeout_s)
     with job:
@@ -732,15 +732,15 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may stay silent")
-    parser.add_argument("--worker", default="hapnb.worker", help="worker module (or a .py file)")
+    parser.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     parser.add_argument("--json", action="store_true")
     return parser
 
 
 def calibrate_main(ns: argparse.Namespace) -> int:
     """Launch a plan for ``--steps`` steps and print predicted vs measured iteration time."""
+    from ..plan import Plan
     from .launch import _default_backend, _worker_argv, launch
-    from .plan import Plan
 
     src = Path(ns.plan)
     try:
