@@ -362,12 +362,6 @@ class Plan:
             raise ValueError(f"{p}: not valid JSON ({e})") from None
         return Plan.from_json(data, source=str(p))
 
-    def bundle(self, directory: str | os.PathLike[str]) -> Path:
-        """Write plan.json + the traced program (torch.export format) + cluster.json into ``directory``."""
-        from .run import runtime
-
-        return runtime.write_bundle(self, directory)
-
 
 def _freeze(v: Any) -> Any:
     if isinstance(v, dict):

@@ -656,14 +656,17 @@ def _prepare_bundle(
     plan_or_bundle: Any, bundle_dir: str | os.PathLike[str] | None
 ) -> tuple[Path, Path | None, int | None]:
     """(bundle directory, temporary dir to remove afterwards or None, devices of its plan or None)."""
-    if hasattr(plan_or_bundle, "bundle") and hasattr(plan_or_bundle, "cluster"):
+    from ..plan import Plan
+    from .runtime import write_bundle
+
+    if isinstance(plan_or_bundle, Plan):
         tmp = None
         if bundle_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="hapnb-bundle-"))
             target = tmp / "bundle"
         else:
             target = Path(bundle_dir)
-        out = Path(plan_or_bundle.bundle(target) or target)
+        out = Path(write_bundle(plan_or_bundle, target))
         return out, tmp, plan_or_bundle.cluster.gpus
     if not isinstance(plan_or_bundle, (str, os.PathLike)):
         raise TypeError(
@@ -674,18 +677,16 @@ def _prepare_bundle(
     if path.is_dir():
         return path, None, _plan_devices(path / "plan.json")
     if path.is_file():
-        from ..plan import Plan
-
         plan = Plan.load(path)
         if bundle_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="hapnb-bundle-"))
-            out = Path(plan.bundle(tmp / "bundle") or tmp / "bundle")
+            out = Path(write_bundle(plan, tmp / "bundle"))
             return out, tmp, plan.cluster.gpus
-        out = Path(plan.bundle(Path(bundle_dir)) or bundle_dir)
+        out = Path(write_bundle(plan, Path(bundle_dir)))
         return out, None, plan.cluster.gpus
     raise FileNotFoundError(
         f"{str(path)!r} is neither a bundle directory nor a plan JSON file; make one with "
-        "`hapnb plan ... -o plan.json` or plan.bundle(dir)"
+        "`hapnb plan ... -o plan.json` or hapnb.run.bundle.write_bundle(plan, dir)"
     )
 
 
