@@ -60,7 +60,7 @@ def main() -> int:
         if args.plan:
             box[0] = json.dumps(Plan.load(args.plan).to_json())
         else:
-            from hapnb.optimize import synthesize
+            from hapnb.synthesis import synthesize
 
             ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
             plan0 = synthesize(

@@ -165,7 +165,7 @@ def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
     from .cluster import Cluster
-    from .optimize import synthesize
+    from .synthesis import synthesize
 
     c = Cluster.resolve(ns.cluster)
     pins, ratios = _pins(ns) if hasattr(ns, "pin") else ({}, None)
@@ -174,7 +174,7 @@ def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from .optimize import baselines
+    from .synthesis import baselines
 
     plan, c, synth_s = _synthesize(ns)
     base = {} if ns.no_baselines else baselines(plan.graph, c)
@@ -210,7 +210,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .optimize import baselines
+    from .synthesis import baselines
 
     plan, c, _ = _synthesize(ns)
     out = {"hap": plan.cost_s}
@@ -259,7 +259,7 @@ def cmd_theory(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from . import display
     from .cluster import Cluster
-    from .optimize import baselines, synthesize
+    from .synthesis import baselines, synthesize
 
     c = Cluster.preset(DEMO_CLUSTER)
     print(

@@ -136,7 +136,7 @@ class CostModel:
         self._coll = {k: cluster.collective(k) for k in _KINDS}
         inner = []
         for d in cluster.devices:
-            k = getattr(d, "gpus", 1)
+            k = d.gpus
             inner.append(2.0 * (k - 1) / k / cluster.intra_machine_Bps if k > 1 else 0.0)
         self.inner_sync_s_per_byte = tuple(inner)
 
@@ -285,6 +285,43 @@ class CostModel:
             stages.append(sc)
             total += sc.time_s
         return Evaluation(total, tuple(stages))
+
+    # ------------------------------------------------------------------ memory
+    def memory(
+        self, program: Sequence[Step], extra: Sequence[Conversion], ratios: Sequence[Sequence[float]]
+    ) -> tuple[int, ...]:
+        """Per-GPU bytes of a program: parameters + gradients + Adam state (4x the local parameter bytes)
+        + inputs + activations kept for the backward (every computed tensor's local part), per device;
+        a virtual device's share is split over its GPUs."""
+        g = self.graph
+        mem = [0.0] * self.n
+
+        def add(tensor: int, form: Form, k: float = 1.0) -> None:
+            t = g.tensors[tensor]
+            if form.kind != "G":
+                for j in range(self.n):
+                    mem[j] += k * t.nbytes
+                return
+            lengths = self.theory.lengths(tensor, form.dim, ratios[self.segment_of[tensor]])
+            for j, x in enumerate(lengths):
+                mem[j] += k * t.nbytes / t.shape[form.dim] * x
+
+        for st in program:
+            for ld in st.loads:
+                add(ld.tensor, ld.form, 4.0 if g.tensors[ld.tensor].role == "param" else 1.0)
+            for cv in st.conversions:
+                if cv.name == "reshard":
+                    t = g.tensors[cv.tensor]
+                    for j, x in enumerate(self.theory.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment])):
+                        mem[j] += t.nbytes / t.shape[cv.dst.dim] * x
+                else:
+                    add(cv.tensor, cv.dst)
+            for t, f in zip(g.ops[st.op].outputs, st.strategy.outputs):
+                add(t, f)
+        for cv in extra:
+            add(cv.tensor, cv.dst)
+        gpus = [max(1, d.gpus) for d in self.cluster.devices]
+        return tuple(int(m / k) if k > 1 else int(m) for m, k in zip(mem, gpus))
 
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce")

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
-from .forms import parse_form
+from .cost import Conversion, CostModel, Step
+from .forms import Form, parse_form
+from .optimize import Round
+from .triples import Theory
 
-__all__ = ["Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT"]
+__all__ = ["Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping"]
 
 PLAN_FORMAT = 1
 
@@ -110,22 +113,6 @@ class Stage:
     def idle_s(self) -> tuple[float, ...]:
         m = max(self.comp_s) if self.comp_s else 0.0
         return tuple(m - c for c in self.comp_s)
-
-
-@dataclass(frozen=True)
-class Round:
-    """One Q/B iteration: the program searched at the previous ratios, then the LP's ratios for it."""
-
-    iteration: int
-    search_cost_s: float  # cost of Q_k at B_{k-1}
-    balanced_cost_s: float  # cost of Q_k at B_k
-    ratios: tuple[tuple[float, ...], ...]  # B_k
-    expansions: int
-    search_s: float
-    balance_s: float
-    instructions: int
-    accepted: bool
-    source: str = "search"  # "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev" (a baseline program)
 
 
 def _tuplify(x: Any) -> Any:
@@ -387,3 +374,151 @@ def _jsonable(v: Any) -> Any:
 def freeze_mapping(m: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     """A mapping as sorted (key, frozen value) pairs, the way plans store options."""
     return tuple(sorted((str(k), _freeze(v)) for k, v in (m or {}).items()))
+
+
+def make_plan(
+    th: Theory,
+    cluster: Cluster,
+    program: Sequence[Step],
+    extra: Sequence[Conversion],
+    ratios: tuple[tuple[float, ...], ...],
+    *,
+    history: tuple[Round, ...] = (),
+    pins: Mapping[str, Form] | None = None,
+    ratio_pins: Sequence[Any] = (),
+    stats: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
+    synthesis_s: float = 0.0,
+) -> Plan:
+    """Turn a searched program and its ratios into a :class:`Plan` (instructions, lengths, stages)."""
+    g = th.graph
+    cm = CostModel(th, cluster)
+    ev = cm.evaluate(program, ratios)
+    stage_of_step = {}
+    for sc in ev.stages:
+        for i in sc.steps:
+            stage_of_step[i] = sc.index
+    instrs: list[Instruction] = []
+    used: set[tuple[int, int]] = set()
+    stage_instrs: dict[int, list[int]] = {}
+    stage_comm: dict[int, list[str]] = {}
+
+    def emit(ins: Instruction) -> None:
+        stage_instrs.setdefault(ins.stage, []).append(len(instrs))
+        instrs.append(ins)
+
+    def name(t: int) -> str:
+        return g.tensors[t].name
+
+    for k, st in enumerate(program):
+        stage = stage_of_step[k]
+        op = g.ops[st.op]
+        for ld in st.loads:
+            emit(
+                Instruction(
+                    "load", "load_sfb" if ld.sfb else "load", stage, tensor=name(ld.tensor), form=str(ld.form)
+                )
+            )
+            if ld.form.kind == "G":
+                used.add((ld.tensor, ld.form.dim))
+            for tm in cm.load_terms(ld):
+                stage_comm.setdefault(stage, []).append(tm.what)
+        resharded = {}
+        for cv in st.conversions:
+            if cv.name == "reshard":
+                dst = f"{cv.dst}@{cv.segment}"
+                resharded[cv.tensor] = dst
+                emit(
+                    Instruction(
+                        "collective",
+                        "reshard",
+                        stage,
+                        tensor=name(cv.tensor),
+                        src=str(cv.src),
+                        form=dst,
+                        lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
+                    )
+                )
+            else:
+                emit(
+                    Instruction(
+                        "collective",
+                        cv.name,
+                        stage,
+                        tensor=name(cv.tensor),
+                        src=str(cv.src),
+                        form=str(cv.dst),
+                    )
+                )
+            for f in (cv.src, cv.dst):
+                if f.kind == "G":
+                    used.add((cv.tensor, f.dim))
+            for tm in cm.conversion_terms(cv):
+                stage_comm.setdefault(stage, []).append(tm.what)
+        for tm in cm.sfb_terms(st):
+            stage_comm.setdefault(stage, []).append(tm.what)
+        s = st.strategy
+        for t, f in list(zip(op.inputs, s.inputs)) + list(zip(op.outputs, s.outputs)):
+            if f.kind == "G":
+                used.add((t, f.dim))
+        emit(
+            Instruction(
+                "compute",
+                s.name,
+                stage,
+                op=op.name,
+                target=op.target,
+                inputs=tuple(
+                    (name(t), resharded[t] if f.kind == "G" and t in resharded else str(f))
+                    for t, f in zip(op.inputs, s.inputs)
+                ),
+                outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
+            )
+        )
+    last_stage = ev.stages[-1].index if ev.stages else 0
+    for cv in extra:
+        emit(
+            Instruction(
+                "collective", cv.name, last_stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
+            )
+        )
+    lengths = tuple((name(t), d, th.lengths(t, d, ratios[cm.segment_of[t]])) for t, d in sorted(used))
+    stages = tuple(
+        Stage(
+            sc.index,
+            sc.comm_s,
+            sc.comp_s,
+            tuple(stage_instrs.get(sc.index, ())),
+            tuple(stage_comm.get(sc.index, ())),
+        )
+        for sc in ev.stages
+    )
+    fallback = tuple((op.name, op.target) for op in g.ops if op.family == "unknown")
+    plan = Plan(
+        name=g.name,
+        graph_fingerprint=g.fingerprint,
+        cluster=cluster,
+        ratios=tuple(tuple(float(x) for x in r) for r in ratios),
+        program=tuple(instrs),
+        lengths=lengths,
+        stages=stages,
+        cost_s=ev.cost_s,
+        lower_bound_s=cm.lower_bound(),
+        history=history,
+        pins=tuple(sorted((k, str(v)) for k, v in (pins or {}).items())),
+        ratio_pins=tuple((p.device, p.lo, p.hi) for p in ratio_pins),
+        search=freeze_mapping(stats),
+        fallback_ops=fallback,
+        model=freeze_mapping(model),
+        options=freeze_mapping(
+            {
+                **(options or {}),
+                "inputs": [t.name for t in g.tensors if t.role == "input"],
+                "params": [t.name for t in g.tensors if t.role == "param"],
+            }
+        ),
+        synthesis_s=synthesis_s,
+        graph=g,
+    )
+    return replace(plan, memory_bytes=cm.memory(program, extra, ratios))

@@ -19,7 +19,7 @@ from typing import Any
 
 from .graph import Graph, Op, TensorArg, TensorRef, TraceError, fingerprint, normalize_args
 
-__all__ = ["trace", "from_export", "TraceError", "module_path"]
+__all__ = ["trace", "resolve_model", "from_export", "TraceError", "module_path"]
 
 # # Tracing turns ``loss(model(*inputs), *targets)`` into a Graph. The primary path is torch.export
 # (non-strict first, then strict) in train mode, which yields aten-level ops with shapes in
@@ -664,3 +664,27 @@ def trace(
         f"cannot trace {gname}: module {where!r} failed — {reason}\n"
         f"  hint: {_hint(reason)}\n  all attempts:\n    " + "\n    ".join(errors)
     )
+
+
+def resolve_model(
+    model_or_graph: Any,
+    cluster: Any,
+    example_inputs: Sequence[Any] | None = None,
+    loss: Any = None,
+    **zoo_options: Any,
+) -> tuple[Graph, dict[str, Any] | None]:
+    """A Graph from a Graph, an nn.Module (+ example inputs) or a zoo name / ``pkg.mod:factory``."""
+    if isinstance(model_or_graph, Graph):
+        return model_or_graph, None
+    if isinstance(model_or_graph, str):
+        from . import zoo
+
+        model, inputs, spec = zoo.build(model_or_graph, devices=cluster.n, **zoo_options)
+        name = model_or_graph.split(":")[-1]
+        return trace(model, inputs, name=name), spec.to_json()
+    if example_inputs is None:
+        raise ValueError(
+            "synthesize(model, ...) needs example_inputs=(...) to trace an nn.Module; "
+            "or pass a zoo name such as 'bert', or a Graph from hapnb.trace"
+        )
+    return trace(model_or_graph, tuple(example_inputs), loss=loss), None

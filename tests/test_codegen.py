@@ -22,8 +22,8 @@ from hapnb.codegen import (
     reference_params,
 )
 from hapnb.forms import parse_form, shard_offsets
-from hapnb.optimize import synthesize
 from hapnb.plan import Instruction, Plan
+from hapnb.synthesis import synthesize
 from hapnb.triples import theory
 
 

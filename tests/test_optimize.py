@@ -9,9 +9,9 @@ import torch
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.optimize import OutOfMemoryError
 from hapnb.plan import Plan
 from hapnb.search import PinError
+from hapnb.synthesis import OutOfMemoryError
 
 CLUSTERS = ["paper-hetero-8", "a100-p100", "2xV100+2xP100"]
 

@@ -16,7 +16,6 @@ import torch
 
 from hapnb import zoo
 from hapnb.codegen import CodegenError, generate, program_weights
-from hapnb.optimize import synthesize
 from hapnb.plan import Plan
 from hapnb.run.runtime import (
     BundleError,
@@ -27,6 +26,7 @@ from hapnb.run.runtime import (
     verify_main,
     write_bundle,
 )
+from hapnb.synthesis import synthesize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -117,7 +117,7 @@ class Explorer:
     def _resolve(
         self, obj: Any, cluster: Any, example_inputs: Any, loss: Any, zoo_options: dict[str, Any]
     ) -> Plan | None:
-        from hapnb.optimize import resolve_model
+        from hapnb.tracing import resolve_model
 
         plan = None
         if isinstance(obj, Plan):
@@ -170,7 +170,7 @@ class Explorer:
         return {k: parse_form(v) for k, v in self.pins.items() if v and v != AUTO}
 
     def _synthesize(self) -> Plan:
-        from hapnb.optimize import synthesize
+        from hapnb.synthesis import synthesize
 
         ratios = dict(self.ratio_locks) or None
         plan = synthesize(
@@ -278,7 +278,7 @@ class Explorer:
 
     def use_best(self) -> Plan:
         """Make the search's best complete program (at the search's ratios) the current plan."""
-        from hapnb.optimize import make_plan
+        from hapnb.plan import make_plan
 
         best = self.search.best
         if best is None:

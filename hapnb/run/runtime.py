@@ -603,7 +603,7 @@ def verify_main(args: Any) -> int:
         if get("plan"):
             plan = Plan.load(get("plan"))
         elif get("model") and get("cluster"):
-            from ..optimize import synthesize
+            from ..synthesis import synthesize
 
             pins = {}
             for p in get("pin") or get("pins") or ():
