@@ -46,6 +46,8 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "DERIVED_COLLECTIVES",
+    "complete_collectives",
     "DITTO_RELATIVE_THROUGHPUT",
     "KINDS",
     "PRESETS",
@@ -439,13 +441,52 @@ def _collectives_tuple(collectives: object) -> tuple[tuple[str, Collective], ...
         if kind in out:
             raise ValueError(f"collective {kind!r} given twice")
         out[kind] = coll
+    return tuple(sorted(complete_collectives(out).items()))
+
+
+#: How a collective kind missing from a cluster description is derived from the kinds given: the first
+#: rule whose source kind is known wins, as ``(source, latency factor, bandwidth factor)``; rules are
+#: applied until nothing changes, so one of all_gather / reduce_scatter / all_reduce is enough.
+#: all_gather ⇄ reduce_scatter are duals (same bytes, same links); a ring all-reduce is a
+#: reduce-scatter followed by an all-gather (twice the latency, half the bandwidth); all-to-all moves
+#: about what an all-gather does; the grouped broadcast ⇄ grouped reduce are duals, and without them
+#: each takes its padded counterpart's numbers.
+DERIVED_COLLECTIVES: Mapping[str, tuple[tuple[str, float, float], ...]] = {
+    "all_gather": (("reduce_scatter", 1.0, 1.0), ("all_reduce", 0.5, 2.0)),
+    "reduce_scatter": (("all_gather", 1.0, 1.0), ("all_reduce", 0.5, 2.0)),
+    "all_reduce": (("reduce_scatter", 2.0, 0.5), ("all_gather", 2.0, 0.5)),
+    "all_to_all": (("all_gather", 1.0, 1.0), ("reduce_scatter", 1.0, 1.0)),
+    "broadcast": (("reduce", 1.0, 1.0), ("all_gather", 1.0, 1.0)),
+    "reduce": (("broadcast", 1.0, 1.0), ("reduce_scatter", 1.0, 1.0)),
+}
+
+
+def complete_collectives(given: Mapping[str, Collective]) -> dict[str, Collective]:
+    """Every kind of :data:`COLLECTIVE_KINDS`: the ones given, the rest by :data:`DERIVED_COLLECTIVES`.
+
+    >>> c = complete_collectives({"all_reduce": Collective(2e-5, 1e9)})
+    >>> c["all_gather"].bandwidth_Bps, c["reduce"].latency_s
+    (2000000000.0, 1e-05)
+    """
+    out = dict(given)
+    changed = True
+    while changed:
+        changed = False
+        for kind, rules in DERIVED_COLLECTIVES.items():
+            if kind in out:
+                continue
+            for src, lat, bw in rules:
+                if src in out:
+                    out[kind] = Collective(out[src].latency_s * lat, out[src].bandwidth_Bps * bw)
+                    changed = True
+                    break
     missing = [k for k in COLLECTIVE_KINDS if k not in out]
     if missing:
         raise ValueError(
-            f"missing collective kinds: {', '.join(missing)} (every cluster needs all of "
-            f"{', '.join(COLLECTIVE_KINDS)}; copy them from a preset if unsure)"
+            f"missing collective kinds: {', '.join(missing)}: give at least one of all_gather, "
+            "reduce_scatter or all_reduce (the others default from it; see DERIVED_COLLECTIVES)"
         )
-    return tuple(sorted(out.items()))
+    return out
 
 
 _DEVICE_KEYS = ("name", "kind", "flops", "memory_bytes", "machine", "gpus")
@@ -748,9 +789,12 @@ class Cluster:
         if not isinstance(raw_colls, dict):
             raise fail("collectives", "must be an object mapping kind -> {latency_s, bandwidth_Bps}")
         colls = {}
-        for kind in COLLECTIVE_KINDS:
-            if kind not in raw_colls:
-                raise fail(f"collectives.{kind}", f"missing (required kinds: {', '.join(COLLECTIVE_KINDS)})")
+        if not any(k in raw_colls for k in ("all_gather", "reduce_scatter", "all_reduce")):
+            raise fail(
+                "collectives",
+                "needs at least one of all_gather, reduce_scatter, all_reduce (missing kinds default "
+                "from the given ones: see hapnb.cluster.DERIVED_COLLECTIVES)",
+            )
         for kind, rc in raw_colls.items():
             where = f"collectives.{kind}"
             if kind not in COLLECTIVE_KINDS:

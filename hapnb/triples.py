@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .forms import Form, G, I, R, shard_lengths
 from .graph import Graph, Op, TensorRef
@@ -122,6 +123,9 @@ class _DimClasses:
 @dataclass(eq=False)
 class Theory:
     """All triples of one program, indexed for the search and filterable for display."""
+
+    #: What each collective does, one line each (renderers show it next to collective triples).
+    collective_notes: ClassVar[Mapping[str, str]] = {k: v[2] for k, v in COLLECTIVES.items()}
 
     graph: Graph
     triples: tuple[Triple, ...]

@@ -313,7 +313,10 @@ BAD_JSON = [
     (lambda d: d["devices"][0].update(machine=3), r"devices\[0\]\.machine must be a non-empty string"),
     (lambda d: d["devices"][0].update(flop=1), r"devices\[0\]\.flop: unknown key"),
     (lambda d: d["devices"][1].update(name="a"), r"devices\[1\]\.name: duplicate device name 'a'"),
-    (lambda d: d["collectives"].pop("reduce"), r"collectives\.reduce: missing"),
+    (
+        lambda d: d.update(collectives={"broadcast": d["collectives"]["broadcast"]}),
+        r"collectives: needs at least one",
+    ),
     (lambda d: d["collectives"].update(gather={}), r"collectives\.gather: unknown collective kind"),
     (lambda d: d["collectives"]["all_gather"].update(bandwidth_Bps=0), r"all_gather\.bandwidth_Bps must be"),
     (lambda d: d["collectives"]["all_gather"].pop("latency_s"), r"all_gather\.latency_s: missing"),
@@ -419,8 +422,8 @@ def test_cluster_collective_lookup_and_errors():
     assert c.collective("all_reduce").bandwidth_Bps == 476_774_816
     with pytest.raises(KeyError, match="valid kinds: all_gather"):
         c.collective("allreduce")
-    with pytest.raises(ValueError, match="missing collective kinds: reduce"):
-        Cluster("x", c.devices, {k: v for k, v in c.collectives if k != "reduce"})
+    with pytest.raises(ValueError, match="missing collective kinds: .*give at least one of all_gather"):
+        Cluster("x", c.devices, {"broadcast": c.collective("broadcast")})
     with pytest.raises(ValueError, match="duplicate device name 'a100-0'"):
         Cluster("x", c.devices + c.devices[:1], c.collectives)
     with pytest.raises(ValueError, match="no devices"):
@@ -459,3 +462,39 @@ def test_no_code_is_evaluated_from_json(tmp_path):
     p.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=r"devices\[0\]\.flops"):
         Cluster.load(p)
+
+
+def test_documented_five_kind_json_loads_with_reduce_derived(tmp_path):
+    """The schema of DESIGN §3.3 names five kinds; a file written to it loads, and the sixth kind the
+    cost model uses (``reduce``: the grouped reduce, dual of the grouped broadcast) takes broadcast's
+    numbers, as DERIVED_COLLECTIVES documents."""
+    d = _mutate(lambda d: d["collectives"].pop("reduce"))
+    d["collectives"]["broadcast"] = {"latency_s": 7e-6, "bandwidth_Bps": 3e9}
+    p = tmp_path / "five.json"
+    p.write_text(json.dumps(d))
+    c = Cluster.load(p)
+    assert c.collective("reduce") == Collective(7e-6, 3e9)
+    assert set(dict(c.collectives)) == set(COLLECTIVE_KINDS)
+
+
+@pytest.mark.parametrize("given", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_every_kind_derives_from_one_base_kind(given):
+    from hapnb.cluster import DERIVED_COLLECTIVES, complete_collectives
+
+    base = Collective(1e-5, 4e9)
+    out = complete_collectives({given: base})
+    assert set(out) == set(COLLECTIVE_KINDS) and out[given] == base
+    # padded all-gather and reduce-scatter are duals; a ring all-reduce is both in a row
+    ag_rs = base if given != "all_reduce" else Collective(0.5e-5, 8e9)
+    assert out["all_gather"] == out["reduce_scatter"] == ag_rs
+    assert out["all_reduce"] == (base if given == "all_reduce" else Collective(2e-5, 2e9))
+    assert out["all_to_all"] == ag_rs and out["broadcast"] == ag_rs and out["reduce"] == ag_rs
+    assert set(DERIVED_COLLECTIVES) == set(COLLECTIVE_KINDS)  # every kind has a documented default
+
+
+def test_given_kinds_win_over_derived_ones():
+    from hapnb.cluster import complete_collectives
+
+    given = {"all_gather": Collective(1e-5, 4e9), "broadcast": Collective(3e-6, 1e9)}
+    out = complete_collectives(given)
+    assert out["broadcast"] == given["broadcast"] and out["reduce"] == given["broadcast"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import shutil
 import sys
@@ -238,12 +240,14 @@ def test_gantt_figure_matches_stages(syn):
     *_, plan, _ = syn
     fig = D.gantt(plan)
     assert list(fig.y_range.factors) == list(reversed(plan.devices))
+    unit, k = D.time_unit(plan.cost_s)
+    assert fig.xaxis[0].axis_label == f"time ({unit})"
     segs = _segments(fig)
     for s in plan.stages:
         comm = [(a, b) for lane, a, b, k, st in segs if k == "communication" and st == str(s.index)]
         if s.comm_s > 0:
             assert len(comm) == len(plan.devices) and len(set(comm)) == 1  # same segment on every device
-            assert comm[0][1] - comm[0][0] == pytest.approx(s.comm_s * 1e3)
+            assert comm[0][1] - comm[0][0] == pytest.approx(s.comm_s * k)
         for j, dev in enumerate(plan.devices):
             comp = [
                 b - a
@@ -251,9 +255,27 @@ def test_gantt_figure_matches_stages(syn):
                 if lane == dev and k == "computation" and st == str(s.index)
             ]
             idle = [b - a for lane, a, b, k, st in segs if lane == dev and k == "idle" and st == str(s.index)]
-            assert sum(comp) == pytest.approx(s.comp_s[j] * 1e3)
-            assert sum(comp) + sum(idle) == pytest.approx(max(s.comp_s) * 1e3)
-    assert max(b for _, _, b, _, _ in segs) == pytest.approx(plan.cost_s * 1e3)
+            assert sum(comp) == pytest.approx(s.comp_s[j] * k)
+            assert sum(comp) + sum(idle) == pytest.approx(max(s.comp_s) * k)
+    assert max(b for _, _, b, _, _ in segs) == pytest.approx(plan.cost_s * k)
+
+
+@pytest.mark.parametrize("scale, unit", [(1e-6, "µs"), (1.0, "ms"), (1e3, "s")])
+def test_gantt_picks_its_unit(syn, scale, unit):
+    """The axis reads in the unit the chart spans (µs, ms or s), with plain ticks (no 3.500e-3)."""
+    *_, plan, _ = syn
+    stages = tuple(
+        dataclasses.replace(s, comm_s=s.comm_s * scale, comp_s=tuple(c * scale for c in s.comp_s))
+        for s in plan.stages
+    )
+    scaled = dataclasses.replace(plan, stages=stages, cost_s=plan.cost_s * scale)
+    assert D.time_unit(scaled.cost_s)[0] == unit  # the fixture's plan spans a few ms
+    fig = D.gantt(scaled)
+    assert fig.xaxis[0].axis_label == f"time ({unit})"
+    assert fig.xaxis[0].formatter.use_scientific is False
+    right = max(fig.renderers[0].data_source.data["right"])
+    assert 1.0 <= right < 1000.0  # the span reads as 1..999 of its unit
+    assert unit in fig.title.text
 
 
 def test_gantt_measured_overlay(syn):

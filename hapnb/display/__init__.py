@@ -1,0 +1,87 @@
+"""Renderers: hapnb objects as HTML tables, graphviz drawings, SVG pictures and bokeh Gantt charts.
+
+Every function here is pure: it reads a hapnb value (Graph, Theory, Search, Plan, Cluster) and returns
+an HTML string, a ``graphviz.Digraph`` or a bokeh figure. This package is a leaf: it imports no other
+hapnb module and knows the values by their attributes (duck typing), so every layer may render through
+it — each value's ``_repr_html_`` imports it lazily. Optional packages (graphviz, bokeh) are imported
+inside the functions, so ``import hapnb.display`` is cheap and works without them. :func:`safe_html`
+never raises: a broken renderer shows the object's plain text and a one-line note instead of a
+traceback.
+
+Modules: ``basics`` (escaping, tables, units, form notation), ``drawings`` (graphviz), ``tables`` (graph,
+cluster, theory, search HTML), ``plans`` (plan HTML, diffs, sharding, static timeline), ``charts`` (bokeh
+Gantt), ``report`` (a whole page).
+
+Renderers (all accept the value as first argument):
+
+======================  =====================================================================
+HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kind, highlight triple
+                        ids), ``search_html``, ``frontier_html``, ``plan_html``, ``history_html``,
+                        ``plan_diff_html(old, new)``, ``sharding_html(plan, tensor)``,
+                        ``cluster_html``, ``gantt_svg`` (static timeline, no JavaScript),
+                        ``report_html(plan, baselines=...)`` (a whole self-contained page)
+graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
+                        depth=2, event=None)``, ``proof_dot(plan)``; ``svg(drawing)`` renders one to
+                        an SVG string (``None`` when the ``dot`` program is missing)
+bokeh                   ``gantt(plan, measured=None)`` (a figure), ``gantt_html(plan)`` (a standalone
+                        page with inline BokehJS: no CDN, works offline)
+helpers                 ``enabled_triples(search, node)``: ids of the triples enabled at a search node
+======================  =====================================================================
+
+A drawing returned without the ``dot`` program still displays in a notebook (as its dot source).
+
+>>> import hapnb
+>>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)  # doctest: +SKIP
+>>> from hapnb import display
+>>> html = display.plan_html(plan)  # doctest: +SKIP
+>>> fig = display.gantt(plan)  # doctest: +SKIP
+>>> display.graph_dot(plan)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_unit
+from .charts import gantt, gantt_html
+from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
+from .plans import gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
+from .report import report_html
+from .tables import (
+    cluster_html,
+    enabled_triples,
+    event_html,
+    frontier_html,
+    graph_html,
+    search_html,
+    theory_html,
+    triple_text,
+)
+
+__all__ = [
+    "safe_html",
+    "graph_html",
+    "theory_html",
+    "search_html",
+    "frontier_html",
+    "event_html",
+    "plan_html",
+    "history_html",
+    "plan_diff_html",
+    "cluster_html",
+    "sharding_html",
+    "gantt",
+    "gantt_html",
+    "gantt_svg",
+    "report_html",
+    "graph_dot",
+    "search_tree_dot",
+    "proof_dot",
+    "svg",
+    "has_dot",
+    "enabled_triples",
+    "triple_text",
+    "form_text",
+    "short_target",
+    "time_unit",
+    "esc",
+    "FORM_COLORS",
+]
