@@ -169,27 +169,17 @@ def balance(
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
     objective = []
     constant = 0.0
-    g = cm.graph
     for k, idx in enumerate(cm.stages(program)):
-        # computation: P_k >= sum over the stage's steps of device j's time
+        # computation: P_k >= sum over the stage's steps of device j's time (the cost model's own terms)
         coef = [[0.0] * n for _ in range(S)]
         const = [0.0] * n
         for i in idx:
-            st = program[i]
-            seg = g.ops[st.op].segment
+            step_coef, step_const = cm.comp_linear(program[i])
+            for s, row in step_coef.items():
+                for j in range(n):
+                    coef[s][j] += row[j]
             for j in range(n):
-                coef[seg][j] += st.strategy.scaled_flops / cm.flops[j]
-                const[j] += st.strategy.fixed_flops / cm.flops[j]
-            for ld in st.loads:
-                t = g.tensors[ld.tensor]
-                if t.role == "param" and cm.inner_sync_s_per_byte[0:n] and any(cm.inner_sync_s_per_byte):
-                    tseg = cm.segment_of[ld.tensor]
-                    for j in range(n):
-                        x = cm.inner_sync_s_per_byte[j] * t.nbytes
-                        if ld.form.kind == "G":
-                            coef[tseg][j] += x
-                        else:
-                            const[j] += x
+                const[j] += step_const[j]
         P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
         for j in range(n):

@@ -252,6 +252,22 @@ class CostModel:
                 v[j] += x
         return tuple(v)
 
+    def comp_linear(self, step: Step) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:
+        """:meth:`step_comp` as the linear function the LP needs: ``(coef, const)`` with device j's time
+        ``sum_s coef[s][j] * ratios[s][j] + const[j]``. Read off the cost model itself (at zero ratios and
+        at a unit ratio per segment the step touches), so the LP prices computation exactly as
+        :meth:`evaluate` does; every computation term must be linear in the device's own ratio."""
+        segs = sorted({self.graph.ops[step.op].segment} | {self.segment_of[ld.tensor] for ld in step.loads})
+        zero = [(0.0,) * self.n] * self.n_segments
+        const = self.step_comp(step, zero)
+        coef = {}
+        for s in segs:
+            unit = list(zero)
+            unit[s] = (1.0,) * self.n
+            at = self.step_comp(step, unit)
+            coef[s] = tuple(a - c for a, c in zip(at, const))
+        return coef, const
+
     # ------------------------------------------------------------------ programs
     def stages(
         self, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None
