@@ -126,3 +126,32 @@ def cumulative_mix_lm(
     model = CumulativeMixLM(vocab, hidden)
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+class TiedLM(nn.Module):
+    """A tiny LM whose output projection reuses the embedding matrix (weight tying, as in GPT-2): one
+    parameter with two uses, so its gradient is the sum of both and one copy is updated."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mix = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: the same Parameter under two names
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + torch.tanh(self.mix(self.norm(h)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def tied_lm(
+    batch: int = 4, seq: int = 8, vocab: int = 32, hidden: int = 16
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`TiedLM` on random tokens (next-token targets)."""
+    model = TiedLM(vocab, hidden)
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

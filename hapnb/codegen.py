@@ -24,6 +24,7 @@ and back-propagating every rank's own partial loss gives correct gradients (DESI
 from __future__ import annotations
 
 import copy
+import dataclasses
 import keyword
 import operator
 import re
@@ -49,6 +50,7 @@ __all__ = [
     "COLLECTIVE_FUNCTIONS",
     "DROPOUT_TARGETS",
     "count_collectives",
+    "tied_groups",
 ]
 
 
@@ -203,7 +205,7 @@ def program_weights(graph: Graph) -> dict[str, torch.Tensor]:
         return out
     if isinstance(prog, torch.nn.Module):
         named = {_strip(k): v for k, v in prog.named_buffers()}
-        named.update({_strip(k): v for k, v in prog.named_parameters()})
+        named.update({_strip(k): v for k, v in prog.named_parameters(remove_duplicate=False)})
         for tid in graph.params:
             nm = graph.tensors[tid].name
             if nm not in named:
@@ -211,6 +213,24 @@ def program_weights(graph: Graph) -> dict[str, torch.Tensor]:
             out[nm] = named[nm]
         return out
     raise CodegenError(f"cannot read weights from a program of type {type(prog).__name__}")
+
+
+def tied_groups(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, list[str]]:
+    """Names of ``names`` whose weights are one tensor (tied parameters: the same memory, shape and
+    strides), each mapped to its group in ``names`` order; names that share with no other are left out.
+
+    >>> w = torch.zeros(3, 2)
+    >>> tied_groups({"a": w, "b": torch.ones(2), "c": w}, ["a", "b", "c"])
+    {'a': ['a', 'c'], 'c': ['a', 'c']}
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for nm in names:
+        t = weights[nm]
+        if t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(key, []).append(nm)
+    return {nm: members for members in groups.values() if len(members) > 1 for nm in members}
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -365,20 +385,32 @@ def generate(
     records: dict[str, LocalParam] = {}
     attr_nodes: dict[str, fx.Node] = {}
     repl_nodes: dict[str, fx.Node] = {}
+    missing = [g.tensors[t].name for t in g.params if g.tensors[t].name not in weights]
+    if missing:
+        raise CodegenError(f"no weight given for {', '.join(missing)}")
+    # tied parameters (one tensor under several names) become one local parameter: autograd sums the
+    # gradients of all its uses and the optimizer updates one copy
+    tied = tied_groups(weights, [g.tensors[t].name for t in g.params if g.tensors[t].role == "param"])
     for tid in g.params:
         t = g.tensors[tid]
-        if t.name not in weights:
-            raise CodegenError(f"no weight given for {t.role} {t.name}")
+        members = tied.get(t.name, [t.name])
+        if members[0] != t.name:  # a later name of a tied parameter: the first name's local parameter
+            records[t.name] = dataclasses.replace(records[members[0]], name=t.name)
+            continue
         full = weights[t.name].detach()
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
-        forms = load_forms.get(t.name, [])
+        loaded = [m for m in members if m in load_forms]
+        forms = [f for m in loaded for f in load_forms[m]]
+        forms = [f for k, f in enumerate(forms) if f not in forms[:k]]
         trainable = t.role == "param" and t.requires_grad
         only_g = len(forms) == 1 and forms[0][0].kind == "G" and not forms[0][1]
-        lname = _ident(t.name, used)
-        if only_g:
+        if only_g:  # tied names cut differently (other segments' ratios) share the full tensor instead
             d = forms[0][0].dim
-            ls = lengths(t.name, d, f"load {t.name}")
+            only_g = len({lengths(m, d, f"load {m}") for m in loaded}) == 1
+        lname = _ident(loaded[0] if loaded else t.name, used)
+        if only_g:
+            ls = lengths(loaded[0], d, f"load {loaded[0]}")
             start = shard_offsets(ls)[rank]
             local = full.narrow(d, start, ls[rank]).clone().contiguous()
             rec = LocalParam(lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[rank], ls, trainable)
@@ -605,6 +637,16 @@ def generate(
     fxg.lint()
     gm = fx.GraphModule(root, fxg, class_name=f"Rank{rank}Program")
     gm.graph.lint()
+    # GraphModule copies only the attributes its graph reads: keep weights the program never uses (a
+    # tied name, a parameter the loss does not depend on), so every record names a real attribute
+    present = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
+    for rec in records.values():
+        if rec.local_name not in present:
+            present.add(rec.local_name)
+            if rec.local_name in root._parameters:
+                gm.register_parameter(rec.local_name, root._parameters[rec.local_name])
+            else:
+                gm.register_buffer(rec.local_name, root._buffers[rec.local_name])
     params = tuple(records[g.tensors[t].name] for t in g.params)
     return RankProgram(
         module=gm,
@@ -669,9 +711,12 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
     if isinstance(prog, torch.export.ExportedProgram):
         with warnings.catch_warnings():  # torch's own deprecation noise from copying pytree specs
             warnings.simplefilter("ignore")
-            gm = copy.deepcopy(prog.module())  # never train the traced program's own weights
+            gm = prog.module()
+            _tie(gm)  # before the copy: deepcopy clones each Parameter, so shared memory must be one object
+            gm = copy.deepcopy(gm)  # never train the traced program's own weights
     elif isinstance(prog, torch.nn.Module):
         gm = copy.deepcopy(prog)
+        _tie(gm)
     else:
         raise CodegenError(f"graph {graph.name} has no traced program to run on one device")
     if not isinstance(gm, fx.GraphModule):
@@ -718,10 +763,22 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
     return gm
 
 
+def _tie(module: torch.nn.Module) -> None:
+    """Make tied parameters one ``Parameter`` again: a loaded exported program gives each name its own
+    Parameter over shared memory, so each would get only part of the gradient and its own update."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    for members in tied_groups(named, list(named)).values():
+        first = named[members[0]]
+        for name in members[1:]:
+            if named[name] is not first:
+                owner, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner) if owner else module)._parameters[leaf] = first
+
+
 def reference_params(graph: Graph, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Graph tensor name (model FQN) -> parameter of a :func:`reference_module`."""
     out = {}
-    named = {_strip(k): p for k, p in module.named_parameters()}
+    named = {_strip(k): p for k, p in module.named_parameters(remove_duplicate=False)}
     for tid in graph.params:
         t = graph.tensors[tid]
         if t.role == "param" and t.name in named:

@@ -235,7 +235,8 @@ def run_reference(
         gm = reference_module(graph, dropout=False, dtype=tdtype)
         params = reference_params(graph, gm)
         xs = tuple(x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in inputs)
-        opt = make_optimizer(optimizer, [p for p in params.values() if p.requires_grad], lr)
+        unique = {id(p): p for p in params.values() if p.requires_grad}  # a tied parameter counts once
+        opt = make_optimizer(optimizer, list(unique.values()), lr)
         losses: list[float] = []
         grads: dict[str, torch.Tensor] = {}
         for step in range(steps):
