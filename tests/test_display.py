@@ -259,16 +259,16 @@ def test_gantt_figure_matches_stages(syn):
     assert max(b for _, _, b, _, _ in segs) == pytest.approx(plan.cost_s * k)
 
 
-@pytest.mark.parametrize("scale, unit", [(1e-6, "µs"), (1.0, "ms"), (1e3, "s")])
-def test_gantt_picks_its_unit(syn, scale, unit):
+@pytest.mark.parametrize("span, unit", [(3e-5, "µs"), (3.5e-3, "ms"), (12.0, "s")])
+def test_gantt_picks_its_unit(syn, span, unit):
     """The axis reads in the unit the chart spans (µs, ms or s), with plain ticks (no 3.500e-3)."""
     *_, plan, _ = syn
+    scale = span / plan.cost_s
     stages = tuple(
         dataclasses.replace(s, comm_s=s.comm_s * scale, comp_s=tuple(c * scale for c in s.comp_s))
         for s in plan.stages
     )
     scaled = dataclasses.replace(plan, stages=stages, cost_s=plan.cost_s * scale)
-    assert D.time_unit(scaled.cost_s)[0] == unit  # the fixture's plan spans a few ms
     fig = D.gantt(scaled)
     assert fig.xaxis[0].axis_label == f"time ({unit})"
     assert fig.xaxis[0].formatter.use_scientific is False
@@ -282,7 +282,7 @@ def test_gantt_measured_overlay(syn):
     fig = D.gantt(plan, measured=[plan.cost_s * 1.1, plan.cost_s * 1.3])
     assert list(fig.y_range.factors)[:2] == ["measured", "predicted"]
     meas = [(a, b) for lane, a, b, k, _ in _segments(fig) if lane == "measured"]
-    assert meas == [(0.0, pytest.approx(plan.cost_s * 1.2e3))]
+    assert meas == [(0.0, pytest.approx(plan.cost_s * 1.2 * D.time_unit(plan.cost_s * 1.3)[1]))]
     fig2 = D.gantt(plan, measured={"stage_s": [s.time_s * 2 for s in plan.stages]})
     meas2 = [(a, b) for lane, a, b, k, _ in _segments(fig2) if lane == "measured"]
     assert len(meas2) == len(plan.stages)
@@ -401,8 +401,18 @@ def test_renderers_on_zoo_plan(zoo_plan):
     check_html(D.theory_html(theory(plan.graph), op="linear"))
     check_html(D.sharding_html(plan, plan.lengths[0][0]))
     assert len(D.gantt(plan).y_range.factors) == plan.cluster.n
-    assert "instructions" in D.proof_dot(plan).source or len(plan.program) > 0
+    proof = D.proof_dot(plan).source
+    assert f"({len(plan.program)} triples)" in proof
+    assert len(re.findall(r"^\s*i\d+ \[label=", proof, re.M)) == len(plan.program)  # one record each
+    assert re.search(r"^\s*goal \[label=.*loss \| R", proof, re.M)  # ends at the goal loss | R
     page = D.report_html(plan)
     assert not re.search(r"<script[^>]*\ssrc=", page, re.I)
     if HAS_DOT:
+        # the drawings are collapsed (closed <details>): a long plan's proof is thousands of pixels tall
+        for heading in ("Proof (Hoare triples)", "Program graph"):
+            m = re.search(
+                r"<details>\s*<summary[^>]*>" + re.escape(heading) + r"[^<]*</summary>\s*<div[^>]*><svg", page
+            )
+            assert m, heading
+        assert "<details open><summary" not in page.split("Proof (Hoare triples)")[0][-200:]
         assert D.svg(D.graph_dot(plan)).startswith("<svg")
