@@ -11,12 +11,14 @@ from hapnb import ops as hops
 from hapnb import rules
 from hapnb.forms import G, I, R, shard_lengths
 from hapnb.graph import Graph, Op, TensorArg, TensorRef
+from hapnb.rules.check import _check_strategy, _class_lengths, _single_op
+from hapnb.rules.registry import _RULES, _Cand, _Rule
 
 f64 = torch.float64
 
 
 def _strats(target, *args, **kwargs):
-    g, op, full = rules._single_op(target, args, kwargs)
+    g, op, full = _single_op(target, args, kwargs)
     return g, op, full, rules.strategies(g, op)
 
 
@@ -62,11 +64,9 @@ def test_every_rule_passes_the_ground_truth_check():
 
 def test_checker_catches_a_wrong_rule(monkeypatch):
     """A deliberately unsound rule (relu of R -> R) must be reported as wrong, not pass."""
-    orig = rules._RULES["aten.relu.default"]
-    bad = rules._Rule(
-        orig.family, lambda g, op: [rules._Cand("bad", (R,), (R,), "full")], None, orig.flops, ""
-    )
-    monkeypatch.setitem(rules._RULES, "aten.relu.default", bad)
+    orig = _RULES["aten.relu.default"]
+    bad = _Rule(orig.family, lambda g, op: [_Cand("bad", (R,), (R,), "full")], None, orig.flops, "")
+    monkeypatch.setitem(_RULES, "aten.relu.default", bad)
     report = rules.check(["aten.relu.default"], trials=2)
     assert not report.ok
     assert any("bad" in r.strategy for r in report.wrong)
@@ -76,10 +76,8 @@ def test_checker_reports_crashes_separately(monkeypatch):
     def boom(g, op, s, ctx):
         raise RuntimeError("boom")
 
-    orig = rules._RULES["aten.tanh.default"]
-    monkeypatch.setitem(
-        rules._RULES, "aten.tanh.default", rules._Rule(orig.family, orig.gen, boom, orig.flops, "")
-    )
+    orig = _RULES["aten.tanh.default"]
+    monkeypatch.setitem(_RULES, "aten.tanh.default", _Rule(orig.family, orig.gen, boom, orig.flops, ""))
     report = rules.check(["aten.tanh.default"], trials=2)
     assert report.crashed and not report.wrong
     assert "boom" in report.crashed[0].detail
@@ -98,9 +96,9 @@ def test_checker_reports_crashes_separately(monkeypatch):
 def test_linear_and_view_rules_hold_for_random_shapes_and_ratios(b, s, k, n, ratios):
     x, w, bias = torch.randn(b, s, k, dtype=f64), torch.randn(n, k, dtype=f64), torch.randn(n, dtype=f64)
     for target, args in (("aten.linear.default", (x, w, bias)), ("aten.view.default", (x, [b * s, k]))):
-        g, op, full = rules._single_op(target, args, {})
+        g, op, full = _single_op(target, args, {})
         for strat in rules.strategies(g, op):
-            status, why = rules._check_strategy(g, op, full, strat, len(ratios), ratios, 1, True)
+            status, why = _check_strategy(g, op, full, strat, len(ratios), ratios, 1, True)
             assert status == "ok", f"{target} {strat}: {why}"
 
 
@@ -213,7 +211,7 @@ def test_flops_by_hand():
 
 
 def _ctx(g, op, s, ratios, rank):
-    lengths = rules._class_lengths(g, op, s, ratios)
+    lengths = _class_lengths(g, op, s, ratios)
     return rules.LocalContext(rank, len(ratios), lengths)
 
 
@@ -235,7 +233,7 @@ def test_row_parallel_linear_adds_the_bias_on_rank_zero_only():
     for r in range(3):
         call = rules.localize(g, op, s, _ctx(g, op, s, ratios, r))
         assert call.fn is hops.linear_partial and call.args[3] == (r == 0)
-        lens = rules._class_lengths(g, op, s, ratios)(op.inputs[0], 1)
+        lens = _class_lengths(g, op, s, ratios)(op.inputs[0], 1)
         off = sum(lens[:r])
         outs.append(call.run([x[:, off : off + lens[r]], w[:, off : off + lens[r]], b]))
     torch.testing.assert_close(sum(outs), torch.nn.functional.linear(x, w, b))

@@ -1,0 +1,66 @@
+"""Per-op sharding rules: which forms an op accepts and produces, its flops, and how it runs locally.
+
+A rule turns one traced :class:`~hapnb.graph.Op` into its :class:`Strategy` list (the op's Hoare
+triples ``{inputs} op {outputs}``) and, for a chosen strategy, into the :class:`LocalCall` every rank
+runs on its local tensors. Ops without a rule run replicated (all inputs ``I``).
+
+The package has DTensor's ``_ops/`` shape: rules are documented tables, one module per algebra
+family, each registering into one registry, and every op target has exactly one rule (registering
+it twice raises).
+
+========================== ========================================================================
+module                     tables (families) and the algebra that makes them sound
+========================== ========================================================================
+:mod:`.registry`           Strategy / LocalCall types, the table, flop formulas, the lookups (bottom)
+:mod:`.pointwise`          pointwise, linear, additive, multiplicative, select, convert: elementwise
+:mod:`.reductions`         reduction: kept dims shard; sum/mean of a sharded dim is a partial sum
+:mod:`.dimwise`            dimwise, norm: act along some dims, independent across the others
+:mod:`.einsum`             matmul, embedding: one einsum generator (kept -> G, contracted -> R)
+:mod:`.views`              view: data movement; the sharded dim moves with the op; linear
+:mod:`.creation`           creation, random: no tensor inputs; create the whole tensor or a slice
+:mod:`.attention`          attention: independent across batch, heads and (non-causal) query rows
+:mod:`.losses`             loss: per-sample terms; a sharded batch sums to R (global-count mean)
+:mod:`.conv`               conv, pool: contraction over in-channels; spatial dims never shard
+:mod:`.check`              the ground-truth checker and ``--check`` CLI body (top)
+========================== ========================================================================
+
+>>> from hapnb.rules import family, flops
+>>> family("aten.linear.default"), family("aten.frobnicate.default")
+('matmul', 'unknown')
+>>> flops("aten.linear.default", [(8, 4), (3, 4), (3,)], [(8, 3)], (), ())
+216.0
+"""
+
+from __future__ import annotations
+
+# the family modules register their tables on import
+from . import attention, conv, creation, dimwise, einsum, losses, pointwise, reductions, views
+from .check import CheckReport, CheckRow, check, main
+from .registry import (
+    LocalCall,
+    LocalContext,
+    Strategy,
+    family,
+    flops,
+    localize,
+    registered,
+    strategies,
+)
+
+__all__ = [
+    "Strategy",
+    "LocalContext",
+    "LocalCall",
+    "CheckRow",
+    "CheckReport",
+    "strategies",
+    "flops",
+    "family",
+    "localize",
+    "registered",
+    "check",
+    "main",
+]
+
+#: The family modules, in the order above (each registers its op targets into the one registry).
+_FAMILY_MODULES = (pointwise, reductions, dimwise, einsum, views, creation, attention, losses, conv)

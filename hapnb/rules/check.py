@@ -1,0 +1,683 @@
+"""The ground-truth checker of every rule table (strategy validation, HAP style), its sample cases,
+and the ``python -m hapnb.triples --check`` / ``hapnb theory --check`` command-line body.
+
+For every registered op family, build sample inputs, and for every strategy split random full inputs
+per its input forms with UNEVEN ratios (zero-length shards included): ``G`` narrows by the class
+lengths, ``R`` gets asymmetric random partials that sum to the full tensor, ``I`` is a full copy. Run
+:func:`~hapnb.rules.localize` per simulated rank, reassemble (``G``: concat in rank order, ``R``: sum,
+``I``: every rank must equal the full result) and compare with the full op in float64. Backward: grads
+of ``G`` inputs must concat to the full grad, of ``R`` inputs be complete on every rank, of ``I`` inputs
+sum to the full grad (SFB weights: complete on every rank).
+
+This module is the top of :mod:`hapnb.rules`: it imports the registry (the family tables register
+themselves when the package is imported). Note that ``hapnb.rules.check`` as an attribute is the
+:func:`check` function (the package re-exports it); reach the module with
+``from hapnb.rules.check import ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..forms import Form, shard_lengths, shard_offsets
+from ..graph import Graph, Op, TensorArg, TensorRef
+from .registry import (
+    LocalCall,
+    LocalContext,
+    Strategy,
+    _aten,
+    _short,
+    _strict,
+    family,
+    flops,
+    localize,
+    registered,
+    strategies,
+)
+
+__all__ = ["CheckRow", "CheckReport", "check", "main"]
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One checked (op case, strategy): status is 'ok', 'wrong' or 'crash'."""
+
+    target: str
+    case: str
+    strategy: str
+    status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """All rows of a :func:`check` run; ``ok`` when no rule is wrong or crashes."""
+
+    rows: tuple[CheckRow, ...]
+    seconds: float = 0.0
+    unchecked: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status == "ok" for r in self.rows) and bool(self.rows)
+
+    @property
+    def wrong(self) -> tuple[CheckRow, ...]:
+        return tuple(r for r in self.rows if r.status == "wrong")
+
+    @property
+    def crashed(self) -> tuple[CheckRow, ...]:
+        return tuple(r for r in self.rows if r.status == "crash")
+
+    def by_target(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for r in self.rows:
+            d = out.setdefault(r.target, {"ok": 0, "wrong": 0, "crash": 0})
+            d[r.status] += 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"{'op':44s} {'ok':>5s} {'wrong':>6s} {'crash':>6s}"]
+        for t, d in sorted(self.by_target().items()):
+            lines.append(f"{t:44s} {d['ok']:5d} {d['wrong']:6d} {d['crash']:6d}")
+        if self.wrong:
+            lines.append("\nWRONG rules (output differs from the single-device op):")
+            lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.wrong[:40])
+        if self.crashed:
+            lines.append("\nCRASHING rules (localized op raised):")
+            lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.crashed[:40])
+        if self.unchecked:
+            more = f", ... ({len(self.unchecked)} in all)" if len(self.unchecked) > 12 else ""
+            lines.append(
+                "\nregistered without a sample case (same table generator as checked ops): "
+                + ", ".join(self.unchecked[:12])
+                + more
+            )
+        n_ok = sum(r.status == "ok" for r in self.rows)
+        lines.append(
+            f"\n{len(self.rows)} checks, {n_ok} ok, {len(self.wrong)} wrong, {len(self.crashed)} crashed "
+            f"({self.seconds:.1f} s): {'PASS' if self.ok else 'FAIL'}"
+        )
+        return "\n".join(lines)
+
+
+def _single_op(target: str, args: tuple, kwargs: dict) -> tuple[Graph, Op, list[Any]]:
+    """A one-op Graph for ``target(*args, **kwargs)`` with real tensors as its inputs."""
+    import torch
+
+    from ..graph import normalize_args as _normalize
+
+    fn = _aten(target)
+    args, kwargs = _normalize(fn, tuple(args), dict(kwargs))
+    tensors: list[TensorRef] = []
+    full: list[Any] = []
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            k = len(full)
+            full.append(v)
+            tensors.append(TensorRef(k, f"in{k}", tuple(v.shape), str(v.dtype)[6:], "input"))
+            return TensorArg(k)
+        if isinstance(v, (list, tuple)):
+            return tuple(conv(x) for x in v)
+        return v
+
+    cargs = tuple(conv(a) for a in args)
+    ckw = tuple(sorted((k, conv(v)) for k, v in kwargs.items()))
+    res = fn(*args, **kwargs)
+    outs = list(res) if isinstance(res, (tuple, list)) else [res]
+    items = tuple(range(len(outs))) if isinstance(res, (tuple, list)) else ()
+    out_ids = []
+    for k, o in enumerate(outs):
+        tid = len(tensors)
+        tensors.append(TensorRef(tid, f"out{k}", tuple(o.shape), str(o.dtype)[6:], "activation", producer=0))
+        out_ids.append(tid)
+    in_ids = tuple(range(len(full)))
+    fl = flops(
+        target, [t.shape for t in tensors[: len(full)]], [tensors[t].shape for t in out_ids], cargs, ckw
+    )
+    op = Op(
+        0,
+        "op",
+        target,
+        in_ids,
+        tuple(out_ids),
+        cargs,
+        ckw,
+        flops=fl,
+        family=family(target),
+        output_items=items,
+    )
+    g = Graph(tuple(tensors), (op,), in_ids, (), out_ids[0], name=target)
+    return g, op, full
+
+
+def _class_lengths(g: Graph, op: Op, s: Strategy, ratios: Sequence[float]) -> Callable[[int, int], tuple]:
+    pairs = [(t, f.dim) for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs) if f.is_gather]
+    if not pairs:
+        return lambda t, d: ()
+    base = 0
+    for t, d in pairs:
+        base = math.gcd(base, g.tensors[t].shape[d])
+    lens = shard_lengths(base, ratios)
+
+    def lengths(t: int, d: int) -> tuple[int, ...]:
+        unit = g.tensors[t].shape[d] // base
+        return tuple(unit * x for x in lens)
+
+    return lengths
+
+
+def _close(a: Any, b: Any, tol: float = 1e-9) -> tuple[bool, str]:
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False, f"not tensors: {type(a).__name__} vs {type(b).__name__}"
+    if tuple(a.shape) != tuple(b.shape):
+        return False, f"shape {tuple(a.shape)} != expected {tuple(b.shape)}"
+    if not (a.is_floating_point() or b.is_floating_point()):
+        same = bool(torch.equal(a, b.to(a.dtype)))
+        return same, "" if same else "integer values differ"
+    a64, b64 = a.double(), b.double()
+    fin = torch.isfinite(b64)
+    if not torch.equal(fin, torch.isfinite(a64)):
+        return False, "non-finite entries differ"
+    if min(a.dtype.itemsize, b.dtype.itemsize) < 8:
+        tol = max(tol, 1e-5)
+    scale = float(b64[fin].abs().max()) if fin.any() else 0.0
+    err = float((a64[fin] - b64[fin]).abs().max()) if fin.any() else 0.0
+    ok = err <= tol * max(1.0, scale)
+    return ok, "" if ok else f"max abs error {err:.3g} (scale {scale:.3g})"
+
+
+# inputs that never take a gradient (class weights of losses)
+_NON_DIFF_INPUTS: dict[str, tuple[int, ...]] = {
+    "aten.cross_entropy_loss.default": (2,),
+    "aten.nll_loss_nd.default": (2,),
+    "aten.nll_loss.default": (2,),
+}
+
+
+def _split_input(x: Any, f: Form, tid: int, lengths: Callable, n: int, gen: Any) -> list[Any]:
+    import torch
+
+    if f.is_gather:
+        lens = lengths(tid, f.dim)
+        offs = shard_offsets(lens)
+        return [x.narrow(f.dim, o, k).clone() for o, k in zip(offs, lens)]
+    if f.is_reduce:
+        parts = []
+        for j in range(n - 1):
+            parts.append(torch.randn(x.shape, dtype=x.dtype, generator=gen) * (j + 1.5))
+        last = x - sum(parts) if parts else x.clone()
+        return [*parts, last]
+    return [x.clone() for _ in range(n)]
+
+
+def _outputs_of(res: Any, op: Op) -> list[Any]:
+    if op.output_items:
+        return [res[k] for k in op.output_items]
+    return [res]
+
+
+def _check_strategy(
+    g: Graph, op: Op, full: list[Any], s: Strategy, n: int, ratios: Sequence[float], seed: int, backward: bool
+) -> tuple[str, str]:
+    import torch
+
+    from .. import ops as hops
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = _class_lengths(g, op, s, ratios)
+    full_call = LocalCall(_aten(op.target), op.args, op.kwargs)
+    no_grad = _NON_DIFF_INPUTS.get(op.target, ())
+    diff = [backward and x.is_floating_point() and k not in no_grad for k, x in enumerate(full)]
+    want_in = [x.detach().clone().requires_grad_(d) for x, d in zip(full, diff)]
+    low = any(g.tensors[t].itemsize < 8 and g.tensors[t].is_float for t in op.inputs + op.outputs)
+    tol = 1e-5 if low else 1e-9
+    want = _outputs_of(full_call.run(want_in), op)
+    local_ins = [_split_input(x, f, t, lengths, n, gen) for x, f, t in zip(full, s.inputs, op.inputs)]
+    cots = [
+        torch.randn(w.shape, dtype=w.dtype, generator=gen) if w.is_floating_point() else None for w in want
+    ]
+    do_bwd = backward and any(w.requires_grad for w in want)
+    if do_bwd:
+        loss = sum((w * c).sum() for w, c in zip(want, cots) if c is not None and w.requires_grad)
+        loss.backward()  # type: ignore[union-attr]
+    sim = hops.RankSimulator(n)
+    calls = [localize(g, op, s, LocalContext(r, n, lengths)) for r in range(n)]
+    for _pass in range(2):
+        got: list[list[Any]] = []
+        grads: list[list[Any]] = []
+        for r in range(n):
+            xs = [v[r].detach().clone().requires_grad_(do_bwd and d) for v, d in zip(local_ins, diff)]
+            with sim.rank(r):
+                outs = _outputs_of(calls[r].run(xs), op)
+                if do_bwd:
+                    lsum: Any = 0
+                    for tid, o, f, c in zip(op.outputs, outs, s.outputs, cots):
+                        if c is None or not o.requires_grad:
+                            continue
+                        if f.is_gather:
+                            lens = lengths(tid, f.dim)
+                            lc = c.narrow(f.dim, shard_offsets(lens)[r], lens[r])
+                        elif f.is_reduce:
+                            lc = c
+                        else:
+                            lc = c / n
+                        lsum = lsum + (o * lc).sum()
+                    if isinstance(lsum, torch.Tensor) and lsum.requires_grad:
+                        lsum.backward()
+            got.append([o.detach() for o in outs])
+            grads.append([x.grad if x.requires_grad else None for x in xs])
+        if not sim.records:
+            break
+        sim.next_pass()
+    # forward
+    for k, (w, f) in enumerate(zip(want, s.outputs)):
+        tid = op.outputs[k]
+        parts = [got[r][k] for r in range(n)]
+        if f.is_gather:
+            lens = lengths(tid, f.dim)
+            for r in range(n):
+                if parts[r].shape[f.dim] != lens[r]:
+                    return "wrong", f"output {k} rank {r}: local length {parts[r].shape[f.dim]} != {lens[r]}"
+            ok, why = _close(torch.cat(parts, f.dim), w.detach(), tol)
+        elif f.is_reduce:
+            ok, why = _close(sum(parts[1:], parts[0]), w.detach(), tol)
+        else:
+            ok, why = True, ""
+            for r in range(n):
+                ok, why = _close(parts[r], w.detach(), tol)
+                if not ok:
+                    why = f"rank {r}: {why}"
+                    break
+        if not ok:
+            return "wrong", f"output {k} ({f}): {why}"
+    if not do_bwd:
+        return "ok", ""
+    for k, (x, f) in enumerate(zip(want_in, s.inputs)):
+        if not x.requires_grad:
+            continue
+        ref = x.grad if x.grad is not None else torch.zeros_like(x)
+        gs = [grads[r][k] if grads[r][k] is not None else torch.zeros_like(local_ins[k][r]) for r in range(n)]
+        if f.is_gather:
+            ok, why = _close(torch.cat(gs, f.dim), ref, tol)
+        elif f.is_reduce or (s.sfb and k > 0):
+            ok, why = True, ""
+            for r in range(n):
+                ok, why = _close(gs[r], ref, tol)
+                if not ok:
+                    why = f"rank {r}: {why}"
+                    break
+        else:
+            ok, why = _close(sum(gs[1:], gs[0]), ref, tol)
+        if not ok:
+            return "wrong", f"grad of input {k} ({f}): {why}"
+    return "ok", ""
+
+
+# -------------------------------------------------------------------------------- sample cases
+
+
+def _cases() -> list[tuple[str, Callable[[Any], tuple[tuple, dict]]]]:
+    """(target, builder(rng) -> (args, kwargs)) with float64 tensors; shapes drawn from ``rng``."""
+    import torch
+
+    f64 = torch.float64
+
+    def T(*shape: int) -> Any:  # noqa: N802
+        return torch.randn(*shape, dtype=f64)
+
+    def dims(r: Any, k: int, lo: int = 2, hi: int = 6) -> list[int]:
+        return [r.randint(lo, hi) for _ in range(k)]
+
+    C: list[tuple[str, Callable[[Any], tuple[tuple, dict]]]] = []
+
+    def add(target: str, fn: Callable[[Any], tuple[tuple, dict]]) -> None:
+        C.append((target, fn))
+
+    def bsh(r: Any) -> tuple[int, int, int]:
+        b, s, h = dims(r, 3)
+        return b, s, h
+
+    for u in ("relu", "gelu", "silu", "tanh", "sigmoid", "exp", "neg", "abs", "rsqrt", "erf", "log"):
+        add(
+            f"aten.{u}.default",
+            lambda r, u=u: ((T(*bsh(r)).abs() + 0.5 if u in ("rsqrt", "log") else T(*bsh(r)),), {}),
+        )
+    add("aten.gelu.default", lambda r: ((T(*bsh(r)),), {"approximate": "tanh"}))
+    add("aten.dropout.default", lambda r: ((T(*bsh(r)), 0.0, True), {}))
+    add("aten.pow.Tensor_Scalar", lambda r: ((T(*bsh(r)), 2), {}))
+    for b_op in ("add", "sub"):
+        add(f"aten.{b_op}.Tensor", lambda r, o=b_op: ((T(*(s := bsh(r))), T(s[2])), {"alpha": 2}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[0], 1, s[2])), {}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*bsh(r)), 2.5), {}))
+        add(f"aten.{b_op}.Tensor", lambda r: ((T(*(s := bsh(r))), T(*s)), {}))
+    add("aten.mul.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[1], s[2])), {}))
+    add("aten.mul.Tensor", lambda r: ((T(*bsh(r)), 3.0), {}))
+    add("aten.div.Tensor", lambda r: ((T(*(s := bsh(r))), T(s[2]).abs() + 1), {}))
+    add("aten.div.Tensor", lambda r: ((T(*bsh(r)), 4.0), {}))
+    add("aten.add.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.rsub.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.maximum.default", lambda r: ((T(*(s := bsh(r))), T(*s)), {}))
+    add("aten.gt.Scalar", lambda r: ((T(*bsh(r)), 0.0), {}))
+    add("aten.eq.Tensor", lambda r: ((torch.randint(0, 3, (s := bsh(r))), torch.randint(0, 3, s[1:])), {}))
+    add("aten.where.self", lambda r: ((T((s := bsh(r))[1], 1) > 0, T(*s), T(*s)), {}))
+    add("aten.masked_fill.Scalar", lambda r: ((T(*(s := bsh(r))), T(s[1], s[2]) > 0, -1.5), {}))
+    add("aten.clone.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.contiguous.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.alias.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.to.dtype", lambda r: ((T(*bsh(r)), torch.float32), {}))
+    add("aten._to_copy.default", lambda r: ((T(*bsh(r)),), {"dtype": torch.float32}))
+    add("aten.zeros_like.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.ones_like.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.full_like.default", lambda r: ((T(*bsh(r)), 2.0), {}))
+    # reductions
+    add("aten.sum.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.sum.dim_IntList", lambda r: ((T(*bsh(r)), [1]), {}))
+    add("aten.sum.dim_IntList", lambda r: ((T(*bsh(r)), [0, 2], True), {}))
+    add("aten.mean.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.mean.dim", lambda r: ((T(*bsh(r)), [-1], True), {}))
+    add("aten.mean.dim", lambda r: ((T(*bsh(r)), [0, 1]), {}))
+    add("aten.amax.default", lambda r: ((T(*bsh(r)), [1]), {}))
+    add("aten.max.dim", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.argmax.default", lambda r: ((T(*bsh(r)), 2), {}))
+    # dim-wise
+    add("aten.softmax.int", lambda r: ((T(*bsh(r)), -1), {}))
+    add("aten.log_softmax.int", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten._softmax.default", lambda r: ((T(*bsh(r)), 2, False), {}))
+    add("aten.cumsum.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.topk.default", lambda r: ((T(*bsh(r)), 2, -1), {}))
+    add("aten.one_hot.default", lambda r: ((torch.randint(0, 5, dims(r, 2)), 5), {}))
+    add("aten.flip.default", lambda r: ((T(*bsh(r)), [1]), {}))
+    # matmul family
+    add("aten.linear.default", lambda r: _lin(r, T, False))
+    add("aten.linear.default", lambda r: _lin(r, T, True))
+    add("aten.linear.default", lambda r: _lin(r, T, False, two_d=True))
+    add("aten.mm.default", lambda r: ((T((m := dims(r, 3))[0], m[1]), T(m[1], m[2])), {}))
+    add("aten.bmm.default", lambda r: ((T((m := dims(r, 4))[0], m[1], m[2]), T(m[0], m[2], m[3])), {}))
+    add("aten.matmul.default", lambda r: ((T((m := dims(r, 4))[0], m[1], m[2]), T(m[2], m[3])), {}))
+    add(
+        "aten.matmul.default",
+        lambda r: ((T((m := dims(r, 5, 2, 4))[0], m[1], m[2], m[3]), T(m[0], m[1], m[3], m[4])), {}),
+    )
+    add("aten.matmul.default", lambda r: ((T((m := dims(r, 4))[0], 1, m[1], m[2]), T(m[3], m[2], 3)), {}))
+    add("aten.addmm.default", lambda r: ((T((m := dims(r, 3))[2]), T(m[0], m[1]), T(m[1], m[2])), {}))
+    for eq, spec in (
+        ("bsd,bsec->becd", ("bsd", "bsec")),
+        ("edh,becd->bech", ("edh", "becd")),
+        ("ehd,bech->becd", ("ehd", "bech")),
+        ("becd,bsec->bsd", ("becd", "bsec")),
+        ("bhqd,bhkd->bhqk", ("bhqd", "bhkd")),
+    ):
+        add("aten.einsum.default", lambda r, eq=eq, spec=spec: _ein_case(r, eq, spec, T))
+    # views
+    add("aten.view.default", lambda r: ((T(*(s := bsh(r))), [s[0] * s[1], s[2]]), {}))
+    add("aten.view.default", lambda r: ((T((s := bsh(r))[0] * s[1], s[2]), list(s)), {}))
+    add(
+        "aten.view.default",
+        lambda r: ((T(*(s := (r.randint(2, 4), r.randint(2, 4), 6))), [s[0], s[1], 2, 3]), {}),
+    )
+    add("aten.reshape.default", lambda r: ((T(*(s := bsh(r))), [s[0], s[1] * s[2]]), {}))
+    add("aten.view.default", lambda r: ((T(6, 4), [4, 6]), {}))
+    add("aten.flatten.using_ints", lambda r: ((T(*dims(r, 4, 2, 4)), 1), {}))
+    add("aten.unflatten.int", lambda r: ((T(*bsh(r)[:2], 6), -1, [2, 3]), {}))
+    add("aten.transpose.int", lambda r: ((T(*bsh(r)), 1, 2), {}))
+    add("aten.permute.default", lambda r: ((T(*bsh(r)), [2, 0, 1]), {}))
+    add("aten.t.default", lambda r: ((T(*dims(r, 2)),), {}))
+    add("aten.unsqueeze.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.squeeze.dim", lambda r: ((T((s := bsh(r))[0], 1, s[2]), 1), {}))
+    add("aten.expand.default", lambda r: ((T((s := bsh(r))[0], 1, s[2]), list(s)), {}))
+    add("aten.expand.default", lambda r: ((T((s := bsh(r))[1], s[2]), list(s)), {}))
+    add("aten.select.int", lambda r: ((T(*bsh(r)), 1, 1), {}))
+    add("aten.slice.Tensor", lambda r: ((T(*bsh(r)), 1, 1, 3), {}))
+    add("aten.split.Tensor", lambda r: ((T(*bsh(r)[:2], 5), 2, -1), {}))
+    add("aten.chunk.default", lambda r: ((T(*bsh(r)), 2, 1), {}))
+    add("aten.split_with_sizes.default", lambda r: ((T(*bsh(r)[:2], 5), [2, 3], 2), {}))
+    add("aten.unbind.int", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.cat.default", lambda r: (([T(*(s := bsh(r))), T(s[0], 3, s[2])], 1), {}))
+    add("aten.stack.default", lambda r: (([T(*(s := bsh(r))), T(*s)], 1), {}))
+    add("aten.triu.default", lambda r: ((T(*[r.randint(3, 7)] * 2), 1), {}))
+    add("aten.tril.default", lambda r: ((T(r.randint(2, 4), *[r.randint(3, 7)] * 2), -1), {}))
+    add("aten.constant_pad_nd.default", lambda r: ((T(*bsh(r)), [1, 1]), {}))
+    add("aten.repeat.default", lambda r: ((T(*bsh(r)), [1, 2, 1]), {}))
+    # more ops the zoo models export (and close relatives)
+    add("aten.clamp.default", lambda r: ((T(*bsh(r)), -0.5, 0.7), {}))
+    add("aten.lt.Scalar", lambda r: ((T(*bsh(r)), 0.1), {}))
+    add("aten.bitwise_not.default", lambda r: ((T(*bsh(r)) > 0,), {}))
+    add("aten.sqrt.default", lambda r: ((T(*bsh(r)).abs(),), {}))
+    add("aten.mul.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.sub.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add("aten.div.Scalar", lambda r: ((T(*bsh(r)), 1.5), {}))
+    add(
+        "aten.masked_fill.Tensor",
+        lambda r: ((T(*(s := bsh(r))), T(s[2]) > 0, torch.tensor(2.0, dtype=f64)), {}),
+    )
+    add("aten.squeeze.default", lambda r: ((T((s := bsh(r))[0], 1, s[2]),), {}))
+    add("aten.index_select.default", lambda r: ((T(*bsh(r)), 1, torch.tensor([1, 0, 1])), {}))
+    add("aten.narrow.default", lambda r: ((T(*bsh(r)), 2, 0, 2), {}))
+    add("aten.logsumexp.default", lambda r: ((T(*bsh(r)), [2]), {}))
+    add("aten.min.dim", lambda r: ((T(*bsh(r)), 0, True), {}))
+    add("aten.amin.default", lambda r: ((T(*bsh(r)), [0, 2]), {}))
+    add("aten._log_softmax.default", lambda r: ((T(*bsh(r)), 0, False), {}))
+    add("aten.sort.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add(
+        "aten.baddbmm.default",
+        lambda r: ((T((m := dims(r, 4))[0], m[1], m[3]), T(*m[:3]), T(m[0], m[2], m[3])), {}),
+    )
+    add("aten.group_norm.default", lambda r: ((T(r.randint(2, 5), 4, 3), 2, T(4), T(4)), {}))
+    add("aten.conv1d.default", lambda r: ((T(3, 4, 7), T(5, 4, 3), T(5)), {}))
+    add("aten.max_pool2d_with_indices.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    add("aten.max_pool1d.default", lambda r: ((T(*dims(r, 2), 6), [2]), {}))
+    add("aten.linalg_vector_norm.default", lambda r: ((T(*bsh(r)), 2, [1]), {}))
+    add("aten.fill.Scalar", lambda r: ((T(*bsh(r)), 2.0), {}))
+    add("aten.to.other", lambda r: ((T(*bsh(r)), torch.ones(2, dtype=torch.float32)), {}))
+    add("aten.detach.default", lambda r: ((T(*bsh(r)),), {}))
+    add("aten.scalar_tensor.default", lambda r: ((2.5,), {"dtype": f64}))
+    add("aten.arange.start", lambda r: ((2, r.randint(4, 11)), {"dtype": f64}))
+    # creation
+    add("aten.arange.default", lambda r: ((r.randint(2, 9),), {"dtype": f64}))
+    add("aten.arange.start_step", lambda r: ((1, 2 * r.randint(2, 9) + 1, 2), {"dtype": f64}))
+    add("aten.zeros.default", lambda r: ((dims(r, 2),), {"dtype": f64}))
+    add("aten.ones.default", lambda r: ((dims(r, 2),), {"dtype": f64}))
+    add("aten.full.default", lambda r: ((dims(r, 2), 3.0), {"dtype": f64}))
+    # norms
+    add("aten.layer_norm.default", lambda r: ((T(*(s := bsh(r))), [s[2]], T(s[2]), T(s[2])), {}))
+    add("aten.layer_norm.default", lambda r: ((T(*(s := bsh(r))), [s[1], s[2]], None, None), {}))
+    add("aten.rms_norm.default", lambda r: ((T(*(s := bsh(r))), [s[2]], T(s[2]), 1e-6), {}))
+    # attention
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, None))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "float"))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "bool"))
+    add("aten.scaled_dot_product_attention.default", lambda r: _sdpa_case(r, T, "causal"))
+    # embedding
+    add(
+        "aten.embedding.default",
+        lambda r: ((T(v := r.randint(2, 9), r.randint(2, 6)), torch.randint(0, v, dims(r, 2))), {}),
+    )
+    # losses
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 2))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 0))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, weight=True))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, smoothing=0.1))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, extra=True))
+    add("aten.cross_entropy_loss.default", lambda r: _ce_case(r, T, 1, prob=True))
+    add("aten.nll_loss_nd.default", lambda r: _ce_case(r, T, 1, nll=True))
+    add("aten.nll_loss_nd.default", lambda r: _ce_case(r, T, 2, nll=True, extra=True))
+    add("aten.mse_loss.default", lambda r: ((T(*(s := bsh(r))), T(*s), 1), {}))
+    add("aten.mse_loss.default", lambda r: ((T(*(s := bsh(r))), T(*s), 2), {}))
+    # conv / pool
+    add("aten.conv2d.default", lambda r: _conv_case(r, T, 1, 1))
+    add("aten.conv2d.default", lambda r: _conv_case(r, T, 2, 0))
+    add("aten.max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2], [2, 2]), {}))
+    add("aten.adaptive_avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [1, 1]), {}))
+    add("aten.avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    return C
+
+
+def _lin(r: Any, T: Callable, bias: bool, two_d: bool = False) -> tuple[tuple, dict]:  # noqa: N803
+    k, n = r.randint(2, 6), r.randint(2, 6)
+    x = T(r.randint(2, 6), k) if two_d else T(r.randint(2, 5), r.randint(2, 5), k)
+    return ((x, T(n, k), T(n)) if bias else (x, T(n, k))), {}
+
+
+def _ein_case(r: Any, eq: str, spec: tuple[str, ...], T: Callable) -> tuple[tuple, dict]:  # noqa: N803
+    size = {c: r.randint(2, 4) for c in set("".join(spec))}
+    return (eq, [T(*[size[c] for c in s]) for s in spec]), {}
+
+
+def _sdpa_case(r: Any, T: Callable, mask: str | None) -> tuple[tuple, dict]:  # noqa: N803
+    import torch
+
+    b, h, lq, s, e = r.randint(2, 4), r.randint(2, 4), r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
+    if mask == "causal":
+        s = lq
+    q, k, v = T(b, h, lq, e), T(b, h, s, e), T(b, h, s, e + 1)
+    if mask == "float":
+        return (q, k, v, T(lq, s)), {}
+    if mask == "bool":
+        m = torch.rand(b, 1, lq, s) > 0.3
+        m[..., 0] = True
+        return (q, k, v, m), {}
+    return (q, k, v, None, 0.0, mask == "causal"), {}
+
+
+def _ce_case(
+    r: Any,
+    T: Callable,
+    red: int,
+    weight: bool = False,
+    smoothing: float = 0.0,
+    extra: bool = False,
+    prob: bool = False,
+    nll: bool = False,
+) -> tuple[tuple, dict]:  # noqa: N803
+    import torch
+
+    n, c = r.randint(2, 7), r.randint(2, 5)
+    shape = (n, c, r.randint(2, 4)) if extra else (n, c)
+    x = T(*shape)
+    if prob:
+        tgt = torch.softmax(T(*shape), 1)
+    else:
+        tshape = (shape[0],) + shape[2:]
+        tgt = torch.randint(0, c, tshape)
+        tgt[torch.rand(tshape) < 0.25] = -100
+    if nll:
+        return (torch.log_softmax(x, 1), tgt, None, red, -100), {}
+    w = T(c).abs() + 0.5 if weight else None
+    return (x, tgt, w, red, -100, smoothing), {}
+
+
+def _conv_case(r: Any, T: Callable, stride: int, pad: int) -> tuple[tuple, dict]:  # noqa: N803
+    n, ci, co = r.randint(2, 4), r.randint(2, 4), r.randint(2, 4)
+    return (T(n, ci, 5, 6), T(co, ci, 3, 3), T(co), [stride, stride], [pad, pad], [1, 1], 1), {}
+
+
+_FIXED_RATIOS: tuple[tuple[float, ...], ...] = ((0.7, 0.3), (0.5, 0.0, 0.5), (0.4, 0.3, 0.2, 0.1))
+
+
+def check(
+    targets: Sequence[str] | None = None,
+    *,
+    trials: int = 20,
+    seed: int = 0,
+    shapes_per_case: int = 2,
+    backward: bool = True,
+) -> CheckReport:
+    """Check every rule against the single-device op (see the module docstring).
+
+    ``targets`` restricts the check to those ops (``"linear"`` matches ``aten.linear.*``); ``trials``
+    random (n, ratios) draws per strategy (n = 2..4, zero ratios included) on top of three fixed
+    uneven ones; backward is checked on the fixed draws.
+    """
+    t0 = time.perf_counter()
+    with _strict():
+        return _check(targets, trials, seed, shapes_per_case, backward, t0)
+
+
+def _check(
+    targets: Sequence[str] | None, trials: int, seed: int, shapes_per_case: int, backward: bool, t0: float
+) -> CheckReport:
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    rows: list[CheckRow] = []
+    cases = _cases()
+    want = None
+    if targets:
+        want = [t if t.startswith("aten.") else f"aten.{t}." for t in targets]
+    checked: set[str] = set()
+    for target, build in cases:
+        if want and not any(target == w or target.startswith(w) for w in want):
+            continue
+        checked.add(target)
+        for _shape in range(shapes_per_case):
+            try:
+                args, kwargs = build(rng)
+                g, op, full = _single_op(target, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - a broken sample is reported, not fatal
+                rows.append(CheckRow(target, "?", "-", "crash", f"building the sample: {_short(exc)}"))
+                continue
+            case = " ".join(f"{list(t.shape)}" for t in (g.tensors[i] for i in op.inputs))
+            try:
+                strats = strategies(g, op)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(CheckRow(target, case, "-", "crash", f"generating strategies: {_short(exc)}"))
+                continue
+            for s in strats:
+                draws = [(r_, True) for r_ in _FIXED_RATIOS]
+                for _ in range(max(0, trials // shapes_per_case - len(draws))):
+                    nn = rng.randint(2, 4)
+                    rs = [rng.choice((0.0, rng.random() + 0.05, rng.random() + 0.05)) for _ in range(nn)]
+                    if sum(rs) == 0:
+                        rs[0] = 1.0
+                    draws.append((tuple(rs), False))
+                status, detail = "ok", ""
+                for ratios, fixed in draws:
+                    try:
+                        status, detail = _check_strategy(
+                            g, op, full, s, len(ratios), ratios, rng.randrange(1 << 30), backward and fixed
+                        )
+                    except Exception as exc:  # noqa: BLE001
+                        status, detail = "crash", _short(exc)
+                    if status != "ok":
+                        detail = f"ratios {list(ratios)}: {detail}"
+                        break
+                rows.append(CheckRow(target, case, str(s), status, detail))
+    unchecked = () if want else tuple(sorted(set(registered()) - checked))
+    return CheckReport(tuple(rows), time.perf_counter() - t0, unchecked)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI body: ``python -m hapnb.triples --check [OP ...] [--trials N] [--seed S] [--list]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m hapnb.triples", description="check hapnb's per-op sharding rules"
+    )
+    p.add_argument(
+        "--check", nargs="*", metavar="OP", help="check all rules, or only these ops (e.g. linear)"
+    )
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="list the rule tables")
+    a = p.parse_args(argv)
+    if a.list:
+        for t, (fam, why) in registered().items():
+            print(f"{fam:14s} {t:44s} {why}")
+        return 0
+    if a.check is None:
+        p.print_help()
+        return 2
+    report = check(a.check or None, trials=a.trials, seed=a.seed)
+    print(report)
+    return 0 if report.ok else 1

@@ -1,0 +1,121 @@
+"""Convolution and pooling: the ``conv`` and ``pool`` tables.
+
+Algebra: a convolution is a contraction over in-channels and the kernel window: the batch dim shards
+(``G0``), out-channels shard with the weight's dim 0 (``G1``), in-channels shard with the weight's dim 1
+and give a partial sum (``R``); a partial input with a replicated weight stays ``R``. Pooling acts on
+the spatial dims only, so batch and channel dims shard, and average pooling is linear (``R -> R``).
+Spatial dims are never sharded, so padding needs no halo exchange. Conv flops:
+``2*N*Cout*Ho*Wo*(Cin/groups)*kh*kw`` (+ one per output element for a bias).
+"""
+
+from __future__ import annotations
+
+from ..forms import G, I, R
+from ..graph import Graph, Op
+from .registry import (
+    LocalCall,
+    LocalContext,
+    Strategy,
+    _arg,
+    _aten,
+    _Cand,
+    _default_local,
+    _f_in,
+    _numel,
+    _register,
+    _tin,
+)
+
+
+def _gen_conv(g: Graph, op: Op) -> list[_Cand]:
+    x, w = _tin(g, op, 0), _tin(g, op, 1)
+    has_b = len(op.inputs) == 3
+    groups = int(_arg(op, 6, 1))
+    batched = x.ndim == w.ndim
+    cands = []
+    if batched:
+        cands.append(_Cand("batch", (G(0), I) + ((I,) if has_b else ()), (G(0),)))
+    ch = 1 if batched else 0
+    if groups == 1:
+        cands.append(_Cand("out_channel", (I, G(0)) + ((G(0),) if has_b else ()), (G(ch),)))
+        cands.append(_Cand("in_channel", (G(ch), G(1)) + ((I,) if has_b else ()), (R,)))
+    cands.append(_Cand("partial", (R, I) + ((I,) if has_b else ()), (R,), "full"))
+    return cands
+
+
+def _local_conv(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    import hapnb.ops as hops
+
+    if _has_empty_shard(op, s, ctx):
+        return LocalCall(hops.conv_local, (*op.args[:7], ctx.rank == 0))
+    if s.outputs[0].is_reduce and len(op.inputs) == 3:
+        return LocalCall(hops.conv_partial, (*op.args[:7], ctx.rank == 0))
+    return _default_local(g, op, s, ctx)
+
+
+def _has_empty_shard(op: Op, s: Strategy, ctx: LocalContext) -> bool:
+    """Whether this rank's shard of some G-form tensor of the op is empty."""
+    return any(
+        f.is_gather and ctx.local(t, f.dim) == 0 for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs)
+    )
+
+
+def _local_pool(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    import hapnb.ops as hops
+
+    if _has_empty_shard(op, s, ctx):
+        return LocalCall(hops.pool_local, (_aten(op.target), *op.args), op.kwargs)
+    return _default_local(g, op, s, ctx)
+
+
+def _f_conv(ins: list, outs: list, args: tuple, kw: dict) -> float:
+    w, out = ins[1], outs[0]
+    per_out = w[1] * _numel(w[2:])  # (Cin / groups) * kernel
+    return float(2 * _numel(out) * per_out + (_numel(out) if len(ins) == 3 else 0))
+
+
+_register(
+    ["aten.conv2d.default", "aten.conv1d.default"],
+    "conv",
+    _gen_conv,
+    local=_local_conv,
+    flops=_f_conv,
+    reason="conv is a contraction over in-channels: batch -> G0, out-channel -> G1, in-channel -> R "
+    "(spatial dims are never sharded, so padding needs no halo)",
+)
+
+
+# ---- pooling: spatial only; average pooling is linear
+
+
+def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
+    x = _tin(g, op, 0)
+    lead = x.ndim - (1 if "1d" in op.target else 2)  # spatial dims are never sharded
+    nout = len(op.outputs)
+    cands = [_Cand(f"shard{d}", (G(d),), (G(d),) * nout) for d in range(lead)]
+    if linear:
+        cands.append(_Cand("partial", (R,), (R,), "full"))
+    return cands
+
+
+_register(
+    ["aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default"],
+    "pool",
+    lambda g, op: _gen_pool(g, op, False),
+    local=_local_pool,
+    flops=_f_in,
+    reason="pooling acts on the spatial dims: batch and channel shard",
+)
+_register(
+    [
+        "aten.adaptive_avg_pool2d.default",
+        "aten.avg_pool2d.default",
+        "aten.adaptive_avg_pool1d.default",
+        "aten.avg_pool1d.default",
+    ],
+    "pool",
+    lambda g, op: _gen_pool(g, op, True),
+    local=_local_pool,
+    flops=_f_in,
+    reason="average pooling is linear and spatial: batch/channel shard, R -> R",
+)

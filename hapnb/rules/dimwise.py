@@ -1,0 +1,126 @@
+"""Ops that act along some dims and are independent across the others: the ``dimwise`` and ``norm``
+tables.
+
+Algebra: softmax normalizes along one dim, a scan (cumsum/cumprod) or sort/top-k runs along one dim,
+flip reverses some dims, and a layer/RMS norm takes statistics over the trailing ``normalized_shape``
+(group norm: per sample). Every *other* dim is independent, so ``G(d)`` for such a d passes through;
+the acted-on dims never shard (that would need the statistics/prefix across ranks). Linear members
+(cumsum, flip) also take ``R -> R``. Affine norm weight/bias stay ``I``.
+"""
+
+from __future__ import annotations
+
+from ..forms import G, I, R
+from ..graph import Graph, Op
+from .registry import _arg, _Cand, _dims, _f_in, _f_out, _f_scale, _f_zero, _ndim_dim, _register, _tin
+
+
+def _gen_dimwise(
+    g: Graph,
+    op: Op,
+    dim_arg: int = 1,
+    default_dim: int = -1,
+    linear: bool = False,
+    extra_out_dim: bool = False,
+) -> list[_Cand]:
+    t = _tin(g, op, 0)
+    dim = _ndim_dim(int(_arg(op, dim_arg, default_dim)), t.ndim) if dim_arg >= 0 else None
+    nout = len(op.outputs)
+    cands = [
+        _Cand(f"shard{d}", (G(d),) + (I,) * (len(op.inputs) - 1), (G(d),) * nout)
+        for d in range(t.ndim)
+        if d != dim
+    ]
+    if linear:
+        cands.append(_Cand("partial", (R,), (R,) * nout, "full"))
+    return cands
+
+
+_register(
+    [
+        "aten.softmax.int",
+        "aten._softmax.default",
+        "aten.log_softmax.int",
+        "aten._log_softmax.default",
+        "aten._safe_softmax.default",
+    ],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op),
+    flops=_f_scale(5, _f_out),
+    reason="softmax normalizes along one dim; every other dim is independent",
+)
+_register(
+    ["aten.cumsum.default"],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, linear=True),
+    reason="a prefix sum along one dim; independent across others, and linear (R -> R)",
+)
+_register(
+    ["aten.cumprod.default", "aten.sort.default", "aten.argsort.default"],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, dim_arg=1),
+    reason="a scan / sort along one dim; independent across the others",
+)
+_register(
+    ["aten.topk.default"],
+    "dimwise",
+    lambda g, op: _gen_dimwise(g, op, dim_arg=2),
+    flops=_f_scale(2, _f_in),
+    reason="top-k along one dim; independent across the others",
+)
+_register(
+    ["aten.one_hot.default"],
+    "dimwise",
+    lambda g, op: [_Cand(f"shard{d}", (G(d),), (G(d),)) for d in range(_tin(g, op, 0).ndim)],
+    reason="one_hot adds a class dim at the end; every index dim is independent",
+)
+
+
+def _gen_flip(g: Graph, op: Op) -> list[_Cand]:
+    t = _tin(g, op, 0)
+    dims = _dims(_arg(op, 1), t.ndim)
+    return [_Cand(f"shard{d}", (G(d),), (G(d),)) for d in range(t.ndim) if d not in dims] + [
+        _Cand("partial", (R,), (R,), "full")
+    ]
+
+
+_register(
+    ["aten.flip.default"],
+    "dimwise",
+    _gen_flip,
+    flops=_f_zero,
+    reason="flip reverses some dims; the others stay in place; linear",
+)
+
+
+# ---- norms: statistics over the trailing normalized_shape (group norm: per sample)
+
+
+def _gen_norm(g: Graph, op: Op) -> list[_Cand]:
+    t = _tin(g, op, 0)
+    lead = t.ndim - len(op.args[1])
+    rest = (I,) * (len(op.inputs) - 1)
+    return [_Cand(f"shard{d}", (G(d),) + rest, (G(d),) * len(op.outputs)) for d in range(lead)]
+
+
+_register(
+    ["aten.layer_norm.default", "aten.rms_norm.default"],
+    "norm",
+    _gen_norm,
+    flops=_f_scale(8, _f_in),
+    reason="normalizes over the trailing dims: leading dims shard, weight/bias stay I",
+)
+
+
+def _gen_group_norm(g: Graph, op: Op) -> list[_Cand]:
+    rest = (I,) * (len(op.inputs) - 1)
+    return [_Cand("shard0", (G(0),) + rest, (G(0),))]
+
+
+_register(
+    ["aten.group_norm.default"],
+    "norm",
+    _gen_group_norm,
+    flops=_f_scale(8, _f_in),
+    reason="group norm statistics are per sample: the batch dim shards",
+)
