@@ -34,6 +34,7 @@ _LAZY = {
     "baselines": "synthesis",
     "OutOfMemoryError": "synthesis",
     "Plan": "plan",
+    "Session": "session",
     "verify": "run.runtime",
     "distribute": "run.runtime",
     "full_state_dict": "run.runtime",
