@@ -11,7 +11,7 @@ from hapnb import ops as hops
 from hapnb import rules
 from hapnb.forms import G, I, R, shard_lengths
 from hapnb.graph import Graph, Op, TensorArg, TensorRef
-from hapnb.rules.check import _check_strategy, _class_lengths, _single_op
+from hapnb.rules.checker import _check_strategy, _class_lengths, _single_op
 from hapnb.rules.registry import _RULES, _Cand, _Rule
 
 f64 = torch.float64

@@ -21,7 +21,7 @@ module                     tables (families) and the algebra that makes them sou
 :mod:`.attention`          attention: independent across batch, heads and (non-causal) query rows
 :mod:`.losses`             loss: per-sample terms; a sharded batch sums to R (global-count mean)
 :mod:`.conv`               conv, pool: contraction over in-channels; spatial dims never shard
-:mod:`.check`              the ground-truth checker and ``--check`` CLI body (top)
+:mod:`.checker`              the ground-truth checker and ``--check`` CLI body (top)
 ========================== ========================================================================
 
 >>> from hapnb.rules import family, flops
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 # the family modules register their tables on import
 from . import attention, conv, creation, dimwise, einsum, losses, pointwise, reductions, views
-from .check import CheckReport, CheckRow, check, main
+from .checker import CheckReport, CheckRow, check, main
 from .registry import (
     LocalCall,
     LocalContext,

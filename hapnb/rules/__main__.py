@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .check import main
+from .checker import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,9 +10,8 @@ of ``G`` inputs must concat to the full grad, of ``R`` inputs be complete on eve
 sum to the full grad (SFB weights: complete on every rank).
 
 This module is the top of :mod:`hapnb.rules`: it imports the registry (the family tables register
-themselves when the package is imported). Note that ``hapnb.rules.check`` as an attribute is the
-:func:`check` function (the package re-exports it); reach the module with
-``from hapnb.rules.check import ...``.
+themselves when the package is imported). The module is ``checker`` and the function ``check``, so
+``hapnb.rules.check`` is always the function and ``hapnb.rules.checker`` always the module.
 """
 
 from __future__ import annotations
