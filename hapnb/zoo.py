@@ -51,7 +51,7 @@ The default ``bert`` vocabulary follows the original: WikiText-2's 33,278 words 
 Tracing: every model exports with ``torch.export.export(model, inputs)`` in ``train()`` mode, both
 non-strict (the default in torch 2.13) and ``strict=True``; the exported graphs hold the same aten ops.
 The ``call_function`` targets of each export (train mode, torch 2.13; small configs, the ops do not
-depend on sizes) — see also docs/briefs/zoo-ops.md:
+depend on sizes) — see also docs/zoo-ops.md:
 
 * ``mlp``: aten.cross_entropy_loss.default, aten.linear.default, aten.relu.default
 * ``vgg19``: aten.adaptive_avg_pool2d.default, aten.conv2d.default, aten.dropout.default,
@@ -903,13 +903,13 @@ Notes for rule authors:
 
 
 def _ops_markdown() -> str:
-    """The aten ops of every zoo model and example factory, as markdown (for docs/briefs/zoo-ops.md)."""
+    """The aten ops of every zoo model and example factory, as markdown (for docs/zoo-ops.md)."""
     lines = [
         "# aten ops of the zoo models",
         "",
         f"`torch.export.export(model, inputs)` in train() mode, torch {torch.__version__}, small configs",
         "(`hapnb.zoo.TINY`; the ops do not depend on sizes). Regenerate the file with",
-        "`python -m hapnb.zoo > docs/briefs/zoo-ops.md`.",
+        "`python -m hapnb.zoo > docs/zoo-ops.md`.",
         "",
         _OPS_NOTES,
     ]
