@@ -1,4 +1,4 @@
-"""Tests of hapnb.graph.trace: parameters/inputs/loss, shapes, module paths, flops, tuple outputs,
+"""Tests of hapnb.tracing: parameters/inputs/loss, shapes, module paths, flops, tuple outputs,
 the fx fallback, and TraceError for untraceable modules."""
 
 from __future__ import annotations
