@@ -35,14 +35,20 @@ def _strategy(th, op, name):
     return next(s for s in th.strategies[op] if s.name == name)
 
 
-def test_data_parallel_program_by_hand(setup):
-    g, th, c, cm = setup
+def _data_parallel(g, th) -> list[Step]:
+    """x sharded on the batch, the weight replicated (its gradient all-reduced), the sum on G(0)."""
     x, w = g.tensor("x").id, g.tensor("w0").id
     mm, total = g.ops[0], g.ops[1]
-    prog = [
+    return [
         Step(mm.id, _strategy(th, mm.id, "data"), (Load(x, G(0)), Load(w, I))),
         Step(total.id, _strategy(th, total.id, "G0"), ()),
     ]
+
+
+def test_data_parallel_program_by_hand(setup):
+    g, th, c, cm = setup
+    mm, total = g.ops[0], g.ops[1]
+    prog = _data_parallel(g, th)
     ratios = ((0.8, 0.2),)
     ev = cm.evaluate(prog, ratios)
     # one stage: the replicated weight all-reduces its gradient (latency + bytes / bandwidth)
@@ -99,12 +105,7 @@ def test_comp_linear_is_the_cost_models_own_computation(setup):
 
 def test_memory_counts_parameter_state_and_local_shards(setup):
     g, th, c, cm = setup
-    x, w = g.tensor("x").id, g.tensor("w0").id
-    mm, total = g.ops[0], g.ops[1]
-    prog = [
-        Step(mm.id, _strategy(th, mm.id, "data"), (Load(x, G(0)), Load(w, I))),
-        Step(total.id, _strategy(th, total.id, "G0"), ()),
-    ]
+    prog = _data_parallel(g, th)
     ratios = ((0.75, 0.25),)
     mem = cm.memory(prog, (), ratios)
     w_state = 4 * 32 * 16 * 4  # weight + gradient + two Adam moments
