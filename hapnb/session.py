@@ -383,7 +383,9 @@ class Session:
         if ev.popped is not None:
             self.current = ev.popped.id
 
-    def _status(self) -> str:
+    @property
+    def status(self) -> str:
+        """One line on the search: ``"12 expansions, frontier 30"`` (``", done"`` once proven optimal)."""
         st = self.search.stats
         return f"{st['expansions']} expansions, frontier {st['frontier']}" + (", done" if self.done else "")
 
@@ -403,9 +405,9 @@ class Session:
                 break
             ev = self.step()
             if progress is not None and k % 25 == 0:
-                progress(Progress(k, n, self._status()))
+                progress(Progress(k, n, self.status))
         if progress is not None:
-            progress(Progress(n, n, self._status()))
+            progress(Progress(n, n, self.status))
         return ev
 
     def run_to_complete(
@@ -418,11 +420,11 @@ class Session:
                 break
             ev = self.step()
             if progress is not None and k % 50 == 0:
-                progress(Progress(k, 0, self._status()))
+                progress(Progress(k, 0, self.status))
             if any(c.complete for c in ev.children):
                 break
         if progress is not None:
-            progress(Progress(1, 1, self._status()))
+            progress(Progress(1, 1, self.status))
         return ev
 
     def run(
@@ -440,11 +442,11 @@ class Session:
             if progress is not None:
                 st = self.search.stats
                 total = max(st["expansions"] + st["frontier"], 1)
-                progress(Progress(min(st["expansions"], total), total, self._status()))
+                progress(Progress(min(st["expansions"], total), total, self.status))
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                 break
         if progress is not None:
-            progress(Progress(1, 1, self._status()))
+            progress(Progress(1, 1, self.status))
         self.event = None
         best = self.search.best
         if best is not None:
@@ -607,6 +609,36 @@ class Session:
     @property
     def draft_pending(self) -> bool:
         return self._draft != self.cluster
+
+    @property
+    def draft_changes(self) -> tuple[str, ...]:
+        """What applying the draft would change, one line each (``"v100-0: 15.7 -> 7.85 TFLOP/s"``)."""
+        a, b = self.cluster, self._draft
+        if a.names != b.names:
+            return (f"devices {', '.join(a.names)} -> {', '.join(b.names)}",)
+        out = []
+        for x, y in zip(a.devices, b.devices):
+            if x.flops != y.flops:
+                out.append(f"{x.name}: {x.flops / 1e12:.4g} -> {y.flops / 1e12:.4g} TFLOP/s")
+            if x.memory_bytes != y.memory_bytes:
+                out.append(f"{x.name}: {x.memory_bytes / 2**30:.4g} -> {y.memory_bytes / 2**30:.4g} GiB")
+        old = dict(a.collectives)
+        for k, y in b.collectives:
+            x = old.get(k)
+            if x is None:
+                out.append(f"{k}: new")
+                continue
+            if x.bandwidth_Bps != y.bandwidth_Bps:
+                out.append(f"{k}: {x.bandwidth_Bps / 1e9:.4g} -> {y.bandwidth_Bps / 1e9:.4g} GB/s")
+            if x.latency_s != y.latency_s:
+                out.append(f"{k}: {x.latency_s * 1e6:.4g} -> {y.latency_s * 1e6:.4g} us latency")
+        for attr, unit in (
+            ("intra_machine_Bps", "B/s within a machine"),
+            ("dtype_bytes", "bytes per element"),
+        ):
+            if getattr(a, attr) != getattr(b, attr):
+                out.append(f"{getattr(a, attr):g} -> {getattr(b, attr):g} {unit}")
+        return tuple(out)
 
     def load_cluster(self, cluster: Cluster | str) -> Cluster:
         """Put a cluster (object, preset name, JSON path or inline spec) in the draft (not applied)."""

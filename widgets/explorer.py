@@ -10,66 +10,71 @@ cluster, read the Gantt chart, and verify or launch the plan.
 >>> ex.resynthesize().cost_s             # doctest: +SKIP
 
 ``Explorer(model_or_plan, cluster=None, *, pins=None, example_inputs=None, ratios=None, **zoo_options)``
-accepts a :class:`~hapnb.plan.Plan` (its graph is needed for the search; a plan loaded from JSON is
-rebuilt from its recorded zoo model when possible), a Graph or Theory, an ``nn.Module`` with
-``example_inputs``, or a zoo name with zoo options (``layers=2, hidden=64``).
+takes what :class:`hapnb.session.Session` takes (a Plan, a Graph or Theory, an ``nn.Module`` with
+``example_inputs``, or a zoo name with zoo options), or a Session itself. The panel is a view: every
+button, slider and selector calls a method of ``ex.session`` and re-renders from its state, so whatever
+a script does to the session, the panel shows after the next refresh (``ex.refresh()``).
 
 Tabs
 ----
 * **Search**: Step, Step xN, Run to next complete, Run and Reset; the frontier table, the last event
-  (popped node, children, pruned children with reasons) and the search-tree drawing update after each.
-  "Use best program" turns the best complete program into the current plan.
+  (popped node, children, pruned children with reasons) and the search-tree drawing (root at the left)
+  update after each. "Use best program" turns the best complete program into the current plan.
 * **Triples**: the theory filtered by op / tensor / kind; triples enabled at the current search node
   are highlighted ("only enabled" hides the rest).
 * **Pins**: a form per parameter/input ("auto" = let the search choose), a ratio slider + lock per
   device, Re-synthesize (new cost and the diff to the previous plan).
 * **Plan**: the plan (stages, memory), its Q/B history, and the bokeh Gantt chart (inline BokehJS in an
   iframe, no CDN); after a launch, measured step times are overlaid.
-* **Cluster**: presets, per-device TFLOP/s and memory, per-collective latency and bandwidth; Apply
-  re-synthesizes on the edited cluster.
-* **Launch**: Verify (``hapnb.runtime.verify``) and Launch (``hapnb.launch.launch``) with per-step time
-  and loss streamed into a table.
+* **Cluster**: presets, per-device TFLOP/s and memory, per-collective latency and bandwidth (edits go
+  to the session's draft cluster); Apply re-synthesizes on it.
+* **Launch**: Verify (``hapnb.run.verify.verify``) and Launch (``hapnb.run.launch.launch``) with
+  per-step time and loss streamed into a table.
 
-State for scripts and tests: ``ex.search``, ``ex.plan``, ``ex.previous_plan``, ``ex.plans`` (all plans
-made), ``ex.event`` (last search event), ``ex.current`` (selected node id), ``ex.pins``,
-``ex.ratio_locks``, ``ex.cluster``, ``ex.metrics``, ``ex.last_error``; widgets in ``ex.buttons[name]``,
-``ex.controls[name]`` and ``ex.outputs[name]``. Methods: ``step``, ``step_n``, ``run_to_complete``,
-``run``, ``reset``, ``select``, ``use_best``, ``set_pin``, ``set_ratio``, ``resynthesize``,
-``set_cluster``, ``edit_device``, ``set_collective``, ``apply_cluster``, ``verify``, ``launch``,
+State for scripts and tests lives in ``ex.session``; the Explorer mirrors it read-only as ``ex.search``,
+``ex.plan``, ``ex.previous_plan``, ``ex.plans``, ``ex.event``, ``ex.current``, ``ex.pins``,
+``ex.ratio_locks``, ``ex.cluster``, ``ex.metrics``, ``ex.measured``; ``ex.last_error`` is the error the
+panel shows. Widgets are in ``ex.buttons[name]``, ``ex.controls[name]`` and ``ex.outputs[name]``.
+Methods (the buttons' actions): ``step``, ``step_n``, ``run_to_complete``, ``run``, ``reset``,
+``select``, ``use_best``, ``set_pin``, ``set_ratio``, ``resynthesize``, ``set_cluster``,
+``edit_device``, ``set_collective``, ``apply_cluster``, ``verify``, ``launch``, ``stop``,
 ``filter_triples``. Methods raise on bad input; the buttons show the error in the panel instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import html
-import importlib
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ipywidgets as W
 
 from hapnb import display
-from hapnb.cluster import PRESETS, Cluster, Collective
-from hapnb.forms import Form, parse_form
+from hapnb.cluster import PRESETS, Cluster
+from hapnb.forms import Form
 from hapnb.plan import Plan
-from hapnb.search import NoProgramError, Search
-from hapnb.triples import Theory, theory
+from hapnb.search import Search, SearchEvent, SearchNode
+from hapnb.session import AUTO, JobState, Progress, Session
 
 __all__ = ["Explorer"]
 
 GiB = 2**30
-AUTO = "auto"
 
 
-def _html(value: str = "") -> W.HTML:
-    return W.HTML(value=value, layout=W.Layout(width="100%", overflow="auto"))
+def _html(**layout: Any) -> W.HTML:
+    return W.HTML(value="", layout=W.Layout(width="100%", **layout))
+
+
+def _scroll(inner: str) -> str:
+    """A box that scrolls sideways on its own. ``contain:inline-size`` keeps a wide table or drawing from
+    widening the widget (so text wraps at the widget's width instead of running out of view), and the
+    box opens at its left edge."""
+    return f"<div style='contain:inline-size;overflow-x:auto;white-space:normal'>{inner}</div>"
 
 
 class Explorer:
-    """Interactive synthesis panel; see the module docstring for the tabs and the programmatic API."""
+    """Interactive synthesis panel over a :class:`~hapnb.session.Session`; see the module docstring."""
 
     def __init__(
         self,
@@ -83,292 +88,179 @@ class Explorer:
         max_iterations: int = 10,
         **zoo_options: Any,
     ) -> None:
-        self.max_iterations = max_iterations
+        if isinstance(model_or_plan, Session):
+            extra = [
+                k
+                for k, v in dict(
+                    cluster=cluster, pins=pins, example_inputs=example_inputs, ratios=ratios, loss=loss
+                ).items()
+                if v is not None
+            ] + list(zoo_options)
+            if extra:
+                raise ValueError(f"Explorer(session) takes no other arguments; got {', '.join(extra)}")
+            self.session = model_or_plan
+        else:
+            self.session = Session(
+                model_or_plan,
+                cluster,
+                pins=pins,
+                example_inputs=example_inputs,
+                ratios=ratios,
+                loss=loss,
+                max_iterations=max_iterations,
+                **zoo_options,
+            )
         self.last_error: BaseException | None = None
-        self.metrics: list[dict[str, Any]] = []
-        self.measured: list[float] = []
-        self.plans: list[Plan] = []
-        self.previous_plan: Plan | None = None
-        self.event: Any = None
-        self.current = 0
         self._syncing = False
         self._launch_thread: threading.Thread | None = None
-        self._job: Any = None
-        self._model_spec: Any = None
-        plan = self._resolve(model_or_plan, cluster, example_inputs, loss, zoo_options)
-        self.pins: dict[str, str] = {
-            k: str(parse_form(v) if isinstance(v, str) else v) for k, v in (pins or {}).items()
-        }
-        if plan is not None and not pins:
-            self.pins = dict(plan.pins)
-        self.ratio_locks: dict[str, float] = dict(ratios or {})
-        if plan is None:
-            plan = self._synthesize()
-        self.plan: Plan = plan
-        self.plans.append(plan)
-        self.search: Search = self._new_search()
         self.buttons: dict[str, W.Button] = {}
         self.controls: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self.widget = self._build()
-        self._refresh_all()
+        self.refresh()
 
-    # ============================================================================ model resolution
-    def _resolve(
-        self, obj: Any, cluster: Any, example_inputs: Any, loss: Any, zoo_options: dict[str, Any]
-    ) -> Plan | None:
-        from hapnb.tracing import resolve_model
+    # ============================================================================ the session's state
+    @property
+    def search(self) -> Search:
+        """The session's search cursor."""
+        return self.session.search
 
-        plan = None
-        if isinstance(obj, Plan):
-            plan = obj
-            self.cluster = plan.cluster if cluster is None else Cluster.resolve(cluster)
-            graph = plan.graph
-            self._model_spec = plan.model or None
-            if graph is None and plan.model_spec:
-                graph = self._rebuild_graph(plan)
-            if graph is None:
-                raise ValueError(
-                    f"Explorer: plan {plan.name!r} has no traced graph (it was loaded from JSON) and its "
-                    "model "
-                    "could not be rebuilt; pass the Graph, the nn.Module with example_inputs, or the zoo name"
-                )
-            self.theory = theory(graph)
-        else:
-            if cluster is None:
-                raise ValueError(
-                    "Explorer needs a cluster for a model or graph: e.g. Explorer(model, '2xV100+2xP100')"
-                )
-            self.cluster = Cluster.resolve(cluster)
-            if isinstance(obj, Theory):
-                self.theory = obj
-            else:
-                graph, spec = resolve_model(obj, self.cluster, example_inputs, loss, **zoo_options)
-                self.theory = theory(graph)
-                if spec:
-                    from hapnb.plan import freeze_mapping
+    @property
+    def plan(self) -> Plan:
+        """The current plan."""
+        return self.session.plan
 
-                    self._model_spec = freeze_mapping(spec)
-        self.graph = self.theory.graph
-        return plan
+    @property
+    def previous_plan(self) -> Plan | None:
+        """The plan before the current one."""
+        return self.session.previous_plan
 
-    @staticmethod
-    def _rebuild_graph(plan: Plan) -> Any:
-        try:
-            from hapnb import zoo
-            from hapnb.graph import trace
+    @property
+    def plans(self) -> list[Plan]:
+        """Every plan made, oldest first."""
+        return self.session.plans
 
-            spec = zoo.ModelSpec.from_json(plan.model_spec)
-            model, inputs, _ = zoo.build_spec(spec)
-            g = trace(model, inputs, name=plan.name)
-            return g if g.fingerprint == plan.graph_fingerprint else None
-        except Exception:  # noqa: BLE001 - the caller explains what to pass instead
-            return None
+    @property
+    def event(self) -> SearchEvent | None:
+        """What the last step did."""
+        return self.session.event
 
-    # ============================================================================ state helpers
-    def _form_pins(self) -> dict[str, Form]:
-        return {k: parse_form(v) for k, v in self.pins.items() if v and v != AUTO}
+    @property
+    def current(self) -> int:
+        """The selected search node."""
+        return self.session.current
 
-    def _synthesize(self) -> Plan:
-        from hapnb.synthesis import synthesize
+    @property
+    def pins(self) -> dict[str, str]:
+        """Pinned forms by tensor name."""
+        return self.session.pins
 
-        ratios = dict(self.ratio_locks) or None
-        plan = synthesize(
-            self.theory,
-            self.cluster,
-            pins=self._form_pins(),
-            ratios=ratios,
-            max_iterations=self.max_iterations,
-            check_memory=False,  # the plan view marks devices over their memory instead
-        )
-        if self._model_spec:
-            plan = dataclasses.replace(plan, model=self._model_spec)
-        return plan
+    @property
+    def ratio_locks(self) -> dict[str, float]:
+        """Locked ratios by device."""
+        return self.session.ratio_locks
 
-    def _new_search(self) -> Search:
-        ratios = self.plan.ratios if self.plan.cluster == self.cluster else None
-        return Search(self.theory, self.cluster, ratios=ratios, pins=self._form_pins())
+    @property
+    def cluster(self) -> Cluster:
+        """The applied cluster."""
+        return self.session.cluster
 
-    # ============================================================================ search API
-    def step(self) -> Any:
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The launch's metrics lines."""
+        return self.session.metrics
+
+    @property
+    def measured(self) -> list[float]:
+        """Measured step times of the current plan's launch."""
+        return self.session.measured
+
+    @property
+    def theory(self) -> Any:
+        """The program's theory."""
+        return self.session.theory
+
+    @property
+    def graph(self) -> Any:
+        """The program's graph."""
+        return self.session.graph
+
+    # ============================================================================ search
+    def step(self) -> SearchEvent:
         """Expand one node of the search (the Step button); returns the SearchEvent."""
-        ev = self.search.step()
-        self._after_step(ev)
+        ev = self.session.step()
         self._refresh_search()
         return ev
 
-    def step_n(self, n: int | None = None) -> Any:
+    def step_n(self, n: int | None = None) -> SearchEvent | None:
         """Expand ``n`` nodes (default: the "N" field), refreshing the views once at the end."""
         n = int(self.controls["step_n"].value if n is None else n)
-        ev = None
-        bar = self.controls["progress"]
-        bar.max, bar.value = max(n, 1), 0
-        for k in range(n):
-            if self.search.done:
-                break
-            ev = self.search.step()
-            self._after_step(ev)
-            if k % 25 == 0:
-                bar.value = k
-        bar.value = bar.max
+        ev = self.session.step_n(n, progress=self._progress)
         self._refresh_search()
         return ev
 
-    def run_to_complete(self, max_steps: int = 100_000) -> Any:
+    def run_to_complete(self, max_steps: int = 100_000) -> SearchEvent | None:
         """Step until an expansion produces a complete program (or the search is done)."""
-        bar = self.controls["progress"]
-        bar.max, bar.value = 100, 0
-        ev = None
-        for k in range(max_steps):
-            if self.search.done:
-                break
-            ev = self.search.step()
-            self._after_step(ev)
-            if k % 50 == 0:
-                bar.value = k % 100
-            if any(c.complete for c in ev.children):
-                break
-        bar.value = bar.max
+        ev = self.session.run_to_complete(max_steps, progress=self._progress)
         self._refresh_search()
         return ev
 
-    def run(self, chunk: int = 200, max_seconds: float | None = None) -> Any:
+    def run(self, chunk: int = 200, max_seconds: float | None = None) -> SearchNode | None:
         """Run the search to the end (the best program proven optimal), in chunks with progress."""
-        t0 = time.perf_counter()
-        bar = self.controls["progress"]
-        label = self.controls["progress_label"]
-        bar.value = 0
-        while not self.search.done:
-            try:
-                self.search.run(max_expansions=chunk, dives=0)
-            except NoProgramError:
-                if self.search.done:
-                    raise
-            st = self.search.stats
-            bar.max = max(bar.max, st["expansions"] + st["frontier"], 1)
-            bar.value = min(st["expansions"], bar.max)
-            label.value = f"{st['expansions']} expansions, frontier {st['frontier']}"
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                break
-        bar.value = bar.max
-        self.event = None
-        best = self.search.best
-        self.current = best.id if best is not None else self.current
+        best = self.session.run(chunk, max_seconds, progress=self._progress)
         self._refresh_search()
         return best
 
     def reset(self) -> Search:
         """A fresh search at the current plan's ratios and the current pins."""
-        self.search = self._new_search()
-        self.event = None
-        self.current = 0
+        s = self.session.reset()
         self._refresh_search()
-        return self.search
+        return s
 
-    def select(self, node_id: int) -> None:
+    def select(self, node_id: int) -> SearchNode:
         """Centre the tree drawing and the triple highlighting on one search node."""
-        self.search.node(node_id)  # raises IndexError for an unknown id
-        self.current = int(node_id)
-        self._syncing = True
-        try:
-            self.controls["node"].value = self.current
-        finally:
-            self._syncing = False
+        node = self.session.select(int(node_id))
         self._refresh_search()
+        return node
 
     def use_best(self) -> Plan:
         """Make the search's best complete program (at the search's ratios) the current plan."""
-        from hapnb.plan import make_plan
-
-        best = self.search.best
-        if best is None:
-            raise RuntimeError("the search has no complete program yet: press Run or Run to next complete")
-        plan = make_plan(
-            self.theory,
-            self.cluster,
-            self.search.program(best.id),
-            self.search.final_conversions(best.id),
-            self.search.ratios,
-            pins=self._form_pins(),
-            stats=self.search.stats,
-            model=dict(self._model_spec) if self._model_spec else None,
-        )
-        self._set_plan(plan)
+        plan = self.session.use_best()
+        self.refresh()
         return plan
 
-    def _after_step(self, ev: Any) -> None:
-        self.event = ev
-        if ev.popped is not None:
-            self.current = ev.popped.id
+    def enabled(self) -> set[int]:
+        """Ids of the triples enabled at the current node."""
+        return self.session.enabled()
 
-    # ============================================================================ pins API
-    def set_pin(self, name: str, form: Form | str | None) -> None:
+    # ============================================================================ pins and ratios
+    def set_pin(self, name: str, form: Form | str | None) -> str:
         """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, ...); ``None``/"auto" unpins."""
-        value = (
-            AUTO if form is None or form == AUTO else str(parse_form(form) if isinstance(form, str) else form)
-        )
-        dd = self.controls.get(f"pin:{name}")
-        if dd is None:
-            raise KeyError(
-                f"no pin control for {name!r}: pins are offered for parameters and inputs "
-                f"({', '.join(list(self._pinnable())[:8])}, ...)"
-            )
-        if value not in dd.options:
-            raise ValueError(f"{name} cannot take the form {value}; valid: {', '.join(dd.options)}")
-        dd.value = value  # the observer updates self.pins
-        self._store_pin(name, value)
-
-    def _store_pin(self, name: str, value: str) -> None:
-        if value == AUTO:
-            self.pins.pop(name, None)
-        else:
-            self.pins[name] = value
+        value = self.session.set_pin(name, form)
+        self._sync_pins()
+        self._refresh_header()
+        return value
 
     def set_ratio(self, device: str, value: float, lock: bool = True) -> None:
         """Set a device's ratio slider and (by default) lock it, so re-synthesis keeps that ratio."""
-        if device not in self.cluster.names:
-            raise KeyError(f"no device {device!r}; devices: {', '.join(self.cluster.names)}")
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"ratio of {device} must be in [0, 1], got {value}")
-        self._syncing = True
-        try:
-            self.controls[f"ratio:{device}"].value = float(value)
-            self.controls[f"lock:{device}"].value = bool(lock)
-        finally:
-            self._syncing = False
-        if lock:
-            self.ratio_locks[device] = float(value)
-        else:
-            self.ratio_locks.pop(device, None)
-        self._show_locks()
+        self.session.set_ratio(device, value, lock=lock)
+        self._sync_ratios()
 
     def resynthesize(self) -> Plan:
         """Re-run ``synthesize`` with the pins, locked ratios and cluster; shows the cost and the diff."""
-        self._busy("synthesizing...")
+        self.controls["progress_label"].value = "synthesizing..."
         try:
-            plan = self._synthesize()
+            plan = self.session.resynthesize()
         finally:
-            self._busy("")
-        self._set_plan(plan)
+            self._refresh_status()
+        self.refresh()
         return plan
 
-    def _set_plan(self, plan: Plan) -> None:
-        self.previous_plan = self.plan
-        self.plan = plan
-        self.plans.append(plan)
-        self.measured = []
-        self._sync_ratio_sliders()
-        self.search = self._new_search()
-        self.event = None
-        self.current = 0
-        self._refresh_all()
-
-    # ============================================================================ cluster API
+    # ============================================================================ cluster
     def set_cluster(self, cluster: Cluster | str, apply: bool = True) -> Cluster:
         """Load a cluster (object, preset name, JSON path or inline spec) into the editor; re-synthesize."""
-        c = Cluster.resolve(cluster)
-        self._fill_cluster_fields(c)
-        self._pending_cluster = c
+        c = self.session.load_cluster(cluster)
+        self._sync_cluster_fields()
         if apply:
             self.apply_cluster()
         return c
@@ -377,67 +269,27 @@ class Explorer:
         self, name: str, *, flops: float | None = None, memory_bytes: float | None = None
     ) -> None:
         """Edit a device's throughput (flop/s) or memory (bytes) in the cluster editor (not applied yet)."""
-        if f"flops:{name}" not in self.controls:
-            raise KeyError(
-                f"no device {name!r} in the cluster editor; devices: {', '.join(self._editor_devices())}"
-            )
-        if flops is not None:
-            self.controls[f"flops:{name}"].value = flops / 1e12
-        if memory_bytes is not None:
-            self.controls[f"memory:{name}"].value = memory_bytes / GiB
+        self.session.edit_device(name, flops=flops, memory_bytes=memory_bytes)
+        self._sync_cluster_fields()
 
     def set_collective(
         self, kind: str, *, bandwidth_Bps: float | None = None, latency_s: float | None = None
     ) -> None:
         """Edit a collective's bandwidth (bytes/s) or latency (s) in the cluster editor (not applied yet)."""
-        if f"bw:{kind}" not in self.controls:
-            raise KeyError(
-                f"unknown collective {kind!r}; kinds: {', '.join(k for k, _ in self.cluster.collectives)}"
-            )
-        if bandwidth_Bps is not None:
-            self.controls[f"bw:{kind}"].value = bandwidth_Bps / 1e9
-        if latency_s is not None:
-            self.controls[f"lat:{kind}"].value = latency_s * 1e6
+        self.session.set_collective(kind, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s)
+        self._sync_cluster_fields()
 
     def apply_cluster(self) -> Plan:
-        """Build the cluster from the editor's fields and re-synthesize on it."""
-        c = self._cluster_from_fields()
-        n_changed = c.names != self.cluster.names
-        self.cluster = c
-        if n_changed:
-            self.ratio_locks = {k: v for k, v in self.ratio_locks.items() if k in c.names}
-            self._build_ratio_rows()
-        return self.resynthesize()
+        """Make the edited cluster the cluster and re-synthesize on it."""
+        self.controls["progress_label"].value = "synthesizing..."
+        try:
+            plan = self.session.apply_cluster()
+        finally:
+            self._refresh_status()
+        self.refresh()
+        return plan
 
-    def _editor_devices(self) -> list[str]:
-        return [k.split(":", 1)[1] for k in self.controls if k.startswith("flops:")]
-
-    def _cluster_from_fields(self) -> Cluster:
-        base: Cluster = getattr(self, "_pending_cluster", None) or self.cluster
-        devices = []
-        changed = False
-        for d in base.devices:
-            flops = float(self.controls[f"flops:{d.name}"].value) * 1e12
-            mem = int(float(self.controls[f"memory:{d.name}"].value) * GiB)
-            if abs(flops - d.flops) > 1e-6 * d.flops or abs(mem - d.memory_bytes) > GiB / 1000:
-                changed = True
-                devices.append(dataclasses.replace(d, flops=flops, memory_bytes=mem))
-            else:
-                devices.append(d)
-        colls = {}
-        for k, col in base.collectives:
-            bw = float(self.controls[f"bw:{k}"].value) * 1e9
-            lat = float(self.controls[f"lat:{k}"].value) * 1e-6
-            if abs(bw - col.bandwidth_Bps) > 1e-6 * col.bandwidth_Bps or abs(lat - col.latency_s) > 1e-12:
-                changed = True
-                colls[k] = Collective(lat, bw)
-            else:
-                colls[k] = col
-        name = base.name if not changed or base.name.endswith("(edited)") else f"{base.name} (edited)"
-        self._pending_cluster = None
-        return base.replace(name=name, devices=tuple(devices), collectives=colls)
-
-    # ============================================================================ triples API
+    # ============================================================================ triples
     def filter_triples(
         self,
         op: str | None = None,
@@ -446,77 +298,68 @@ class Explorer:
         only_enabled: bool = False,
     ) -> str:
         """Set the triple browser's filters; returns the table's HTML."""
-        self.controls["triple_op"].value = op
-        self.controls["triple_tensor"].value = tensor
-        self.controls["triple_kind"].value = kind
-        self.controls["only_enabled"].value = only_enabled
+        self._syncing = True
+        try:
+            self.controls["triple_op"].value = op
+            self.controls["triple_tensor"].value = tensor
+            self.controls["triple_kind"].value = kind
+            self.controls["only_enabled"].value = only_enabled
+        finally:
+            self._syncing = False
         self._refresh_triples()
         return self.outputs["triples"].value
 
-    # ============================================================================ launch API
+    # ============================================================================ verify and launch
     def verify(self, nproc: int | None = None) -> Any:
-        """Run ``hapnb.runtime.verify(plan, nproc=...)`` and show its result."""
-        fn = _optional("hapnb.run.runtime", "verify")
-        if fn is None:
-            raise RuntimeError("hapnb.runtime.verify is not available in this installation")
+        """Verify the plan on ``nproc`` local ranks (default: the "nproc" field) and show the report."""
         nproc = int(self.controls["nproc"].value if nproc is None else nproc)
-        self._launch_status(f"verifying on {nproc} local ranks...")
-        res = fn(self.plan, nproc=nproc)
-        ok = getattr(res, "ok", None)
-        text = res.summary() if hasattr(res, "summary") else repr(res)
-        color = "#060" if ok else "#a00" if ok is False else "#333"
-        self._launch_status(f"<span style='color:{color}'>verify: {html.escape(str(text))}</span>", raw=True)
-        return res
+        self._launch_status(html.escape(f"verifying on {nproc} local ranks..."))
+        try:
+            report = self.session.verify(nproc=nproc)
+        except BaseException:
+            self._launch_status("verify failed (see the error above)")
+            raise
+        color = "#060" if report.ok else "#a00"
+        self._launch_status(
+            f"<span style='color:{color}'>verify: {html.escape(report.summary())}</span>"
+            f"<details><summary>per tensor</summary>{display.safe_html(lambda r: r._repr_html_(), report)}"
+            "</details>"
+        )
+        return report
 
     def launch(self, nproc: int | None = None, steps: int | None = None, *, wait: bool = True) -> Any:
-        """Launch the plan with ``hapnb.launch.launch`` and stream per-step time and loss into the panel.
+        """Launch the plan and stream per-step time and loss into the panel; returns the job.
 
-        ``wait=False`` reads the metrics in a background thread (the Launch button does this).
+        ``wait=False`` follows the job in a background thread (the Launch button does this).
         """
-        fn = _optional("hapnb.run.launch", "launch")
-        if fn is None:
-            raise RuntimeError("hapnb.launch.launch is not available in this installation")
         nproc = int(self.controls["nproc"].value if nproc is None else nproc)
         steps = int(self.controls["steps"].value if steps is None else steps)
         backend = self.controls["backend"].value
-        self.metrics = []
-        self.measured = []
-        self._launch_status(f"launching {nproc} ranks, {steps} steps ({backend})...")
-        job = fn(self.plan, nproc=nproc, backend=backend, steps=steps)
-        self._job = job
+        job = self.session.launch(nproc=nproc, steps=steps, backend=backend)
+        self._launch_status(html.escape(f"launching {nproc} ranks, {steps} steps ({backend})..."))
+        self._show_job(self.session.poll())
         if wait:
-            self._stream(job)
+            self._follow()
         else:
-            self._launch_thread = threading.Thread(target=self._stream_guarded, args=(job,), daemon=True)
+            self._launch_thread = threading.Thread(target=self._follow_guarded, daemon=True)
             self._launch_thread.start()
         return job
 
-    def stop(self) -> None:
-        """Stop a running launch."""
-        if self._job is not None and hasattr(self._job, "stop"):
-            self._job.stop()
+    def stop(self) -> Any:
+        """Stop a running launch; returns its result (None when nothing was launched)."""
+        result = self.session.stop()
+        self._show_job(self.session.poll())
+        return result
 
-    def _stream_guarded(self, job: Any) -> None:
+    def _follow(self) -> None:
+        self.session.follow(self._show_job)
+        self._refresh_plan()  # the measured overlay
+
+    def _follow_guarded(self) -> None:
         try:
-            self._stream(job)
+            self._follow()
         except Exception as e:  # noqa: BLE001 - shown in the panel (a thread cannot raise to the cell)
             self._error(e)
-
-    def _stream(self, job: Any) -> None:
-        it = job.metrics() if hasattr(job, "metrics") else iter(job)
-        bar = self.controls["progress"]
-        steps = int(self.controls["steps"].value)
-        bar.max, bar.value = max(steps, 1), 0
-        for m in it:
-            self.metrics.append(dict(m))
-            if m.get("rank", 0) == 0 and "step_s" in m:
-                self.measured.append(float(m["step_s"]))
-                bar.value = min(len(self.measured), bar.max)
-            self._refresh_metrics()
-        result = job.wait() if hasattr(job, "wait") else None
-        summary = result.summary() if hasattr(result, "summary") else f"{len(self.measured)} steps"
-        self._launch_status(f"launch finished: {summary}")
-        self._refresh_plan()
 
     # ============================================================================ building
     def _button(self, key: str, description: str, handler: Callable[[], Any], **kw: Any) -> W.Button:
@@ -532,8 +375,9 @@ class Explorer:
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
             self.last_error = None
+            self.outputs["status"].value = ""
             return fn()
-        except Exception as e:  # noqa: BLE001 - a button never raises; the error is shown in the panel
+        except Exception as e:  # noqa: BLE001 - a control never raises; the error is shown in the panel
             self._error(e)
             return None
 
@@ -545,15 +389,22 @@ class Explorer:
             f"<span style='color:#a00'><b>{html.escape(type(e).__name__)}</b>: {html.escape(str(e))}</span>"
         )
 
-    def _busy(self, text: str) -> None:
-        self.controls["progress_label"].value = text
+    def _observe(self, widget: Any, fn: Callable[[Any], Any]) -> None:
+        """Call ``fn(new value)`` (guarded) when the user changes ``widget``, not when the view syncs it."""
+
+        def handler(ch: Any) -> None:
+            if not self._syncing:
+                self._guarded(lambda: fn(ch["new"]))
+
+        widget.observe(handler, names="value")
 
     def _build(self) -> W.Widget:
         c = self.controls
         self.outputs["status"] = _html()
         self.outputs["header"] = _html()
-        c["progress"] = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="240px"))
-        c["progress_label"] = W.Label("")
+        c["progress"] = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="240px", flex="0 0 auto"))
+        # an HTML line, not a Label: a Label never wraps and clips its text with an ellipsis
+        c["progress_label"] = W.HTML(value="", layout=W.Layout(flex="1 1 0%", min_width="12em"))
         tabs = [
             ("Search", self._build_search()),
             ("Triples", self._build_triples()),
@@ -565,11 +416,14 @@ class Explorer:
         tab = W.Tab(children=[w for _, w in tabs])
         for i, (t, _) in enumerate(tabs):
             tab.set_title(i, t)
-        self.controls["tabs"] = tab
+        c["tabs"] = tab
         return W.VBox(
             [
                 self.outputs["header"],
-                W.HBox([c["progress"], c["progress_label"]]),
+                W.HBox(
+                    [c["progress"], c["progress_label"]],
+                    layout=W.Layout(flex_flow="row wrap", align_items="center", width="100%"),
+                ),
                 self.outputs["status"],
                 tab,
             ]
@@ -586,13 +440,8 @@ class Explorer:
         c["depth"] = W.BoundedIntText(
             value=2, min=0, max=6, description="depth", layout=W.Layout(width="140px")
         )
-
-        def on_node(ch: Any) -> None:
-            if not self._syncing:
-                self._guarded(lambda: self.select(int(ch["new"])))
-
-        c["node"].observe(on_node, names="value")
-        c["depth"].observe(lambda _: self._guarded(self._refresh_tree), names="value")
+        self._observe(c["node"], lambda v: self.select(int(v)))
+        self._observe(c["depth"], lambda _: self._refresh_tree())
         row = W.HBox(
             [
                 self._button("step", "Step", self.step, icon="step-forward"),
@@ -605,10 +454,12 @@ class Explorer:
             ],
             layout=W.Layout(flex_flow="row wrap"),
         )
+        # one below the other, each the tab's full width (side by side, each got half and clipped)
         self.outputs["search"] = _html()
         self.outputs["tree"] = _html()
         return W.VBox(
-            [row, W.HBox([c["node"], c["depth"]]), W.HBox([self.outputs["search"], self.outputs["tree"]])]
+            [row, W.HBox([c["node"], c["depth"]]), self.outputs["search"], self.outputs["tree"]],
+            layout=W.Layout(width="100%"),
         )
 
     def _build_triples(self) -> W.Widget:
@@ -632,42 +483,31 @@ class Explorer:
         c["only_enabled"] = W.Checkbox(value=False, description="only enabled at the node", indent=False)
         c["words"] = W.Checkbox(value=False, description="paper's words", indent=False)
         for k in ("triple_op", "triple_tensor", "triple_kind", "only_enabled", "words"):
-            c[k].observe(lambda _: self._guarded(self._refresh_triples), names="value")
+            self._observe(c[k], lambda _: self._refresh_triples())
         self.outputs["triples"] = _html()
         return W.VBox(
             [
-                W.HBox([c["triple_op"], c["triple_tensor"], c["triple_kind"]]),
+                W.HBox(
+                    [c["triple_op"], c["triple_tensor"], c["triple_kind"]],
+                    layout=W.Layout(flex_flow="row wrap"),
+                ),
                 W.HBox([c["only_enabled"], c["words"]]),
                 self.outputs["triples"],
             ]
         )
 
-    def _pinnable(self) -> dict[str, tuple[str, ...]]:
-        g, th = self.graph, self.theory
-        return {
-            t.name: tuple(str(f) for f in th.forms[t.id])
-            for t in g.tensors
-            if t.role in ("param", "input") and len(th.forms[t.id]) > 1
-        }
-
     def _build_pins(self) -> W.Widget:
         c = self.controls
         rows = []
-        for name, forms in self._pinnable().items():
+        for name in self.session.pinnable():
             dd = W.Dropdown(
-                options=[AUTO, *forms],
-                value=self.pins.get(name, AUTO) if self.pins.get(name, AUTO) in (AUTO, *forms) else AUTO,
+                options=self.session.pin_options(name),
+                value=self.session.pins.get(name, AUTO),
                 description=name,
                 style={"description_width": "initial"},
                 layout=W.Layout(width="auto"),
             )
-
-            def on_pin(ch: Any, name: str = name) -> None:
-                self._store_pin(name, ch["new"])
-                if self.controls["auto_resynth"].value:
-                    self._guarded(self.resynthesize)
-
-            dd.observe(on_pin, names="value")
+            self._observe(dd, lambda v, name=name: self._on_pin(name, v))
             c[f"pin:{name}"] = dd
             rows.append(dd)
         c["auto_resynth"] = W.Checkbox(value=False, description="re-synthesize on every change", indent=False)
@@ -699,58 +539,38 @@ class Explorer:
             ]
         )
 
+    def _on_pin(self, name: str, value: str) -> None:
+        self.session.set_pin(name, value)
+        self._refresh_header()
+        if self.controls["auto_resynth"].value:
+            self.resynthesize()
+
+    def _on_ratio(self, device: str, value: float | None = None, lock: bool = True) -> None:
+        if value is None:
+            value = float(self.controls[f"ratio:{device}"].value)
+        self.set_ratio(device, value, lock=lock)
+        if lock and self.controls["auto_resynth"].value:
+            self.resynthesize()
+
     def _build_ratio_rows(self) -> None:
         c = self.controls
         for k in [k for k in c if k.startswith(("ratio:", "lock:"))]:
             del c[k]
         rows = []
-        for j, d in enumerate(self.cluster.names):
-            value = (
-                self.plan.ratios[0][j]
-                if self.plan.cluster.names == self.cluster.names
-                else 1.0 / self.cluster.n
-            )
+        values, locks = self.session.ratio_values, self.session.ratio_locks
+        for d in self.cluster.names:
             s = W.FloatSlider(
-                value=value, min=0.0, max=1.0, step=0.001, readout_format=".3f", description=d,
-                continuous_update=False, style={"description_width": "initial"},
-                layout=W.Layout(width="420px"),
+                value=values[d], min=0.0, max=1.0, step=0.001, readout_format=".3f", description=d,
+                continuous_update=False, style={"description_width": "initial"}, layout=W.Layout(width="420px"),
             )  # fmt: skip
-            lock = W.Checkbox(value=d in self.ratio_locks, description="lock", indent=False)
-
-            def on_slide(ch: Any, d: str = d) -> None:
-                if self._syncing:
-                    return
-                self._guarded(lambda: self.set_ratio(d, float(ch["new"]), lock=True))
-                if self.controls["auto_resynth"].value:
-                    self._guarded(self.resynthesize)
-
-            def on_lock(ch: Any, d: str = d) -> None:
-                if self._syncing:
-                    return
-                self._guarded(
-                    lambda: self.set_ratio(d, float(self.controls[f"ratio:{d}"].value), lock=ch["new"])
-                )
-
-            s.observe(on_slide, names="value")
-            lock.observe(on_lock, names="value")
+            lock = W.Checkbox(value=d in locks, description="lock", indent=False)
+            self._observe(s, lambda v, d=d: self._on_ratio(d, float(v), lock=True))
+            self._observe(lock, lambda v, d=d: self._on_ratio(d, lock=bool(v)))
             c[f"ratio:{d}"] = s
             c[f"lock:{d}"] = lock
             rows.append(W.HBox([s, lock]))
         self.outputs["ratio_rows"].children = rows
-
-    def _sync_ratio_sliders(self) -> None:
-        self._syncing = True
-        try:
-            for j, d in enumerate(self.cluster.names):
-                s = self.controls.get(f"ratio:{d}")
-                if s is not None and self.plan.cluster.names == self.cluster.names:
-                    s.value = self.plan.ratios[0][j]
-        finally:
-            self._syncing = False
-
-    def _show_locks(self) -> None:
-        locks = ", ".join(f"{d}={v:.3f}" for d, v in self.ratio_locks.items()) or "none"
-        self.outputs["locks"].value = f"<div>locked ratios: {html.escape(locks)}</div>"
+        self._ratio_names = self.cluster.names
 
     def _build_plan(self) -> W.Widget:
         self.outputs["plan"] = _html()
@@ -768,19 +588,16 @@ class Explorer:
         c["spec"] = W.Text(
             value="", placeholder="2xV100+6xP100 or a JSON path", description="spec", continuous_update=False
         )
-
-        def on_preset(ch: Any) -> None:
-            if ch["new"] != "(current)":
-                self._guarded(lambda: self.set_cluster(ch["new"], apply=False))
-
-        c["preset"].observe(on_preset, names="value")
+        self._observe(c["preset"], lambda v: self.set_cluster(v, apply=False) if v != "(current)" else None)
         self.outputs["cluster_fields"] = W.VBox()
-        self._fill_cluster_fields(self.cluster)
+        self._build_cluster_fields()
+        self.outputs["draft"] = _html()
         self.outputs["cluster"] = _html()
         return W.VBox(
             [
                 W.HBox([c["preset"], c["spec"], self._button("load_spec", "Load", self._load_spec)]),
                 self.outputs["cluster_fields"],
+                self.outputs["draft"],
                 self._button("apply_cluster", "Apply (re-synthesize)", self.apply_cluster, icon="check"),
                 self.outputs["cluster"],
             ]
@@ -792,39 +609,42 @@ class Explorer:
             raise ValueError("type a cluster spec (e.g. 2xV100+6xP100), a preset name or a JSON path first")
         self.set_cluster(spec, apply=False)
 
-    def _fill_cluster_fields(self, cl: Cluster) -> None:
+    def _build_cluster_fields(self) -> None:
+        """One row per device (TFLOP/s, GiB) and per collective (GB/s, latency) of the draft cluster."""
         c = self.controls
+        s = self.session
+        cl = s.draft
         for k in [k for k in c if k.startswith(("flops:", "memory:", "bw:", "lat:"))]:
             del c[k]
-        rows = [W.HTML(f"<b>{html.escape(cl.name)}</b>: {cl.n} devices")]
+        rows: list[W.Widget] = []
         for d in cl.devices:
-            f = W.FloatText(
-                value=round(d.flops / 1e12, 6), description="TFLOP/s", layout=W.Layout(width="200px")
-            )
-            m = W.FloatText(
-                value=round(d.memory_bytes / GiB, 4), description="GiB", layout=W.Layout(width="180px")
-            )
-            c[f"flops:{d.name}"] = f
-            c[f"memory:{d.name}"] = m
+            f = W.FloatText(description="TFLOP/s", layout=W.Layout(width="200px"))
+            m = W.FloatText(description="GiB", layout=W.Layout(width="180px"))
+            self._observe(f, lambda v, n=d.name: self._edit(s.edit_device, n, flops=float(v) * 1e12))
+            self._observe(m, lambda v, n=d.name: self._edit(s.edit_device, n, memory_bytes=float(v) * GiB))
+            c[f"flops:{d.name}"], c[f"memory:{d.name}"] = f, m
             rows.append(
                 W.HBox([W.Label(f"{d.name} ({d.kind}, {d.machine})", layout=W.Layout(width="220px")), f, m])
             )
-        for k, col in cl.collectives:
-            bw = W.FloatText(
-                value=round(col.bandwidth_Bps / 1e9, 6), description="GB/s", layout=W.Layout(width="200px")
-            )
-            lat = W.FloatText(
-                value=round(col.latency_s * 1e6, 6), description="latency us", layout=W.Layout(width="220px")
-            )
-            c[f"bw:{k}"] = bw
-            c[f"lat:{k}"] = lat
+        for k, _ in cl.collectives:
+            bw = W.FloatText(description="GB/s", layout=W.Layout(width="200px"))
+            lat = W.FloatText(description="latency us", layout=W.Layout(width="220px"))
+            self._observe(bw, lambda v, k=k: self._edit(s.set_collective, k, bandwidth_Bps=float(v) * 1e9))
+            self._observe(lat, lambda v, k=k: self._edit(s.set_collective, k, latency_s=float(v) * 1e-6))
+            c[f"bw:{k}"], c[f"lat:{k}"] = bw, lat
             rows.append(W.HBox([W.Label(k, layout=W.Layout(width="220px")), bw, lat]))
         self.outputs["cluster_fields"].children = rows
+        self._field_names = (cl.names, tuple(k for k, _ in cl.collectives))
+
+    def _edit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """A field of the cluster editor changed: edit the session's draft (field units -> SI)."""
+        method(*args, **kwargs)
+        self._show_draft()
 
     def _build_launch(self) -> W.Widget:
         c = self.controls
         c["nproc"] = W.BoundedIntText(
-            value=self.cluster.n, min=1, max=4096, description="nproc", layout=W.Layout(width="150px")
+            value=self.cluster.gpus, min=1, max=4096, description="nproc", layout=W.Layout(width="150px")
         )
         c["steps"] = W.BoundedIntText(
             value=10, min=1, max=10**6, description="steps", layout=W.Layout(width="150px")
@@ -844,145 +664,190 @@ class Explorer:
                         self._button("verify", "Verify", self.verify, icon="check-circle"),
                         self._button("launch", "Launch", lambda: self.launch(wait=False), icon="rocket"),
                         self._button("stop", "Stop", self.stop, icon="stop"),
-                    ]
+                    ],
+                    layout=W.Layout(flex_flow="row wrap"),
                 ),  # fmt: skip
                 self.outputs["launch_status"],
                 self.outputs["metrics"],
             ]
         )
 
-    def _launch_status(self, text: str, raw: bool = False) -> None:
-        self.outputs["launch_status"].value = text if raw else html.escape(text)
+    def _launch_status(self, markup: str) -> None:
+        self.outputs["launch_status"].value = markup
 
-    # ============================================================================ refreshing
-    def _refresh_all(self) -> None:
-        self._refresh_header()
-        self._refresh_search()
-        self._refresh_plan()
-        self._show_locks()
-        self.outputs["cluster"].value = display.safe_html(display.cluster_html, self.cluster)
-        self._refresh_metrics()
-
-    def _refresh_header(self) -> None:
-        p = self.plan
-        self.outputs["header"].value = (
-            f"<b>hapnb Explorer</b>: {html.escape(p.name)} on {html.escape(self.cluster.name)} "
-            f"({self.cluster.n} devices): <b>{p.cost_s * 1e3:.4g} ms</b>/iteration, {len(p.stages)} stages"
-            + (
-                f"; pins {html.escape(', '.join(f'{k}={v}' for k, v in self.pins.items()))}"
-                if self.pins
-                else ""
-            )
-        )
-
-    def _refresh_search(self) -> None:
-        self.outputs["search"].value = display.safe_html(display.search_html, self.search, self.event)
+    # ============================================================================ syncing controls
+    def _sync(self, widget: Any, value: Any) -> None:
+        """Set a control to the session's value without firing its observer."""
         self._syncing = True
         try:
-            self.controls["node"].value = self.current
+            widget.value = value
         finally:
             self._syncing = False
-        st = self.search.stats
-        self.controls["progress_label"].value = (
-            f"{st['expansions']} expansions, frontier {st['frontier']}"
-            + (", done" if self.search.done else "")
+
+    def _sync_pins(self) -> None:
+        pins = self.session.pins
+        for name in self.session.pinnable():
+            dd = self.controls[f"pin:{name}"]
+            value = pins.get(name, AUTO)
+            if dd.value != value and value in dd.options:
+                self._sync(dd, value)
+
+    def _sync_ratios(self) -> None:
+        if self._ratio_names != self.cluster.names:
+            self._build_ratio_rows()
+        values, locks = self.session.ratio_values, self.session.ratio_locks
+        for d in self.cluster.names:
+            self._sync(self.controls[f"ratio:{d}"], values[d])
+            self._sync(self.controls[f"lock:{d}"], d in locks)
+        text = ", ".join(f"{d}={v:.3f}" for d, v in locks.items()) or "none"
+        self.outputs["locks"].value = f"<div>locked ratios: {html.escape(text)}</div>"
+
+    def _sync_cluster_fields(self) -> None:
+        cl = self.session.draft
+        if self._field_names != (cl.names, tuple(k for k, _ in cl.collectives)):
+            self._build_cluster_fields()
+        c = self.controls
+        for d in cl.devices:
+            self._sync(c[f"flops:{d.name}"], round(d.flops / 1e12, 6))
+            self._sync(c[f"memory:{d.name}"], round(d.memory_bytes / GiB, 4))
+        for k, col in cl.collectives:
+            self._sync(c[f"bw:{k}"], round(col.bandwidth_Bps / 1e9, 6))
+            self._sync(c[f"lat:{k}"], round(col.latency_s * 1e6, 6))
+        self._show_draft()
+
+    def _show_draft(self) -> None:
+        s = self.session
+        if not s.draft_pending:
+            self.outputs["draft"].value = ""
+            return
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in s.draft_changes)
+        self.outputs[
+            "draft"
+        ].value = f"<div>draft <b>{html.escape(s.draft.name)}</b>, not applied yet:<ul>{items}</ul></div>"
+
+    def _progress(self, p: Progress) -> None:
+        bar = self.controls["progress"]
+        if p.total:
+            bar.max = max(p.total, 1)
+            bar.value = min(p.done, bar.max)
+        else:  # unknown total: cycle
+            bar.max = 100
+            bar.value = p.done % 100
+        self.controls["progress_label"].value = html.escape(p.text)
+
+    # ============================================================================ rendering
+    def refresh(self) -> None:
+        """Re-render every view from the session's state."""
+        self._sync_pins()
+        self._sync_ratios()
+        self._sync_cluster_fields()
+        self._refresh_search()
+        self._refresh_plan()
+        self.outputs["cluster"].value = _scroll(display.safe_html(display.cluster_html, self.cluster))
+        self._show_job(self.session.poll())
+
+    def _refresh_header(self) -> None:
+        p, cl, pins = self.plan, self.cluster, self.session.pins
+        self.outputs["header"].value = (
+            f"<b>hapnb Explorer</b>: {html.escape(p.name)} on {html.escape(cl.name)} "
+            f"({cl.n} devices): <b>{p.cost_s * 1e3:.4g} ms</b>/iteration, {len(p.stages)} stages"
+            + (f"; pins {html.escape(', '.join(f'{k}={v}' for k, v in pins.items()))}" if pins else "")
         )
+
+    def _refresh_status(self) -> None:
+        self.controls["progress_label"].value = html.escape(self.session.status)
+
+    def _refresh_search(self) -> None:
+        s = self.session
+        self.outputs["search"].value = _scroll(display.safe_html(display.search_html, s.search, s.event))
+        self._sync(self.controls["node"], s.current)
+        self._refresh_status()
         self._refresh_tree()
         self._refresh_triples()
 
     def _refresh_tree(self) -> None:
+        s = self.session
         depth = int(self.controls["depth"].value)
-        ev = (
-            self.event
-            if self.event is not None and getattr(self.event.popped, "id", None) == self.current
-            else None
-        )
+        ev = s.event if s.event is not None and getattr(s.event.popped, "id", None) == s.current else None
         try:
-            dot = display.search_tree_dot(self.search, around=self.current, depth=depth, event=ev)
+            dot = display.search_tree_dot(s.search, around=s.current, depth=depth, event=ev)
+            # left to right: the root sits at the drawing's left edge, where the scroll box opens
+            dot.attr(rankdir="LR")
             pic = display.svg(dot)
-            self.outputs["tree"].value = pic if pic else f"<pre>{html.escape(dot.source)}</pre>"
+            body = pic if pic else f"<pre>{html.escape(dot.source)}</pre>"
         except Exception as e:  # noqa: BLE001 - the drawing is optional
-            self.outputs[
-                "tree"
-            ].value = f"<pre>(no tree drawing: {html.escape(type(e).__name__)}: {html.escape(str(e))})</pre>"
-
-    def enabled(self) -> set[int]:
-        """Ids of the triples enabled at the current node."""
-        return display.enabled_triples(self.search, self.search.node(self.current))
+            body = f"<pre>(no tree drawing: {html.escape(type(e).__name__)}: {html.escape(str(e))})</pre>"
+        self.outputs["tree"].value = _scroll(body)
 
     def _refresh_triples(self) -> None:
         c = self.controls
-        hl = self.enabled()
-        self.outputs["triples"].value = display.safe_html(
-            display.theory_html,
-            self.theory,
-            c["triple_op"].value,
-            c["triple_tensor"].value,
-            hl,
-            kind=c["triple_kind"].value,
-            words=c["words"].value,
-            only=hl if c["only_enabled"].value else None,
+        hl = self.session.enabled()
+        self.outputs["triples"].value = _scroll(
+            display.safe_html(
+                display.theory_html,
+                self.theory,
+                c["triple_op"].value,
+                c["triple_tensor"].value,
+                hl,
+                kind=c["triple_kind"].value,
+                words=c["words"].value,
+                only=hl if c["only_enabled"].value else None,
+            )
         )
 
     def _refresh_plan(self) -> None:
-        p = self.plan
+        p, prev = self.plan, self.previous_plan
         self._refresh_header()
-        self.outputs["plan"].value = display.safe_html(display.plan_html, p)
-        self.outputs["history"].value = display.safe_html(display.history_html, p)
-        if self.previous_plan is not None:
-            self.outputs["diff"].value = display.safe_html(display.plan_diff_html, self.previous_plan, p)
+        self.outputs["plan"].value = _scroll(display.safe_html(display.plan_html, p))
+        self.outputs["history"].value = _scroll(display.safe_html(display.history_html, p))
+        if prev is not None:
+            self.outputs["diff"].value = _scroll(display.safe_html(display.plan_diff_html, prev, p))
         self.outputs["gantt"].value = self._gantt_html()
 
     def _gantt_html(self) -> str:
+        measured = self.measured
         try:
-            page = display.gantt_html(self.plan, self.measured or None, width=860)
+            page = display.gantt_html(self.plan, measured or None, width=860)
         except Exception:  # noqa: BLE001 - no bokeh: the static timeline
-            return display.safe_html(display.gantt_svg, self.plan)
-        height = 110 + 28 * (self.cluster.n + (2 if self.measured else 0))
+            return _scroll(display.safe_html(display.gantt_svg, self.plan))
+        height = 110 + 28 * (self.cluster.n + (2 if measured else 0))
         return (
             f'<iframe srcdoc="{html.escape(page, quote=True)}" '
             f"style='width:100%;height:{height}px;border:0' "
             "sandbox='allow-scripts'></iframe>"
         )
 
-    def _refresh_metrics(self) -> None:
-        rows = self.metrics[-30:]
-        if not rows:
+    def _show_job(self, state: JobState) -> None:
+        """Render a launch snapshot: progress, the last metrics lines, predicted vs measured."""
+        if not state.started:
             self.outputs["metrics"].value = "<div>no launch yet</div>"
             return
-        body = "".join(
+        bar = self.controls["progress"]
+        bar.max = max(state.steps, 1)
+        bar.value = min(len(state.step_times), bar.max)
+        rows = "".join(
             f"<tr><td>{m.get('rank', '')}</td><td>{m.get('step', '')}</td><td>{_num(m.get('loss'))}</td>"
             f"<td>{_num(m.get('step_s'), 1e3)}</td></tr>"
-            for m in rows
+            for m in state.metrics[-30:]
         )
-        mean = sum(self.measured) / len(self.measured) if self.measured else None
-        head = (
-            f"<div>{len(self.metrics)} metric lines; predicted {self.plan.cost_s * 1e3:.4g} ms/step"
-            + (f", measured mean {mean * 1e3:.4g} ms (rank 0)" if mean is not None else "")
-            + "</div>"
-        )
+        mean = state.mean_step_s
         self.outputs["metrics"].value = (
-            head + "<table style='font-family:monospace;font-size:12px'><tr><th>rank</th><th>step</th>"
-            f"<th>loss</th><th>step ms</th></tr>{body}</table>"
+            f"<div>{len(state.metrics)} metric lines; predicted {state.predicted_s * 1e3:.4g} ms/step"
+            + (f", measured mean {mean * 1e3:.4g} ms (slowest rank per step)" if mean is not None else "")
+            + "</div><table style='font-family:monospace;font-size:12px'><tr><th>rank</th><th>step</th>"
+            f"<th>loss</th><th>step ms</th></tr>{rows}</table>"
         )
+        if state.result is not None:
+            color = "#060" if state.result.ok else "#a00"
+            self._launch_status(f"<span style='color:{color}'>{html.escape(state.summary())}</span>")
 
     # ============================================================================ display
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def __repr__(self) -> str:
-        return (
-            f"Explorer({self.plan.name} on {self.cluster.name}: plan {self.plan.cost_s * 1e3:.4g} ms, "
-            f"{self.search!r})"
-        )
+        return f"Explorer({self.plan.name} on {self.cluster.name}: plan {self.plan.cost_s * 1e3:.4g} ms, {self.search!r})"
 
 
 def _num(x: Any, scale: float = 1.0) -> str:
     return f"{float(x) * scale:.5g}" if isinstance(x, (int, float)) else ""
-
-
-def _optional(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
