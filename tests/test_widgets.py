@@ -42,6 +42,16 @@ def test_construct_and_display(ex, th):
     # from a Plan: same plan, search at its ratios
     ex2 = Explorer(ex.plan)
     assert ex2.plan is ex.plan and ex2.search.ratios == ex.plan.ratios
+    # a view over an existing session: the same state, shown
+    ex.session.step()
+    ex3 = Explorer(ex.session)
+    assert (
+        ex3.session is ex.session
+        and ex3.search is ex.search
+        and "1 expansions" in ex3.outputs["search"].value
+    )
+    with pytest.raises(ValueError, match="cluster"):
+        Explorer(ex.session, CLUSTER)
 
 
 def test_step_updates_frontier_and_tree(ex):
@@ -187,6 +197,7 @@ def test_cluster_edits_change_the_cost(ex):
     ex.apply_cluster()
     assert ex.cluster.names == Cluster.preset("a100-p100").names
     assert "ratio:a100-0" in ex.controls and "ratio:v100-0" not in ex.controls
+    assert ex.controls["nproc"].value == ex.cluster.gpus
     ex.controls["spec"].value = "2xV100+2xP100"
     ex.buttons["load_spec"].click()
     assert ex.last_error is None and "flops:v100-0" in ex.controls
@@ -324,6 +335,7 @@ def test_verify_button_shows_the_real_report(tiny_ex):
     assert "#060" in status  # shown as a pass
     report = ex.session.verify_report
     assert report.ok and html_lib.escape(report.summary()) in status
+    assert report.nproc == 2 and report.plan == ex.plan.name  # the current plan, the nproc field
     # a verify that cannot run shows the error in the panel (the button never raises)
     ex.controls["nproc"].value = 3
     ex.buttons["verify"].click()

@@ -643,6 +643,7 @@ class Explorer:
 
     def _build_launch(self) -> W.Widget:
         c = self.controls
+        self._nproc_cluster = self.cluster
         c["nproc"] = W.BoundedIntText(
             value=self.cluster.gpus, min=1, max=4096, description="nproc", layout=W.Layout(width="150px")
         )
@@ -744,6 +745,9 @@ class Explorer:
         self._refresh_search()
         self._refresh_plan()
         self.outputs["cluster"].value = _scroll(display.safe_html(display.cluster_html, self.cluster))
+        if self._nproc_cluster != self.cluster:  # one rank per GPU of the applied cluster
+            self._nproc_cluster = self.cluster
+            self._sync(self.controls["nproc"], self.cluster.gpus)
         self._show_job(self.session.poll())
 
     def _refresh_header(self) -> None:
