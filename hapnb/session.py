@@ -6,19 +6,21 @@ per tensor, ratio values and locks per device, the plans made so far (current, p
 them) and the verify/launch job. The Explorer is a view over it; scripts and tests drive it directly.
 
 >>> import hapnb
->>> s = hapnb.Session("mlp", "2xV100+2xP100", **hapnb.zoo.TINY["mlp"])  # doctest: +SKIP
->>> s.step().popped.id                     # doctest: +SKIP   (expand the root)
+>>> s = hapnb.Session("mlp", "2xV100+2xP100", **hapnb.zoo.TINY["mlp"])
+>>> s.step().popped.id  # expand the root
 0
->>> s.run().complete                       # doctest: +SKIP   (A* to the end; the best node)
+>>> s.run().complete  # A* to the end: the best complete node
 True
->>> s.set_pin("layers.0.weight", "G1")     # doctest: +SKIP
->>> s.set_ratio("p100-0", 0.1)             # doctest: +SKIP   (value + lock)
->>> s.resynthesize().cost_s > 0            # doctest: +SKIP
+>>> s.set_pin("x", "G0")  # data parallel
+'G0'
+>>> s.set_ratio("p100-0", 0.1)  # a ratio value, locked
+>>> s.resynthesize().cost_s > 0
 True
->>> s.diff.summary()                       # doctest: +SKIP   ('cost ... ms -> ... ms; pins ...')
+>>> s.diff.pins
+(('x', None, 'G0'),)
 
-Methods raise clear exceptions (naming the pin, device or collective); state is only changed when the
-call succeeds. Long work takes an optional ``progress`` callback that receives :class:`Progress` values.
+Methods raise clear exceptions (naming the pin, device or collective); a re-synthesis or a cluster apply
+that fails changes nothing (the plan, cluster and cursor stay as they were). Long work takes an optional ``progress`` callback that receives :class:`Progress` values.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class PlanDiff:
 
         >>> from hapnb.synthesis import synthesize
         >>> a = synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
-        >>> diff_plans(a, a).summary()
+        >>> diff_plans(a, a).summary()  # doctest: +ELLIPSIS
         'cost ... ms -> ... ms (+0 ms, +0.0%); same program'
         """
         rel = self.delta_s / self.old_cost_s if self.old_cost_s else 0.0

@@ -3,11 +3,11 @@ cluster, read the Gantt chart, and verify or launch the plan.
 
 >>> from hapnb.widgets import Explorer
 >>> ex = Explorer("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)  # doctest: +SKIP
->>> ex                                   # doctest: +SKIP   (the panel)
->>> ex.step(); ex.step_n(10); ex.run()   # doctest: +SKIP   (same as the buttons)
+>>> ex  # the panel  # doctest: +SKIP
+>>> ex.step(); ex.step_n(10); ex.run()  # same as the buttons  # doctest: +SKIP
 >>> ex.set_pin("layers.0.weight", "G1")  # doctest: +SKIP
->>> ex.set_ratio("p100-0", 0.1)          # doctest: +SKIP   (value + lock)
->>> ex.resynthesize().cost_s             # doctest: +SKIP
+>>> ex.set_ratio("p100-0", 0.1)  # value + lock  # doctest: +SKIP
+>>> ex.resynthesize().cost_s  # doctest: +SKIP
 
 ``Explorer(model_or_plan, cluster=None, *, pins=None, example_inputs=None, ratios=None, **zoo_options)``
 takes what :class:`hapnb.session.Session` takes (a Plan, a Graph or Theory, an ``nn.Module`` with
