@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hapnb import zoo
 from hapnb.plan import Plan
-from hapnb.run.runtime import distribute, full_state_dict
+from hapnb.run.distribute import distribute, full_state_dict
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
-"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, simulate, verify, launch, profile, demo.
+"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, simulate, verify, launch, profile,
+calibrate, theory, demo.
 
-Flags and JSON keys here are a stable contract; ``python -m hapnb`` is the same program.
+Every subcommand's argument parsing lives here; the library modules it calls take plain Python
+arguments. Flags and JSON keys are a stable contract; ``python -m hapnb`` is the same program.
 """
 
 from __future__ import annotations
@@ -96,17 +98,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
-
-    from .run.launch import add_launch_args
-    from .run.profile import add_calibrate_args, add_profile_args
-
-    add_launch_args(
-        sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="limit on the whole run in seconds (default: none)"
     )
-    add_profile_args(sub.add_parser("profile", help="profile devices and collectives -> cluster JSON"))
-    add_calibrate_args(
-        sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=300.0,
+        help="the ranks are stuck when none reports progress for this many seconds (default 300)",
     )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    from .run.launch import BACKENDS
+
+    p = sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
+    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default: the plan's)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv", metavar="HOST:PORT", default=None, help="node 0's address and a free port")
+    p.add_argument("--print-commands", action="store_true", help="print one torchrun command per node")
+    p.add_argument("--slurm", action="store_true", help="print an sbatch script (srun + torchrun)")
+    p.add_argument("--bundle-dir", default=None, help="where to write the bundle of a plan JSON")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the ranks may go without progress")
+    p.add_argument("--wall-timeout", type=float, default=None, help="limit on the whole run (s)")
+    p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
+    p.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
+
+    p = sub.add_parser("profile", help="profile devices and collectives -> cluster JSON")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks (default: GPUs, else 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    p.add_argument("-o", "--output", default=None, help="write the cluster JSON here (else print it)")
+    p.add_argument("--quick", action="store_true", help="smaller benchmark, fewer sizes and repeats")
+    p.add_argument("--name", default=None, help="cluster name")
+    p.add_argument(
+        "--sizes", type=_sizes, default=None, help="comma-separated full-tensor sizes, e.g. 64K,1M,16M"
+    )
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=300.0, help="limit for the collective runs (s)")
+
+    p = sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time")
+    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the ranks may go without progress")
+    p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("theory", help="list or check the rules")
     p.add_argument("--check", action="store_true")
@@ -235,9 +276,40 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _VerifyProgress:
+    """``hapnb verify``'s progress lines on stderr: each phase when the first rank enters it, each step
+    when every rank has finished it, and the single-device run's steps."""
+
+    def __init__(self, nproc: int, steps: int) -> None:
+        self.nproc, self.steps = nproc, steps
+        self.t0 = time.monotonic()
+        self.seen: set[tuple[Any, ...]] = set()
+        self.done: dict[Any, set[Any]] = {}
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        step, phase = ev.get("step"), ev.get("phase")
+        if phase == "reference":
+            self._say(f"single-device run: step {step + 1}/{self.steps}")
+        elif phase is not None:
+            key = (phase, step)
+            if key not in self.seen and phase not in ("forward", "backward"):
+                self.seen.add(key)
+                self._say(f"ranks: {phase}")
+        elif step is not None:
+            ranks = self.done.setdefault(step, set())
+            ranks.add(ev.get("rank"))
+            if len(ranks) == self.nproc:
+                self._say(f"step {step + 1}/{self.steps} done on all {self.nproc} ranks")
+
+    def _say(self, text: str) -> None:
+        print(f"hapnb verify: [{time.monotonic() - self.t0:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
 def cmd_verify(ns: argparse.Namespace) -> int:
+    from .codegen import CodegenError
     from .plan import Plan
-    from .run import runtime
+    from .run.bundle import BundleError
+    from .run.verify import VerifyError, verify
 
     if ns.plan:
         plan = Plan.load(ns.plan)
@@ -245,9 +317,167 @@ def cmd_verify(ns: argparse.Namespace) -> int:
         plan, _, _ = _synthesize(ns)
     else:
         raise SystemExit("hapnb verify: give --plan PLAN, or --model NAME and --cluster SPEC")
-    rep = runtime.verify(plan, nproc=ns.nproc, steps=ns.steps, backend=ns.backend, dtype=ns.dtype)
+    nproc = ns.nproc or plan.cluster.gpus
+    try:
+        rep = verify(
+            plan,
+            nproc=nproc,
+            steps=ns.steps,
+            backend=ns.backend,
+            dtype=ns.dtype,
+            timeout=ns.timeout,
+            stall_timeout=ns.stall_timeout,
+            progress=None if ns.quiet else _VerifyProgress(nproc, ns.steps),
+        )
+    except (VerifyError, BundleError, CodegenError) as e:
+        print(f"hapnb verify: {e}", file=sys.stderr)
+        return 1
     print(rep)
     return 0 if rep.ok else 1
+
+
+def _worker_argv(worker: str) -> tuple[str, ...]:
+    """``--worker``: a module name (run with ``-m``) or a ``.py`` file."""
+    return (worker,) if worker.endswith(".py") else ("-m", worker)
+
+
+def _format_metric(m: dict[str, Any]) -> str:
+    parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
+    for key, label in (("loss", "loss"), ("global_loss", "global")):
+        if isinstance(m.get(key), (int, float)):
+            parts.append(f"{label} {m[key]:.6g}")
+    if isinstance(m.get("step_s"), (int, float)):
+        parts.append(f"{m['step_s'] * 1e3:.2f} ms")
+    if isinstance(m.get("max_memory_bytes"), (int, float)):
+        parts.append(f"mem {m['max_memory_bytes'] / 2**20:.1f} MiB")
+    return "  ".join(parts)
+
+
+def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
+    from .run.launch import launch_commands, plan_bundle, slurm_script
+
+    src = Path(ns.plan)
+    target = (Path(ns.bundle_dir) if ns.bundle_dir else src.with_suffix(".bundle")) if src.is_file() else None
+    bundle, devices = plan_bundle(src, target)
+    per_node = ns.nproc or (devices // ns.nnodes if devices else None)
+    if not per_node:
+        print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
+        return 2
+    if ns.slurm:
+        print(slurm_script(bundle, ns.nnodes, per_node, steps=ns.steps, backend=backend, worker=worker))
+    else:
+        rdzv = ns.rdzv if (ns.rdzv or ns.nnodes == 1) else "NODE0_HOST:29500"
+        for cmd in launch_commands(
+            bundle, ns.nnodes, per_node, rdzv, steps=ns.steps, backend=backend, worker=worker
+        ):
+            print(cmd)
+    return 0
+
+
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from .run.launch import default_backend, launch
+
+    backend = ns.backend or default_backend()
+    worker = _worker_argv(ns.worker)
+    if ns.print_commands or ns.slurm:
+        return _print_commands(ns, backend, worker)
+    try:
+        job = launch(
+            ns.plan,
+            ns.nproc,
+            backend,
+            ns.steps,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            rdzv=ns.rdzv,
+            timeout_s=ns.timeout,
+            wall_timeout_s=ns.wall_timeout,
+            worker=worker,
+            bundle_dir=ns.bundle_dir,
+        )
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"hapnb launch: {e}", file=sys.stderr)
+        return 2
+    with job:
+        for m in job.metrics():
+            print(json.dumps(m) if ns.json else _format_metric(m), flush=True)
+        result = job.wait()
+    if ns.json:
+        keys = {"ok": result.ok, "returncode": result.returncode, "median_step_s": result.median_step_s}
+        keys.update(final_loss=result.final_loss, steps=len(result.step_times(0)), wall_s=result.wall_s)
+        print(json.dumps({**keys, "error": result.error}))
+    else:
+        print(result.summary())
+    if not result.ok:
+        print(f"hapnb launch: {result.error}", file=sys.stderr)
+        return result.returncode or 1
+    return 0
+
+
+def _sizes(text: str) -> list[int]:
+    """``--sizes 64K,1M,16M`` -> bytes."""
+    out = []
+    for item in text.split(","):
+        t = item.strip().upper().removesuffix("B").removesuffix("I")
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+        try:
+            out.append(int(float(t[:-1] if mult > 1 else t) * mult))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad size {item!r}; write bytes like 65536, 64K or 4M"
+            ) from None
+    return out
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from .run.profile import ProfileError, profile_cluster
+
+    try:
+        cluster = profile_cluster(
+            ns.nproc,
+            ns.backend,
+            ns.name,
+            quick=ns.quick,
+            sizes=ns.sizes,
+            repeats=ns.repeats,
+            timeout_s=ns.timeout,
+        )
+    except (ProfileError, ValueError) as e:
+        print(f"hapnb profile: {e}", file=sys.stderr)
+        return 1
+    if ns.output:
+        cluster.save(ns.output)
+        print(cluster)
+        for kind, c in cluster.collectives:
+            print(f"  {kind}: {c}")
+        print(f"wrote {ns.output}")
+    else:
+        print(json.dumps(cluster.to_json(), indent=2))
+    return 0
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    from .run.calibrate import calibrate_launch
+    from .run.launch import LaunchError, default_backend
+
+    try:
+        report = calibrate_launch(
+            ns.plan,
+            ns.nproc,
+            ns.backend or default_backend(),
+            ns.steps,
+            warmup=ns.warmup,
+            timeout_s=ns.timeout,
+            worker=_worker_argv(ns.worker),
+        )
+    except LaunchError as e:
+        print(f"hapnb calibrate: {e}", file=sys.stderr)
+        return (e.result.returncode if e.result is not None else 0) or 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hapnb calibrate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json()) if ns.json else report.summary())
+    return 0
 
 
 def cmd_theory(ns: argparse.Namespace) -> int:
@@ -277,7 +507,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     print(f"report written to {ns.report}")
     if ns.no_verify:
         return 0
-    from .run import runtime
+    from .run.verify import verify
 
     small = Cluster.parse("1xV100+3xP100")
     print(
@@ -285,28 +515,21 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         "(4 local gloo ranks, float64)..."
     )
     splan = synthesize(DEMO_MODEL, small, layers=2, hidden=32, heads=4, seq=16, vocab=128, batch=8)
-    rep = runtime.verify(splan, nproc=small.n, steps=2)
+    rep = verify(splan, nproc=small.n, steps=2)
     print(rep)
     return 0 if rep.ok else 1
 
 
 COMMANDS = {
     "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate, "verify": cmd_verify,
-    "theory": cmd_theory, "demo": cmd_demo,
+    "launch": cmd_launch, "profile": cmd_profile, "calibrate": cmd_calibrate, "theory": cmd_theory,
+    "demo": cmd_demo,
 }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        if ns.command == "launch":
-            from .run.launch import launch_main
-
-            return launch_main(ns)
-        if ns.command in ("profile", "calibrate"):
-            from .run.profile import calibrate_main, profile_main
-
-            return (profile_main if ns.command == "profile" else calibrate_main)(ns)
         return COMMANDS[ns.command](ns)
     except KeyboardInterrupt:
         print("hapnb: interrupted", file=sys.stderr)

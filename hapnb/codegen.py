@@ -310,7 +310,7 @@ def generate(
     if g is None:
         raise CodegenError(
             f"plan {plan.name} carries no graph; pass graph=hapnb.trace(model, example_inputs) or use "
-            "hapnb.run.runtime.load_bundle"
+            "hapnb.run.bundle.load_bundle"
         )
     if plan.graph_fingerprint and g.fingerprint and plan.graph_fingerprint != g.fingerprint:
         raise CodegenError(

@@ -19,8 +19,8 @@ parts:
 The program (its instructions) is unchanged. Stages, costs, memory and history are the *virtual* plan's
 estimates, copied (per-device entries repeated for each of a virtual device's GPUs; a GPU doing ``1/k``
 of the work at ``1/k`` of the throughput takes the same time); collectives keep the virtual cluster's
-models. :func:`hapnb.runtime.verify`, :func:`hapnb.launch`, the worker and :func:`hapnb.distribute`
-expand a virtual plan themselves.
+models. :func:`hapnb.run.verify.verify`, :func:`hapnb.run.launch.launch`, the worker and
+:func:`hapnb.distribute` expand a virtual plan themselves.
 
 >>> import hapnb
 >>> c = hapnb.Cluster.parse("2xV100+2xP100").virtual()
@@ -112,7 +112,7 @@ def expand_virtual(
         if g is None:
             raise ExpandError(
                 f"plan {plan.name} has virtual devices; expanding it needs the graph it was made for "
-                "(pass graph=..., or use hapnb.runtime.resolve_graph(plan))"
+                "(pass graph=..., or use hapnb.run.bundle.resolve_graph(plan))"
             )
         from .triples import theory as build_theory
 

@@ -73,3 +73,24 @@ def test_python_m_hapnb_is_the_same_program():
                           "--no-baselines"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert set(json.loads(out.stdout)) == PLAN_KEYS
+
+
+def test_run_subcommand_flags():
+    """verify, launch, profile and calibrate parse their flags here (the run modules take plain values)."""
+    from hapnb.cli import build_parser
+
+    ap = build_parser()
+    ns = ap.parse_args(["verify", "--plan", "p.json", "--timeout", "900", "--stall-timeout", "60"])
+    assert ns.timeout == 900.0 and ns.stall_timeout == 60.0 and not ns.quiet
+    ns = ap.parse_args(["verify", "--plan", "p.json"])
+    assert ns.timeout is None and ns.stall_timeout == 300.0 and ns.steps == 3 and ns.dtype == "float64"
+    ns = ap.parse_args(["launch", "b", "--nproc", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv", "h:1",
+                        "--wall-timeout", "9", "--json"])  # fmt: skip
+    assert (ns.plan, ns.nproc, ns.nnodes, ns.node_rank, ns.rdzv) == ("b", 4, 2, 1, "h:1")
+    assert ns.timeout == 300.0 and ns.wall_timeout == 9.0 and ns.worker == "hapnb.run.worker"
+    ns = ap.parse_args(["profile", "--sizes", "4K,1M,65536", "--quick", "-o", "c.json"])
+    assert ns.sizes == [4096, 1 << 20, 65536] and ns.quick and ns.output == "c.json"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["profile", "--sizes", "4Q"])
+    ns = ap.parse_args(["calibrate", "b", "--warmup", "2", "--json"])
+    assert ns.warmup == 2 and ns.steps == 10 and ns.json

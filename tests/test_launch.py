@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from hapnb.cli import main as cli_main
 from hapnb.run.launch import (
     Job,
     JobResult,
     LaunchError,
-    add_launch_args,
     launch,
     launch_commands,
-    launch_main,
     slurm_script,
     step_times,
 )
@@ -270,42 +269,49 @@ def test_step_times_and_final_loss() -> None:
     assert res.median_step_s == pytest.approx(0.31) and res.final_loss == 3.0
 
 
-def test_launch_main_cli(standin, capsys) -> None:
-    import argparse
-
+def test_launch_cli(standin, capsys, tmp_path: Path) -> None:
     worker, bundle = standin
-    ns = add_launch_args(argparse.ArgumentParser()).parse_args(
-        [str(bundle), "--nproc", "2", "--steps", "3", "--backend", "gloo", "--worker", worker[0]]
-    )
-    assert launch_main(ns) == 0
+    argv = ["launch", str(bundle), "--nproc", "2", "--steps", "3", "--backend", "gloo", "--worker", worker[0]]
+    assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("rank ") >= 6 and "3 steps" in out and "final loss 0.333333" in out
-    ns = add_launch_args(argparse.ArgumentParser()).parse_args(
-        [str(bundle), "--nproc", "2", "--nnodes", "2", "--rdzv", "h:1234", "--print-commands"]
-    )
-    assert launch_main(ns) == 0
+    assert cli_main([*argv, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["ok"] and summary["steps"] == 3 and len(lines) == 7  # 6 metrics lines, one summary
+    argv = ["launch", str(bundle), "--nproc", "2", "--nnodes", "2", "--rdzv", "h:1234", "--print-commands"]
+    assert cli_main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "--node-rank 1" in lines[1] and "--rdzv-endpoint h:1234" in lines[1]
+    assert cli_main(["launch", str(tmp_path / "missing"), "--nproc", "2", "--worker", worker[0]]) == 2
+    assert "neither a bundle directory" in capsys.readouterr().err
+    # a crashing rank: the exit status is its code, the error on stderr names it
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    assert cli_main(["launch", str(bundle), "--nproc", "2", "--worker", str(crash), "--backend", "gloo"]) == 3
+    assert "rank 1 exited with code 3 before reporting any step" in capsys.readouterr().err
 
 
-def test_plan_is_bundled_lazily_and_temp_bundle_removed(standin) -> None:
+def test_plan_is_bundled_lazily_and_temp_bundle_removed(standin, monkeypatch) -> None:
+    import hapnb.run.launch as launch_module
     from hapnb.cluster import Cluster
+    from hapnb.plan import Plan
 
     worker, _ = standin
     written = []
 
-    class FakePlan:  # the two things launch uses: .cluster (rank count) and .bundle(dir)
-        cluster = Cluster.parse("3xV100")
+    def fake_write_bundle(plan, directory):  # what launch uses of a plan: its cluster, and its bundle
+        Path(directory).mkdir(parents=True)
+        written.append(Path(directory))
+        return Path(directory)
 
-        def bundle(self, directory):
-            Path(directory).mkdir(parents=True)
-            written.append(Path(directory))
-            return Path(directory)
-
-    job = launch(FakePlan(), steps=2, worker=worker)  # nproc from the plan's 3 devices
+    monkeypatch.setattr(launch_module, "write_bundle", fake_write_bundle)
+    plan = Plan(name="p", graph_fingerprint="x", cluster=Cluster.parse("3xV100"), ratios=((1 / 3,) * 3,),
+                program=(), lengths=(), stages=(), cost_s=0.01, lower_bound_s=0.001)  # fmt: skip
+    job = launch(plan, steps=2, worker=worker)  # nproc from the plan's 3 devices
     result = job.wait(timeout=20, check=True)
     assert sorted({m["rank"] for m in result.metrics}) == [0, 1, 2]
     assert len(written) == 1 and not written[0].exists()  # the temporary bundle is gone
     with pytest.raises(ValueError, match="plan is for 3 devices"):
-        launch(FakePlan(), nproc=2, worker=worker)
+        launch(plan, nproc=2, worker=worker)
     assert not written[1].parent.exists()

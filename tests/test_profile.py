@@ -1,28 +1,21 @@
-"""Profiling (device throughput, collective fits -> cluster JSON) and calibration."""
+"""Profiling (hapnb.run.profile): device throughput, collective fits -> cluster JSON."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from hapnb.cli import main as cli_main
 from hapnb.cluster import COLLECTIVE_KINDS, Cluster, Collective
-from hapnb.plan import Plan, Stage
 from hapnb.run.profile import (
-    CalibrationReport,
-    add_calibrate_args,
-    add_profile_args,
-    calibrate,
-    calibrate_main,
+    ProfileError,
     fit_collective,
     profile_collectives,
     profile_devices,
-    profile_main,
     training_flops,
 )
 
@@ -118,11 +111,9 @@ def test_profile_rejects_bad_arguments() -> None:
 
 def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     out = tmp_path / "cluster.json"
-    ns = add_profile_args(argparse.ArgumentParser()).parse_args(
-        ["--nproc", "2", "--backend", "gloo", "--quick", "--sizes", "4K,64K,256K", "--repeats", "2",
-         "-o", str(out), "--name", "here"]
-    )  # fmt: skip
-    assert profile_main(ns) == 0
+    argv = ["profile", "--nproc", "2", "--backend", "gloo", "--quick", "--sizes", "4K,64K,256K", "--repeats", "2",
+            "-o", str(out), "--name", "here"]  # fmt: skip
+    assert cli_main(argv) == 0
     c = Cluster.load(out)
     assert c.name == "here" and c.names == ("cpu-0", "cpu-1") and c.dtype_bytes == 4
     assert all(coll.bandwidth_Bps > 0 and coll.latency_s >= 0 for _, coll in c.collectives)
@@ -130,73 +121,9 @@ def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------------------------------
-# calibration
-
-
-def _plan() -> Plan:
-    stages = (Stage(0, 0.002, (0.008, 0.004), ()), Stage(1, 0.001, (0.003, 0.006), ()))
-    return Plan(
-        name="p", graph_fingerprint="x", cluster=Cluster.parse("2xV100"), ratios=((0.5, 0.5),), program=(),
-        lengths=(), stages=stages, cost_s=0.017, lower_bound_s=0.005,
-    )  # fmt: skip
-
-
-def test_calibrate_arithmetic() -> None:
-    plan = _plan()
-    r = calibrate(plan, 0.034)
-    assert isinstance(r, CalibrationReport)
-    assert r.predicted_s == 0.017 and r.measured_s == 0.034 and r.ratio == pytest.approx(2.0)
-    assert r.predicted_comm_s == pytest.approx(0.003) and r.predicted_comp_s == pytest.approx(0.014)
-    # comm + comp / s = measured  ->  s = 0.014 / (0.034 - 0.003)
-    assert r.throughput_scale == pytest.approx(0.014 / 0.031)
-    assert [(s.index, s.predicted_s) for s in r.stages] == [
-        (0, pytest.approx(0.010)),
-        (1, pytest.approx(0.007)),
-    ]
-    scaled = r.scaled_cluster(plan.cluster)
-    assert scaled.flops == pytest.approx(tuple(f * 0.014 / 0.031 for f in plan.cluster.flops))
-    # metrics lines: slowest rank per step, first step dropped as warm-up, median of the rest
-    lines = [
-        {"rank": k, "step": s, "step_s": t + 0.001 * k}
-        for s, t in enumerate([9.0, 0.02, 0.03, 0.04])
-        for k in (0, 1)
-    ]
-    m = calibrate(plan, lines)
-    assert m.measured_s == pytest.approx(0.031) and m.steps_used == 3
-    assert "measured/predicted" in m.summary() and json.loads(json.dumps(m.to_json()))["ratio"] == m.ratio
-    # communication alone slower than measured: no throughput scale
-    fast = calibrate(plan, 0.002)
-    assert fast.throughput_scale is None
-    with pytest.raises(ValueError, match="re-profile"):
-        fast.scaled_cluster(plan.cluster)
-    with pytest.raises(ValueError, match="no step times"):
-        calibrate(plan, [])
-    with pytest.raises(ValueError, match="positive"):
-        calibrate(plan, -1.0)
-
-
-CONSTANT_WORKER = textwrap.dedent(
-    """
-    import json, os, sys
-    steps = int(sys.argv[sys.argv.index("--steps") + 1])
-    rank = int(os.environ["RANK"])
-    for s in range(steps):
-        print(json.dumps({"rank": rank, "step": s, "loss": 1.0, "step_s": 0.034 if s else 5.0}), flush=True)
-    """
-)
-
-
-def test_calibrate_main_launches_and_reports(tmp_path: Path, capsys) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    _plan().save(bundle / "plan.json")
-    worker = tmp_path / "constant_worker.py"
-    worker.write_text(CONSTANT_WORKER)
-    ns = add_calibrate_args(argparse.ArgumentParser()).parse_args(
-        [str(bundle), "--steps", "4", "--backend", "gloo", "--worker", str(worker), "--json"]
-    )
-    assert calibrate_main(ns) == 0
-    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rep["measured_s"] == pytest.approx(0.034) and rep["ratio"] == pytest.approx(2.0)
-    assert rep["steps_used"] == 3
+def test_a_failing_collective_rank_is_a_profile_error() -> None:
+    # an unknown backend makes every rank fail in init_process_group: the supervisor names the rank
+    with pytest.raises(
+        ProfileError, match=r"(?s)collective profiling on 2 nosuchbackend ranks failed: rank \d exited"
+    ):
+        profile_collectives(2, "nosuchbackend", sizes=(1024, 4096), repeats=1, warmup=0, timeout_s=60)

@@ -1,1 +1,9 @@
-"""The run layer: rank programs executed on real processes (verify, distribute, launch, profile)."""
+"""The run layer: rank programs executed on real processes.
+
+One module per job, imports pointing down this list: :mod:`~hapnb.run.calibrate` (predicted vs measured
+time) over :mod:`~hapnb.run.launch` (``hapnb launch``), :mod:`~hapnb.run.verify` (against one device),
+:mod:`~hapnb.run.distribute` (``distribute`` under torchrun), :mod:`~hapnb.run.profile` (devices and
+collectives -> cluster JSON), :mod:`~hapnb.run.worker` (one rank of a bundle), :mod:`~hapnb.run.bundle`
+(plan + exported program in a folder), and at the bottom :mod:`~hapnb.run.supervisor`, the one process
+supervisor that starts and watches every rank process.
+"""

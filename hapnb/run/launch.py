@@ -20,12 +20,14 @@ static rendezvous (``rdzv`` = node 0's ``HOST:PORT``, global rank = ``node_rank 
 For clusters where torchrun is preferred, :func:`launch_commands` prints one torchrun command per node
 (c10d rendezvous) and :func:`slurm_script` an sbatch script (srun + torchrun).
 
-Failure handling
-----------------
+Failure handling (:mod:`hapnb.run.supervisor` watches the ranks)
+-----------------------------------------------------------------
 * A rank that exits with a non-zero code stops the whole job at once; :attr:`JobResult.error` names the
-  rank, its exit code, the last step it reported and the last lines of its stderr (its traceback).
-* A rank that prints nothing for ``timeout_s`` seconds (or a job that runs past ``wall_timeout_s``) is
-  stopped; the error names the silent rank(s) and the last step each reported.
+  rank, its exit code, the last step it reported and the last lines of its stderr (its traceback); ranks
+  that died only because they lost that peer are listed as secondary.
+* Workers print a heartbeat per phase and step. When no running rank reports progress for ``timeout_s``
+  seconds the job is stuck; a job still progressing past ``wall_timeout_s`` is slow. Either stops it;
+  the error says which, and names the rank furthest behind and the last step each reported.
 * Stopping sends SIGTERM to every rank's process group (and to descendants that left it), waits
   ``kill_grace_s``, then SIGKILLs what is left: no orphans. ``Ctrl-C`` during :meth:`Job.wait` or
   :meth:`Job.metrics` stops the job before re-raising, and so does leaving a ``with`` block.
@@ -38,58 +40,43 @@ Failure handling
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import collections
-import contextlib
 import json
 import math
 import os
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import sys
 import tempfile
 import threading
-import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..plan import Plan
+from .bundle import write_bundle
+from .supervisor import Outcome, Supervisor, free_port, rank_envs
+from .worker import WORKER_ARGV
+
 __all__ = [
+    "BACKENDS",
     "DEFAULT_WORKER",
     "Job",
     "JobResult",
     "LaunchError",
-    "add_launch_args",
-    "free_port",
+    "default_backend",
     "launch",
     "launch_commands",
-    "launch_main",
-    "rank_envs",
+    "plan_bundle",
     "slurm_script",
     "step_times",
 ]
 
 #: The per-rank worker: ``python -m hapnb.run.worker BUNDLE --steps N --backend B``.
-DEFAULT_WORKER: tuple[str, ...] = ("-m", "hapnb.run.worker")
-_TAIL_LINES = 40
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-# stderr markers of a rank that failed only because a peer died first (not the root cause)
-_SECONDARY = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "recvBytes",
-    "DistNetworkError",
-    "DistBackendError",
-    "ProcessGroupNCCL",
-    "ProcessGroupGloo",
-    "SIGTERM",
-)
+DEFAULT_WORKER: tuple[str, ...] = WORKER_ARGV
+#: torch.distributed backends a launch accepts (gloo on CPU, nccl on GPUs).
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class LaunchError(RuntimeError):
@@ -128,8 +115,9 @@ class JobResult:
     """What a finished job left: exit status, metrics lines, stderr tails and the error, if any.
 
     ``returncode`` is 0 when every rank exited 0; the failing rank's code after a crash (128 + signal
-    number when it was killed by a signal); 124 after a timeout (silent rank or wall limit); 130 when
-    stopped by :meth:`Job.stop` or Ctrl-C.
+    number when it was killed by a signal); 124 after a timeout (stuck, or slow past the wall limit); 130
+    when stopped by :meth:`Job.stop` or Ctrl-C. ``status`` says which in words (``ok``, ``failed``,
+    ``stuck``, ``slow``, ``stopped``); ``secondary_ranks`` failed only because they lost a peer.
     """
 
     returncode: int
@@ -140,6 +128,8 @@ class JobResult:
     failed_rank: int | None = None
     wall_s: float = 0.0
     stdout_tails: tuple[str, ...] = field(default=(), repr=False)  # per rank, non-JSON stdout lines
+    status: str = ""
+    secondary_ranks: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -182,106 +172,21 @@ class JobResult:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Process helpers
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _children_proc(pid: int) -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ..." — comm may contain spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1:
-            kids[int(fields[1])].append(int(entry))
-    return kids
-
-
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (psutil when installed, else /proc; empty elsewhere)."""
-    try:
-        import psutil
-
-        try:
-            return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-        except psutil.Error:
-            return []
-    except ImportError:
-        pass
-    if not os.path.isdir("/proc"):
-        return []
-    kids = _children_proc(pid)
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _signal(pid: int, sig: int, group: bool) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        if group:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-
-
-class _Rank:
-    """Mutable bookkeeping of one rank process (owned by a :class:`Job`)."""
-
-    def __init__(self, rank: int, proc: Any, started: float) -> None:
-        self.rank = rank
-        self.proc = proc
-        self.last_output = started
-        self.last_step: Any = None
-        self.returncode: int | None = None
-        self.exited_at: float | None = None
-        self.stderr: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.stdout: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.readers: list[threading.Thread] = []
-
-    def stderr_tail(self, lines: int = 15) -> str:
-        return "\n".join(list(self.stderr)[-lines:])
-
-
-_LIVE_JOBS: weakref.WeakSet[Job] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_live_jobs() -> None:  # pragma: no cover - interpreter shutdown
-    for job in list(_LIVE_JOBS):
-        with contextlib.suppress(Exception):
-            job.stop()
-
-
-# ----------------------------------------------------------------------------------------------------
 # Job
 
 
 class Job:
-    """Running rank processes: streams their JSON metrics lines, watches for crashes and hangs.
+    """Running rank processes (under :class:`~hapnb.run.supervisor.Supervisor`) and their metrics lines.
 
     Usually made by :func:`launch`; build one directly to run any command per rank::
 
-        job = Job([[sys.executable, "worker.py"]] * 2, [env0, env1], timeout_s=60)
+        job = Job([[sys.executable, "worker.py"]] * 2, rank_envs(2), timeout_s=60)
 
     ``argvs[i]`` / ``envs[i]`` start rank ``ranks[i]`` (default ``i``). Every stdout line that parses as
-    a JSON object is a metrics dict (``"rank"`` added when missing); other lines are kept as text.
-    ``timeout_s``: a rank silent (no stdout/stderr line) that long stops the job; ``wall_timeout_s``:
-    limit on the whole job. ``cleanup``: paths removed when the job ends (a temporary bundle).
+    a JSON object is a heartbeat; those without a ``"phase"`` key are metrics dicts (``"rank"`` added
+    when missing); other lines are kept as text. ``timeout_s``: the job is stuck (and stopped) when no
+    running rank reports progress for that long; ``wall_timeout_s``: limit on the whole job.
+    ``cleanup``: paths removed when the job ends (a temporary bundle).
     """
 
     def __init__(
@@ -297,70 +202,39 @@ class Job:
         cleanup: Sequence[str | os.PathLike[str]] = (),
         poll_s: float = 0.05,
     ) -> None:
-        import subprocess
-
-        if not argvs:
-            raise ValueError("a Job needs at least one rank command")
-        if len(envs) != len(argvs):
-            raise ValueError(f"{len(argvs)} rank commands but {len(envs)} environments")
-        for what, v in (("timeout_s", timeout_s), ("wall_timeout_s", wall_timeout_s)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{what} must be positive or None, got {v!r}")
-        self.timeout_s = timeout_s
-        self.wall_timeout_s = wall_timeout_s
-        self.kill_grace_s = kill_grace_s
-        self._poll_s = poll_s
         self._cleanup = [Path(p) for p in cleanup]
         self._cond = threading.Condition()
         self._metrics: list[dict[str, Any]] = []
         self._done = threading.Event()
-        self._stop_requested = False
         self._result: JobResult | None = None
-        self._ranks: list[_Rank] = []
-        self._kill_lock = threading.Lock()
-        self.started = time.monotonic()
-        rank_ids = list(ranks) if ranks is not None else list(range(len(argvs)))
-        _LIVE_JOBS.add(self)
         try:
-            for r, argv, env in zip(rank_ids, argvs, envs):
-                proc = subprocess.Popen(
-                    list(argv),
-                    env=dict(env),
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    encoding="utf-8",
-                    errors="replace",
-                    bufsize=1,
-                    start_new_session=True,  # own process group: stop() kills the rank's whole tree
-                )
-                self._ranks.append(_Rank(r, proc, time.monotonic()))
+            self._sup = Supervisor(
+                argvs,
+                envs,
+                ranks=ranks,
+                stall_s=timeout_s,
+                wall_s=wall_timeout_s,
+                kill_grace_s=kill_grace_s,
+                cwd=cwd,
+                on_heartbeat=self._on_heartbeat,
+                on_done=self._on_done,
+                limit_names=("timeout_s (--timeout)", "wall_timeout_s (--wall-timeout)"),
+                poll_s=poll_s,
+            )
         except BaseException:
-            self._kill_all()
             self._remove_cleanup()
             raise
-        for st in self._ranks:
-            for stream, is_err in ((st.proc.stdout, False), (st.proc.stderr, True)):
-                t = threading.Thread(
-                    target=self._read, args=(st, stream, is_err), daemon=True, name=f"hapnb-rank{st.rank}"
-                )
-                st.readers.append(t)
-                t.start()
-        self._monitor = threading.Thread(target=self._watch, daemon=True, name="hapnb-job-monitor")
-        self._monitor.start()
 
     # -- public ----------------------------------------------------------------------------------------
 
     @property
     def nproc(self) -> int:
-        return len(self._ranks)
+        return self._sup.nproc
 
     @property
     def pids(self) -> tuple[int, ...]:
         """Process ids of the rank processes, in rank order."""
-        return tuple(st.proc.pid for st in self._ranks)
+        return self._sup.pids
 
     @property
     def running(self) -> bool:
@@ -405,14 +279,7 @@ class Job:
         its own ``timeout_s``/``wall_timeout_s`` are what stop it). ``check``: raise :class:`LaunchError`
         when it failed. Ctrl-C stops the job and re-raises.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._done.wait(0.1):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job still running after wait({timeout}); call job.stop() to end it")
-        except KeyboardInterrupt:
-            self.stop()
-            raise
+        self._sup.wait(timeout)  # the supervisor's on_done has set the result before it returns
         assert self._result is not None
         if check and not self._result.ok:
             raise LaunchError(
@@ -421,12 +288,9 @@ class Job:
         return self._result
 
     def stop(self, timeout: float | None = 30.0) -> JobResult | None:
-        """Stop every rank (SIGTERM to its process group, SIGKILL after ``kill_grace_s``); returns the
+        """Stop every rank (SIGTERM to its process tree, SIGKILL after ``kill_grace_s``); returns the
         result. Safe to call more than once and after the job ended."""
-        if not self._done.is_set():
-            self._stop_requested = True
-            self._kill_all()
-            self._done.wait(timeout)
+        self._sup.stop(timeout)
         return self._result
 
     def __enter__(self) -> Job:
@@ -439,204 +303,40 @@ class Job:
         state = "running" if self.running else f"exit {self._result.returncode if self._result else '?'}"
         return f"<hapnb Job: {self.nproc} ranks, {len(self._metrics)} metrics lines, {state}>"
 
-    # -- internals -------------------------------------------------------------------------------------
+    # -- supervisor callbacks --------------------------------------------------------------------------
 
-    def _read(self, st: _Rank, stream: Any, is_err: bool) -> None:
-        try:
-            for raw in stream:
-                line = raw.rstrip("\r\n")
-                st.last_output = time.monotonic()
-                if is_err:
-                    st.stderr.append(line)
-                    continue
-                rec = _parse_metrics(line)
-                if rec is None:
-                    st.stdout.append(line)
-                    continue
-                rec.setdefault("rank", st.rank)
-                if "step" in rec:
-                    st.last_step = rec["step"]
-                with self._cond:
-                    self._metrics.append(rec)
-                    self._cond.notify_all()
-        except (OSError, ValueError):  # stream closed under us during a kill
-            pass
+    def _on_heartbeat(self, rank: int, rec: dict[str, Any]) -> None:
+        if "phase" in rec:
+            return
+        with self._cond:
+            self._metrics.append(rec)
+            self._cond.notify_all()
 
-    def _watch(self) -> None:
-        error: str | None = None
-        code = 0
-        failed: int | None = None
-        try:
-            while True:
-                time.sleep(self._poll_s)
-                now = time.monotonic()
-                if self._stop_requested:
-                    error, code = "stopped by the user (Job.stop or Ctrl-C)", 130
-                    break
-                newly = []
-                for st in self._ranks:
-                    if st.returncode is None:
-                        rc = st.proc.poll()
-                        if rc is not None:
-                            st.returncode, st.exited_at = rc, now
-                            if rc != 0:
-                                newly.append(st)
-                if newly and self._stop_requested:  # our own SIGTERM, not a crash
-                    error, code = "stopped by the user (Job.stop or Ctrl-C)", 130
-                    break
-                if newly:
-                    # let the crashed ranks' readers drain their stderr (the traceback) first
-                    for st in newly:
-                        for t in st.readers:
-                            t.join(0.5)
-                    newly.sort(key=lambda s: (_is_secondary(s), s.rank))
-                    first = newly[0]
-                    error, code, failed = (
-                        self._crash_message(first, newly[1:]),
-                        _exit_code(first.returncode),
-                        first.rank,
-                    )
-                    break
-                if all(st.returncode is not None for st in self._ranks):
-                    break
-                if self.wall_timeout_s is not None and now - self.started > self.wall_timeout_s:
-                    error, code = self._timeout_message(now, wall=True), 124
-                    break
-                if self.timeout_s is not None:
-                    silent = [
-                        st
-                        for st in self._ranks
-                        if st.returncode is None and now - st.last_output > self.timeout_s
-                    ]
-                    if silent:
-                        error, code = self._timeout_message(now, wall=False), 124
-                        failed = min(silent, key=lambda s: s.last_output).rank
-                        break
-        except Exception as exc:  # noqa: BLE001 - never leave processes behind because of a bug here
-            error, code = f"internal error in the job monitor: {exc!r}", 1
-        finally:
-            self._kill_all()
-            for st in self._ranks:
-                for t in st.readers:
-                    t.join(2.0)
-            self._remove_cleanup()
-            self._result = JobResult(
-                returncode=code,
-                metrics=tuple(self._metrics),
-                stderr_tails=tuple(st.stderr_tail(_TAIL_LINES) for st in self._ranks),
-                error=error,
-                returncodes=tuple(st.proc.returncode for st in self._ranks),
-                failed_rank=failed,
-                wall_s=time.monotonic() - self.started,
-                stdout_tails=tuple("\n".join(st.stdout) for st in self._ranks),
-            )
-            _LIVE_JOBS.discard(self)
-            with self._cond:
-                self._done.set()
-                self._cond.notify_all()
-
-    def _crash_message(self, st: _Rank, others: list[_Rank]) -> str:
-        rc = st.returncode or 0
-        how = f"exited with code {rc}"
-        if rc < 0:
-            with contextlib.suppress(ValueError):
-                how = f"was killed by {signal.Signals(-rc).name}"
-            if -rc == signal.SIGKILL:
-                how += " (often the out-of-memory killer)"
-        step = "before reporting any step" if st.last_step is None else f"after step {st.last_step}"
-        tail = st.stderr_tail() or "(no stderr output)"
-        msg = f"rank {st.rank} {how} {step}; the job was stopped. Last lines of its stderr:\n{_indent(tail)}"
-        if others:
-            msg += (
-                "\n(also failed at the same time: "
-                + ", ".join(f"rank {o.rank} code {o.returncode}" for o in others)
-                + ")"
-            )
-        return msg
-
-    def _timeout_message(self, now: float, wall: bool) -> str:
-        alive = [st for st in self._ranks if st.returncode is None]
-        steps = ", ".join(f"rank {st.rank}: {_step_text(st.last_step)}" for st in self._ranks)
-        if wall:
-            head = f"the job ran past its wall-clock limit of {self.wall_timeout_s:g} s"
-        else:
-            silent = sorted(
-                (st for st in alive if now - st.last_output > (self.timeout_s or 0)),
-                key=lambda s: s.last_output,
-            )
-            who = ", ".join(f"rank {st.rank} ({now - st.last_output:.1f} s)" for st in silent)
-            head = (
-                f"rank {silent[0].rank} printed nothing for {self.timeout_s:g} s (timeout_s) and looks hung; "
-                f"silent: {who}"
-            )
-        msg = f"{head}. The job was stopped. Last step per rank: {steps}."
-        tails = [f"rank {st.rank}:\n{_indent(st.stderr_tail(5))}" for st in alive if st.stderr]
-        if tails:
-            msg += " Last stderr lines:\n" + "\n".join(tails)
-        if not wall:
-            msg += "\nIf the ranks are just slow (first step, big model), raise timeout_s (--timeout)."
-        return msg
-
-    def _kill_all(self) -> None:
-        with self._kill_lock:
-            procs = [st.proc for st in self._ranks]
-            extra: set[int] = set()
-            for p in procs:
-                if p.poll() is None:
-                    extra.update(_descendants(p.pid))
-            for p in procs:
-                _signal(p.pid, signal.SIGTERM, group=True)
-            for pid in extra:
-                _signal(pid, signal.SIGTERM, group=False)
-            deadline = time.monotonic() + self.kill_grace_s
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    p.wait(max(0.0, deadline - time.monotonic()))
-            for p in procs:
-                _signal(p.pid, signal.SIGKILL, group=True)  # leftovers in the rank's group, if any
-                if p.poll() is None:
-                    _signal(p.pid, signal.SIGKILL, group=False)
-            for pid in extra:
-                _signal(pid, signal.SIGKILL, group=False)
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    p.wait(5.0)
+    def _on_done(self, out: Outcome) -> None:
+        self._remove_cleanup()
+        error = out.error
+        if out.status == "stopped":
+            error = "stopped by the user (Job.stop or Ctrl-C)"
+        self._result = JobResult(
+            returncode=out.returncode,
+            metrics=tuple(self._metrics),
+            stderr_tails=out.stderr_tails,
+            error=error,
+            returncodes=out.returncodes,
+            failed_rank=out.failed_rank,
+            wall_s=out.wall_s,
+            stdout_tails=out.stdout_tails,
+            status=out.status,
+            secondary_ranks=out.secondary,
+        )
+        with self._cond:
+            self._done.set()
+            self._cond.notify_all()
 
     def _remove_cleanup(self) -> None:
         for p in self._cleanup:
             shutil.rmtree(p, ignore_errors=True)
         self._cleanup = []
-
-
-def _exit_code(rc: int | None) -> int:
-    """A shell-style exit status: negative (killed by signal k) becomes 128 + k; never 0 for a crash."""
-    if rc is None or rc == 0:
-        return 1
-    return 128 - rc if rc < 0 else rc
-
-
-def _parse_metrics(line: str) -> dict[str, Any] | None:
-    text = line.strip()
-    if not text.startswith("{"):
-        return None
-    try:
-        rec = json.loads(text)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _is_secondary(st: _Rank) -> bool:
-    tail = st.stderr_tail(_TAIL_LINES)
-    return any(m in tail for m in _SECONDARY)
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())
-
-
-def _step_text(step: Any) -> str:
-    return "no step yet" if step is None else f"step {step}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -656,9 +356,6 @@ def _prepare_bundle(
     plan_or_bundle: Any, bundle_dir: str | os.PathLike[str] | None
 ) -> tuple[Path, Path | None, int | None]:
     """(bundle directory, temporary dir to remove afterwards or None, devices of its plan or None)."""
-    from ..plan import Plan
-    from .runtime import write_bundle
-
     if isinstance(plan_or_bundle, Plan):
         tmp = None
         if bundle_dir is None:
@@ -690,6 +387,23 @@ def _prepare_bundle(
     )
 
 
+def plan_bundle(
+    plan_or_bundle: Plan | str | os.PathLike[str], bundle_dir: str | os.PathLike[str] | None = None
+) -> tuple[Path, int | None]:
+    """The bundle directory of ``plan_or_bundle`` and how many ranks its plan needs (None if unreadable).
+
+    A bundle directory is used as it is; a Plan or a plan JSON file is written as a bundle to
+    ``bundle_dir`` first (needed then: this is the bundle other nodes or a Slurm job will read).
+    """
+    is_path = isinstance(plan_or_bundle, (str, os.PathLike))
+    if bundle_dir is None and (not is_path or Path(plan_or_bundle).expanduser().is_file()):
+        raise ValueError(
+            f"{plan_or_bundle!r} is a plan, not a bundle directory: pass bundle_dir to write its bundle"
+        )
+    out, _, devices = _prepare_bundle(plan_or_bundle, bundle_dir)
+    return out, devices
+
+
 def _split_rdzv(rdzv: str) -> tuple[str, int]:
     host, sep, port = str(rdzv).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -698,52 +412,23 @@ def _split_rdzv(rdzv: str) -> tuple[str, int]:
 
 
 def _check_backend(backend: str) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(_BACKENDS)} (gloo on CPU)")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)} (gloo on CPU)")
     return backend
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except ImportError:  # pragma: no cover
+        return "gloo"
 
 
 # ----------------------------------------------------------------------------------------------------
 # launch
-
-
-def rank_envs(
-    nproc: int,
-    master_addr: str,
-    master_port: int,
-    *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    env: Mapping[str, str] | None = None,
-) -> list[dict[str, str]]:
-    """The environment of each local rank, as torchrun would set it (plus ``PYTHONUNBUFFERED=1`` so lines
-    stream, ``OMP_NUM_THREADS`` = cores / ranks unless set, and hapnb's folder on ``PYTHONPATH`` so
-    ``-m hapnb....`` workers import the same hapnb as the launcher)."""
-    world = nnodes * nproc
-    base = dict(os.environ)
-    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    root = str(Path(__file__).resolve().parent.parent)
-    paths = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
-    base["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
-    base.update(env or {})
-    base["PYTHONUNBUFFERED"] = "1"
-    envs = []
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        e = dict(base)
-        e.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(local),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK=str(node_rank),
-            ROLE_RANK=str(rank),
-            ROLE_WORLD_SIZE=str(world),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-        )
-        envs.append(e)
-    return envs
 
 
 def launch(
@@ -932,7 +617,7 @@ def slurm_script(
     tail = shlex.join(_worker_tail(bundle, steps, backend, worker, extra_args))
     lines += [
         "",
-        "# generated by hapnb (hapnb.launch.slurm_script)",
+        "# generated by hapnb (hapnb.run.launch.slurm_script)",
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f'rdzv="${{head_node}}:{port}"',
@@ -944,119 +629,3 @@ def slurm_script(
         "",
     ]
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``hapnb launch`` arguments to ``parser`` (the lead wires the subcommand)."""
-    parser.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks on this node (default: the plan's)")
-    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    parser.add_argument(
-        "--backend", choices=_BACKENDS, default=None, help="default: nccl with CUDA, else gloo"
-    )
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--rdzv", metavar="HOST:PORT", default=None, help="node 0's address and a free port")
-    parser.add_argument("--print-commands", action="store_true", help="print one torchrun command per node")
-    parser.add_argument("--slurm", action="store_true", help="print an sbatch script (srun + torchrun)")
-    parser.add_argument("--bundle-dir", default=None, help="where to write the bundle of a plan JSON")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may stay silent")
-    parser.add_argument("--wall-timeout", type=float, default=None, help="limit on the whole run (s)")
-    parser.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
-    parser.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
-    return parser
-
-
-def _default_backend() -> str:
-    try:
-        import torch
-
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    except ImportError:  # pragma: no cover
-        return "gloo"
-
-
-def _worker_argv(worker: str) -> tuple[str, ...]:
-    return (worker,) if worker.endswith(".py") else ("-m", worker)
-
-
-def _format_metric(m: Mapping[str, Any]) -> str:
-    parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
-    for key, label in (("loss", "loss"), ("global_loss", "global")):
-        if isinstance(m.get(key), (int, float)):
-            parts.append(f"{label} {m[key]:.6g}")
-    if isinstance(m.get("step_s"), (int, float)):
-        parts.append(f"{m['step_s'] * 1e3:.2f} ms")
-    if isinstance(m.get("max_memory_bytes"), (int, float)):
-        parts.append(f"mem {m['max_memory_bytes'] / 2**20:.1f} MiB")
-    return "  ".join(parts)
-
-
-def launch_main(ns: argparse.Namespace) -> int:
-    """Run ``hapnb launch`` from parsed arguments; returns the exit code."""
-    backend = ns.backend or _default_backend()
-    worker = _worker_argv(ns.worker)
-    if ns.print_commands or ns.slurm:
-        src = Path(ns.plan)
-        if src.is_file():
-            bundle = Path(ns.bundle_dir) if ns.bundle_dir else src.with_suffix(".bundle")
-            bundle, _, devices = _prepare_bundle(src, bundle)
-        else:
-            bundle, _, devices = _prepare_bundle(src, None)
-        per_node = ns.nproc or (devices // ns.nnodes if devices else None)
-        if not per_node:
-            print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
-            return 2
-        if ns.slurm:
-            print(slurm_script(bundle, ns.nnodes, per_node, steps=ns.steps, backend=backend, worker=worker))
-        else:
-            rdzv = ns.rdzv if (ns.rdzv or ns.nnodes == 1) else "NODE0_HOST:29500"
-            for cmd in launch_commands(bundle, ns.nnodes, per_node, rdzv, steps=ns.steps, backend=backend,
-                                       worker=worker):  # fmt: skip
-                print(cmd)
-        return 0
-    try:
-        job = launch(
-            ns.plan,
-            ns.nproc,
-            backend,
-            ns.steps,
-            nnodes=ns.nnodes,
-            node_rank=ns.node_rank,
-            rdzv=ns.rdzv,
-            timeout_s=ns.timeout,
-            wall_timeout_s=ns.wall_timeout,
-            worker=worker,
-            bundle_dir=ns.bundle_dir,
-        )
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"hapnb launch: {e}", file=sys.stderr)
-        return 2
-    with job:
-        for m in job.metrics():
-            print(json.dumps(m) if ns.json else _format_metric(m), flush=True)
-        result = job.wait()
-    if ns.json:
-        print(
-            json.dumps(
-                {
-                    "ok": result.ok,
-                    "returncode": result.returncode,
-                    "median_step_s": result.median_step_s,
-                    "final_loss": result.final_loss,
-                    "steps": len(result.step_times(0)),
-                    "wall_s": result.wall_s,
-                    "error": result.error,
-                }
-            )
-        )
-    else:
-        print(result.summary())
-    if not result.ok:
-        print(f"hapnb launch: {result.error}", file=sys.stderr)
-        return result.returncode or 1
-    return 0

@@ -29,16 +29,7 @@
 * :func:`profile_cluster` combines both into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
   or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
 
-Calibration
------------
-:func:`calibrate` compares a plan's predicted iteration time (``plan.cost_s``, and per stage) with a
-measured one — a number of seconds, or the metrics lines of a launch (the slowest rank's ``step_s`` per
-step, median over steps after ``warmup``). The :class:`CalibrationReport` gives ``ratio`` = measured /
-predicted, and ``throughput_scale``: the factor by which every device's ``flops`` would have to be
-multiplied for the model to predict the measured time if communication were modelled exactly
-(``comp / (measured - comm)``; None when the predicted communication alone exceeds the measurement).
-:meth:`CalibrationReport.scaled_cluster` applies it. ``hapnb calibrate PLAN --nproc K --steps N``
-(:func:`calibrate_main`) launches the plan (:func:`hapnb.launch.launch`) and prints the report.
+Calibration against a real run is :mod:`hapnb.run.calibrate`.
 
 >>> f = fit_collective("all_reduce", [(1e6, 1, 2e-5 + 1e-3), (4e6, 1, 2e-5 + 4e-3)])
 >>> round(f.latency_s * 1e6, 6), round(f.bandwidth_Bps / 1e9, 6)
@@ -47,7 +38,6 @@ multiplied for the model to predict the measured time if communication were mode
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -57,29 +47,22 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+from .supervisor import run_local
 
 __all__ = [
     "BENCHMARKS",
-    "CalibrationReport",
     "CollectiveFit",
     "DeviceProfile",
     "ProfileError",
-    "StageCalibration",
-    "add_calibrate_args",
-    "add_profile_args",
-    "calibrate",
-    "calibrate_main",
     "collective_sizes",
     "fit_collective",
     "measure_step_s",
     "profile_cluster",
     "profile_collectives",
     "profile_devices",
-    "profile_main",
     "training_flops",
 ]
 
@@ -380,7 +363,8 @@ def _collective_call(kind: str, shard: int, n: int, rank: int, device: Any) -> t
 
 
 def _collective_worker(cfg: Mapping[str, Any]) -> None:
-    """Rank body of :func:`profile_collectives` (run as ``python -m hapnb.profile --collective-worker``)."""
+    """Rank body of :func:`profile_collectives` (``python -m hapnb.run.profile --collective-worker CFG``);
+    prints one JSON line per timing, which is also its heartbeat."""
     from datetime import timedelta
 
     import torch
@@ -445,12 +429,10 @@ def profile_collectives(
 
     ``sizes``: full-tensor sizes in bytes (default :func:`collective_sizes`); each point is the median over
     ``repeats`` of the slowest rank's time (``stat="min"``: the fastest repeat, more robust on a shared,
-    noisy machine). Ranks run as separate processes through
-    :class:`hapnb.launch.Job` (crash/hang handling, no leftovers); ``timeout_s`` bounds the whole run.
+    noisy machine). Ranks run as separate processes under :mod:`hapnb.run.supervisor` (crash and stall
+    handling, no leftovers); ``timeout_s`` bounds the whole run and the time without a new timing.
     Raises :class:`ProfileError` when a rank fails.
     """
-    from .launch import Job, free_port, rank_envs
-
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     unknown = [k for k in kinds if k not in COLLECTIVE_KINDS]
@@ -465,16 +447,22 @@ def profile_collectives(
         raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
     cfg = dict(backend=backend, kinds=list(kinds), sizes=list(sizes), repeats=repeats, warmup=warmup)
     cfg["timeout_s"] = timeout_s
-    argv = [sys.executable, "-m", "hapnb.run.profile", "--collective-worker", json.dumps(cfg)]
-    envs = rank_envs(nproc, "127.0.0.1", free_port())
-    job = Job([argv] * nproc, envs, timeout_s=timeout_s, wall_timeout_s=timeout_s)
-    with job:
-        result = job.wait()
-    if not result.ok:
-        raise ProfileError(f"collective profiling on {nproc} {backend} ranks failed: {result.error}")
+    lines: list[dict[str, Any]] = []
+    outcome = run_local(
+        nproc,
+        ["-m", "hapnb.run.profile", "--collective-worker", json.dumps(cfg)],
+        stall_s=timeout_s,
+        wall_s=timeout_s,
+        on_heartbeat=lambda _rank, rec: lines.append(rec),
+        limit_names=("timeout_s (--timeout)", "timeout_s (--timeout)"),
+    )
+    if not outcome.ok:
+        raise ProfileError(
+            f"collective profiling on {nproc} {backend} ranks {outcome.status}: {outcome.error}"
+        )
     slowest: dict[tuple[str, int, int], float] = {}
     meta: dict[tuple[str, int], tuple[int, int]] = {}
-    for m in result.metrics:
+    for m in lines:
         key = (m["kind"], m["size"], m["repeat"])
         slowest[key] = max(slowest.get(key, 0.0), float(m["time_s"]))
         meta[(m["kind"], m["size"])] = (int(m["nbytes"]), int(m["launches"]))
@@ -525,251 +513,10 @@ def profile_cluster(
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# Calibration
-
-
-@dataclass(frozen=True)
-class StageCalibration:
-    """A stage's predicted time: ``comm_s + comp_s`` (comp = the slowest device)."""
-
-    index: int
-    predicted_s: float
-    comm_s: float
-    comp_s: float
-
-
-@dataclass(frozen=True)
-class CalibrationReport:
-    """Predicted vs measured iteration time of a plan (see the module docstring)."""
-
-    plan: str
-    predicted_s: float
-    measured_s: float
-    ratio: float  # measured / predicted
-    predicted_comm_s: float
-    predicted_comp_s: float
-    throughput_scale: float | None
-    stages: tuple[StageCalibration, ...]
-    steps_used: int
-
-    def scaled_cluster(self, cluster: Cluster) -> Cluster:
-        """``cluster`` with every device's flops multiplied by :attr:`throughput_scale`."""
-        if self.throughput_scale is None:
-            raise ValueError(
-                "no throughput scale: the predicted communication alone exceeds the measured time, so "
-                "the collectives are modelled too slow; re-profile them (hapnb profile) instead"
-            )
-        import dataclasses
-
-        devices = tuple(
-            dataclasses.replace(d, flops=d.flops * self.throughput_scale) for d in cluster.devices
-        )
-        return cluster.replace(devices=devices)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan,
-            "predicted_s": self.predicted_s,
-            "measured_s": self.measured_s,
-            "ratio": self.ratio,
-            "predicted_comm_s": self.predicted_comm_s,
-            "predicted_comp_s": self.predicted_comp_s,
-            "throughput_scale": self.throughput_scale,
-            "steps_used": self.steps_used,
-            "stages": [
-                {"index": s.index, "predicted_s": s.predicted_s, "comm_s": s.comm_s, "comp_s": s.comp_s}
-                for s in self.stages
-            ],
-        }
-
-    def summary(self) -> str:
-        ms = 1e3
-        lines = [
-            f"plan {self.plan}: predicted {self.predicted_s * ms:.4g} ms/iteration "
-            f"(comm {self.predicted_comm_s * ms:.4g} + comp {self.predicted_comp_s * ms:.4g}), measured "
-            f"{self.measured_s * ms:.4g} ms (median of {self.steps_used} step{'s' * (self.steps_used != 1)});"
-            " "
-            f"measured/predicted = {self.ratio:.3g}",
-        ]
-        if self.throughput_scale is not None:
-            lines.append(
-                f"to match, scale device flops by {self.throughput_scale:.3g} "
-                "(report.scaled_cluster(plan.cluster)), assuming communication is modelled right"
-            )
-        else:
-            lines.append("predicted communication alone exceeds the measurement: re-profile the collectives")
-        for s in self.stages:
-            lines.append(
-                f"  stage {s.index}: {s.predicted_s * ms:.4g} ms "
-                f"(comm {s.comm_s * ms:.4g}, comp {s.comp_s * ms:.4g})"
-            )
-        return "\n".join(lines)
-
-    __str__ = summary
-
-
-def calibrate(
-    plan: Any, measured_step_s: float | Sequence[Mapping[str, Any]] | Any, *, warmup: int = 1
-) -> CalibrationReport:
-    """Compare ``plan``'s predicted iteration time with a measured one.
-
-    ``measured_step_s``: seconds per iteration, or metrics lines from a launch (``job.steps``,
-    ``JobResult.metrics`` or a JobResult): the slowest rank's ``step_s`` per step, median over the steps
-    after the first ``warmup``.
-
-    >>> from types import SimpleNamespace as NS
-    >>> p = NS(name="p", cost_s=0.01, stages=[NS(index=0, comm_s=0.002, comp_s=(0.008, 0.004))])
-    >>> r = calibrate(p, 0.018)
-    >>> round(r.ratio, 6), round(r.throughput_scale, 6)
-    (1.8, 0.5)
-    """
-    from .launch import step_times
-
-    if hasattr(measured_step_s, "metrics") and not callable(measured_step_s.metrics):
-        measured_step_s = measured_step_s.metrics
-    if isinstance(measured_step_s, (int, float)) and not isinstance(measured_step_s, bool):
-        measured, used = float(measured_step_s), 1
-    else:
-        times = step_times(list(measured_step_s), warmup)
-        if not times:
-            raise ValueError(
-                "no step times in the metrics (lines need 'step' and 'step_s'); did the launch run?"
-            )
-        measured, used = statistics.median(times), len(times)
-    if not (measured > 0 and math.isfinite(measured)):
-        raise ValueError(f"measured step time must be a positive number of seconds, got {measured!r}")
-    predicted = float(plan.cost_s)
-    if not predicted > 0:
-        raise ValueError(
-            f"plan {getattr(plan, 'name', '?')} predicts {predicted} s per iteration; nothing to compare"
-        )
-    stages = tuple(
-        StageCalibration(
-            int(s.index),
-            float(s.comm_s) + (max(s.comp_s) if s.comp_s else 0.0),
-            float(s.comm_s),
-            float(max(s.comp_s)) if s.comp_s else 0.0,
-        )
-        for s in plan.stages
-    )
-    comm = math.fsum(s.comm_s for s in stages)
-    comp = math.fsum(s.comp_s for s in stages)
-    if not stages:  # no stage breakdown: treat everything as computation
-        comp = predicted
-    scale = comp / (measured - comm) if measured > comm and comp > 0 else None
-    return CalibrationReport(
-        plan=str(getattr(plan, "name", "plan")),
-        predicted_s=predicted,
-        measured_s=measured,
-        ratio=measured / predicted,
-        predicted_comm_s=comm,
-        predicted_comp_s=comp,
-        throughput_scale=scale,
-        stages=stages,
-        steps_used=used,
-    )
-
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-
-
-def _parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; write bytes like 65536, 64K or 4M") from None
-
-
-def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``hapnb profile``."""
-    parser.add_argument("--nproc", type=int, default=None, help="local ranks (default: GPUs, else 2)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    parser.add_argument("-o", "--output", default=None, help="write the cluster JSON here (else print it)")
-    parser.add_argument("--quick", action="store_true", help="smaller benchmark, fewer sizes and repeats")
-    parser.add_argument("--name", default=None, help="cluster name")
-    parser.add_argument("--sizes", default=None, help="comma-separated full-tensor sizes, e.g. 64K,1M,16M")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=300.0, help="limit for the collective runs (s)")
-    return parser
-
-
-def profile_main(ns: argparse.Namespace) -> int:
-    """Run ``hapnb profile``; returns the exit code."""
-    sizes = [_parse_size(s) for s in ns.sizes.split(",")] if ns.sizes else None
-    try:
-        cluster = profile_cluster(
-            ns.nproc,
-            ns.backend,
-            ns.name,
-            quick=ns.quick,
-            sizes=sizes,
-            repeats=ns.repeats,
-            timeout_s=ns.timeout,
-        )
-    except (ProfileError, ValueError) as e:
-        print(f"hapnb profile: {e}", file=sys.stderr)
-        return 1
-    if ns.output:
-        cluster.save(ns.output)
-        print(cluster)
-        for kind, c in cluster.collectives:
-            print(f"  {kind}: {c}")
-        print(f"wrote {ns.output}")
-    else:
-        print(json.dumps(cluster.to_json(), indent=2))
-    return 0
-
-
-def add_calibrate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``hapnb calibrate PLAN_OR_BUNDLE``."""
-    parser.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
-    parser.add_argument("--nproc", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may stay silent")
-    parser.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
-    parser.add_argument("--json", action="store_true")
-    return parser
-
-
-def calibrate_main(ns: argparse.Namespace) -> int:
-    """Launch a plan for ``--steps`` steps and print predicted vs measured iteration time."""
-    from ..plan import Plan
-    from .launch import _default_backend, _worker_argv, launch
-
-    src = Path(ns.plan)
-    try:
-        plan = Plan.load(src / "plan.json" if src.is_dir() else src)
-        job = launch(
-            src,
-            ns.nproc,
-            ns.backend or _default_backend(),
-            ns.steps,
-            timeout_s=ns.timeout,
-            worker=_worker_argv(ns.worker),
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hapnb calibrate: {e}", file=sys.stderr)
-        return 2
-    with job:
-        result = job.wait()
-    if not result.ok:
-        print(f"hapnb calibrate: the run failed: {result.error}", file=sys.stderr)
-        return result.returncode or 1
-    report = calibrate(plan, result.metrics, warmup=ns.warmup)
-    print(json.dumps(report.to_json()) if ns.json else report.summary())
-    return 0
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--collective-worker":
         _collective_worker(json.loads(sys.argv[2]))
     else:
         raise SystemExit(
-            profile_main(add_profile_args(argparse.ArgumentParser(prog="hapnb profile")).parse_args())
+            "usage: python -m hapnb.run.profile --collective-worker CONFIG_JSON (use `hapnb profile`)"
         )

@@ -465,7 +465,7 @@ class Supervisor:
             if -rc == signal.SIGKILL:
                 how += " (often the out-of-memory killer)"
         msg = (
-            f"rank {root.rank} of {self.nproc} {how} {_after(root.last_step)}; the job was stopped. "
+            f"rank {root.rank} {how} {_after(root.last_step)}; the job was stopped. "
             f"Last lines of its stderr:\n{_indent(root.tail() or '(no stderr output)')}"
         )
         if secondary:

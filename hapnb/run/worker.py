@@ -14,7 +14,15 @@ name is replaced by the rank — or written to the inherited file descriptor ``-
 sum over ranks, i.e. the single-device loss; ``max_memory_bytes`` the peak CUDA memory (NCCL) or the
 process's peak resident memory (CPU). Every step trains on the bundle's example batch.
 
-Python entry (for :mod:`hapnb.launch` and tests)::
+Progress: the command line also prints a *phase* heartbeat on stdout whenever the rank starts a phase
+(``load``, ``connect``, ``compile``, then ``forward`` and ``backward`` of every step, ``save``)::
+
+    {"rank": 0, "phase": "backward", "step": 2, "t": 4.51}
+
+so :mod:`hapnb.run.supervisor` can tell a slow rank (heartbeats keep coming) from a stuck one. Lines with
+a ``"phase"`` key are heartbeats, not metrics.
+
+Python entry (for :mod:`hapnb.run.launch` and tests)::
 
     from hapnb.run.worker import run_worker
     metrics = run_worker("bundle/", rank, world_size, "gloo", steps=10, metrics_out="m{rank}.jsonl")
@@ -22,9 +30,10 @@ Python entry (for :mod:`hapnb.launch` and tests)::
 ``run_worker`` initialises the default process group from the environment (``env://``) unless one is
 already initialised (then ``rank``/``world_size`` must agree with it), and destroys it again only if it
 created it. ``metrics_out``: None (stdout), a path, an int file descriptor, a writable text file or a
-callable taking each metrics dict. Returns the list of metrics dicts of this rank.
+callable taking each metrics dict; ``heartbeat``: None or a callable taking each phase dict. Returns the
+list of metrics dicts of this rank.
 
-Verification mode (``verify_out=DIR`` / ``--verify-out DIR``, used by :func:`hapnb.runtime.verify`) also
+Verification mode (``verify_out=DIR`` / ``--verify-out DIR``, used by :func:`hapnb.run.verify.verify`) also
 saves ``DIR/rank<r>.pt``: partial and global losses per step, every local gradient after the first
 backward and every local weight after the last step (plain tensors, readable with ``weights_only=True``).
 """
@@ -42,7 +51,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["run_worker", "make_optimizer", "main"]
+__all__ = ["WORKER_ARGV", "run_worker", "make_optimizer", "main"]
+
+#: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
+WORKER_ARGV: tuple[str, ...] = ("-m", "hapnb.run.worker")
 
 
 def make_optimizer(name: str, params: Sequence[Any], lr: float | None = None) -> Any:
@@ -125,17 +137,29 @@ def run_worker(
     dtype: str | None = None,
     verify_out: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
+    heartbeat: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc)."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+    t_start = time.perf_counter()
+
+    def phase(name: str, step: int | None = None) -> None:
+        if heartbeat is not None:
+            rec: dict[str, Any] = {"rank": rank, "phase": name}
+            if step is not None:
+                rec["step"] = step
+            rec["t"] = round(time.perf_counter() - t_start, 3)
+            heartbeat(rec)
+
+    phase("load")
     import torch
     import torch.distributed as dist
 
     from .. import collectives as C
     from ..codegen import generate
     from ..expand import physical_plan
-    from .runtime import load_bundle
+    from .bundle import load_bundle
 
-    rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
     bundle = load_bundle(bundle_dir)
     plan = physical_plan(bundle.plan, bundle.graph)  # virtual devices: one rank per physical GPU
@@ -145,6 +169,7 @@ def run_worker(
             f"but the job has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
         )
     created = False
+    phase("connect")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -171,6 +196,7 @@ def run_worker(
         tdtype = getattr(torch, dtype) if dtype else None
         if tdtype is not None:
             torch.set_default_dtype(tdtype)
+        phase("compile")
         prog = generate(plan, bundle.graph, rank, inputs=inputs, dropout=dropout, dtype=tdtype)
         module = prog.module.to(device)
         full = tuple(
@@ -185,8 +211,10 @@ def run_worker(
         grads: dict[str, Any] = {}
         for step in range(steps):
             t0 = time.perf_counter()
+            phase("forward", step)
             opt.zero_grad(set_to_none=True)
             loss = module(*batch)
+            phase("backward", step)
             loss.backward()
             if step == 0 and verify_out is not None:
                 for p in prog.params:
@@ -211,6 +239,7 @@ def run_worker(
             out.append(m)
             sink(m)
         if verify_out is not None:
+            phase("save")
             state = dict(module.named_parameters())
             state.update(dict(module.named_buffers()))
             weights = {p.local_name: state[p.local_name].detach().cpu().clone() for p in prog.params}
@@ -281,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             verify_out=args.verify_out,
             timeout_s=args.timeout,
+            heartbeat=lambda d: _write_line(sys.stdout, d),  # heartbeats always go to stdout
         )
     except Exception:
         rank = os.environ.get("RANK", "?")

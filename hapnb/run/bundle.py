@@ -1,0 +1,183 @@
+"""Bundles: a plan plus its traced program in one folder, so a worker runs it without the user's code.
+
+A bundle holds ``plan.json``, ``program.pt2`` (torch.export's own format, weights included),
+``cluster.json``, ``inputs.pt`` (plain tensors, loaded with ``weights_only=True``) and ``meta.json``.
+:func:`write_bundle` makes one; :func:`load_bundle` rebuilds the graph from it and checks that it is the
+graph the plan was made for. Nothing here executes pickled code.
+
+>>> from hapnb.run.bundle import write_bundle, load_bundle
+>>> b = load_bundle(write_bundle(plan, "plan.bundle"))  # doctest: +SKIP
+>>> b.graph.fingerprint == plan.graph_fingerprint  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..graph import Graph
+from ..plan import Plan
+
+__all__ = [
+    "BUNDLE_FORMAT",
+    "Bundle",
+    "BundleError",
+    "load_bundle",
+    "program_inputs",
+    "resolve_graph",
+    "write_bundle",
+]
+
+BUNDLE_FORMAT = 1
+
+
+class BundleError(ValueError):
+    """A bundle is missing, malformed, or does not match its plan."""
+
+
+@dataclass(frozen=True, eq=False)
+class Bundle:
+    """A loaded bundle: the plan (with ``plan.graph`` attached), the exported program, the example
+    inputs and the rebuilt graph."""
+
+    path: Path
+    plan: Plan
+    program: Any
+    inputs: tuple[torch.Tensor, ...]
+    graph: Graph
+
+
+def _spec_json(plan: Plan) -> dict[str, Any] | None:
+    """The plan's model spec as ModelSpec JSON (options as an object, however the plan stored them)."""
+    from ..plan import _jsonable
+
+    spec = plan.model_spec
+    if not spec:
+        return None
+    out = dict(_jsonable(spec))
+    opts = spec.get("options", {})
+    if isinstance(opts, (list, tuple)):
+        out["options"] = {str(k): _jsonable(v) for k, v in opts}
+    return out
+
+
+def program_inputs(g: Graph) -> tuple[torch.Tensor, ...] | None:
+    """The example inputs kept by the graph's traced program (None when it keeps none, or keywords)."""
+    ex = getattr(g.program, "example_inputs", None)
+    if ex is None:
+        return None
+    args, kwargs = ex
+    if kwargs:
+        return None
+    return tuple(args)
+
+
+def resolve_graph(
+    plan: Plan, model: Any = None, example_inputs: Sequence[Any] | None = None
+) -> tuple[Graph, tuple[torch.Tensor, ...]]:
+    """The plan's graph and example inputs: ``plan.graph`` when it is there, else traced from ``model``
+    (with ``example_inputs``), else rebuilt from the plan's zoo/factory spec. Checks the fingerprint."""
+    from ..tracing import trace
+
+    g = plan.graph
+    if g is not None and model is None:
+        inputs = tuple(example_inputs) if example_inputs is not None else program_inputs(g)
+        if inputs is None:
+            raise BundleError(
+                f"plan {plan.name}: its traced program keeps no example inputs; pass example_inputs=(...)"
+            )
+        return g, inputs
+    if model is None:
+        spec = _spec_json(plan)
+        if not spec:
+            raise BundleError(
+                f"plan {plan.name} has no graph in memory and no model spec to rebuild it; "
+                "pass model=... and example_inputs=(...)"
+            )
+        from .. import zoo
+
+        model, built_inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+        if example_inputs is None:
+            example_inputs = built_inputs
+    if example_inputs is None:
+        raise BundleError("example_inputs=(...) are needed to trace the model")
+    inputs = tuple(example_inputs)
+    g = trace(model, inputs, name=plan.name)
+    _check_fingerprint(plan, g)
+    return g, inputs
+
+
+def _check_fingerprint(plan: Plan, g: Graph) -> None:
+    if plan.graph_fingerprint != g.fingerprint:
+        raise BundleError(
+            f"plan {plan.name} was made for graph {plan.graph_fingerprint}, but the model traces to "
+            f"{g.fingerprint}: the model, its options or the batch shape differ. Synthesize a new plan."
+        )
+
+
+def write_bundle(
+    plan: Plan,
+    directory: str | os.PathLike[str],
+    *,
+    model: Any = None,
+    example_inputs: Sequence[Any] | None = None,
+) -> Path:
+    """Write a self-contained bundle for ``plan`` into ``directory`` (created) and return its path.
+
+    The graph comes from :func:`resolve_graph` (``plan.graph``, else ``model``, else the plan's spec).
+    """
+    g, inputs = resolve_graph(plan, model, example_inputs)
+    if not isinstance(g.program, torch.export.ExportedProgram):
+        raise BundleError(
+            f"{plan.name} was traced with the torch.fx fallback, which cannot be saved; bundles need a "
+            "model that torch.export can capture"
+        )
+    for k, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise BundleError(f"example input {k} is a {type(x).__name__}; bundles hold tensors only")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    plan.save(d / "plan.json")
+    plan.cluster.save(d / "cluster.json")
+    torch.export.save(g.program, d / "program.pt2")
+    torch.save([x.detach().cpu().contiguous() for x in inputs], d / "inputs.pt")
+    meta = {
+        "format": BUNDLE_FORMAT,
+        "name": g.name,
+        "graph_fingerprint": g.fingerprint,
+        "inputs": [g.tensors[t].name for t in g.inputs],
+        "torch": torch.__version__,
+    }
+    (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return d
+
+
+def load_bundle(directory: str | os.PathLike[str]) -> Bundle:
+    """Load a bundle written by :func:`write_bundle`; rebuilds the graph and checks its fingerprint."""
+    from ..tracing import from_export
+
+    d = Path(directory)
+    missing = [f for f in ("plan.json", "program.pt2", "inputs.pt", "meta.json") if not (d / f).is_file()]
+    if missing:
+        raise BundleError(f"{d} is not a hapnb bundle: missing {', '.join(missing)}")
+    plan = Plan.load(d / "plan.json")
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{d / 'meta.json'}: not valid JSON ({e})") from None
+    if meta.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{d}: bundle format {meta.get('format')!r} is not supported")
+    ep = torch.export.load(d / "program.pt2")
+    inputs = tuple(torch.load(d / "inputs.pt", weights_only=True))
+    g = from_export(ep, list(meta["inputs"]), str(meta.get("name", plan.name)))
+    _check_fingerprint(plan, g)
+    plan = dataclasses.replace(plan, graph=g)
+    return Bundle(d, plan, ep, inputs, g)

@@ -1,0 +1,391 @@
+"""Verification: run a plan on local ranks and compare it with the single-device program.
+
+:func:`verify` writes a bundle, starts K worker ranks (gloo on CPU) under the process supervisor, trains
+a few optimizer steps with dropout off (float64 by default) and compares, against the single-device
+program with the same weights and batch: the loss at every step, every parameter gradient after the
+first backward and every weight after the last step. Workers report progress (a heartbeat per phase and
+step); a run that stops reporting for ``stall_timeout`` seconds is *stuck*, one that keeps reporting but
+passes ``timeout`` is *slow*, and the :class:`VerifyError` says which.
+
+>>> import hapnb
+>>> plan = hapnb.synthesize("mlp", "2xV100", layers=1, hidden=8, input=4, batch=4)  # doctest: +SKIP
+>>> print(hapnb.verify(plan, nproc=2).summary())  # doctest: +SKIP
+OK: 3 steps on 2 ranks (float64), max relative error 1.2e-16 (worst: grad layers.0.weight), ...
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..codegen import generate, reference_module, reference_params
+from ..expand import expand_virtual, has_virtual
+from ..graph import Graph
+from ..plan import Plan
+from .bundle import load_bundle, write_bundle
+from .supervisor import Outcome, run_local
+from .worker import WORKER_ARGV, make_optimizer
+
+__all__ = ["TensorCheck", "VerifyError", "VerifyReport", "run_reference", "verify"]
+
+#: Progress events passed to ``verify(progress=...)``: worker heartbeats (``{"rank": r, "phase": ...}``
+#: or a step's metrics ``{"rank": r, "step": s, ...}``) and the single-device run's
+#: ``{"rank": None, "phase": "reference", "step": s}``.
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+class VerifyError(RuntimeError):
+    """A verification run could not finish: a rank crashed (``status == "failed"``), the ranks stopped
+    making progress (``"stuck"``) or ran past the time limit while progressing (``"slow"``). The message
+    names the rank and quotes its traceback; ``outcome`` is the supervisor's
+    :class:`~hapnb.run.supervisor.Outcome`."""
+
+    def __init__(self, message: str, outcome: Outcome | None = None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.status = outcome.status if outcome is not None else "failed"
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One compared quantity: ``kind`` is loss/grad/weight, ``rel`` the max relative error
+    ``max|a-b| / max(max|b|, atol)``, ``ok`` whether ``max|a-b| <= atol + rtol * max|b|``."""
+
+    kind: str
+    name: str
+    rel: float
+    abs: float
+    ok: bool
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.name}".strip()
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of :func:`verify`: ``ok`` only when the loss at every step, every gradient and every
+    weight after the steps match the single-device program."""
+
+    ok: bool
+    plan: str
+    nproc: int
+    steps: int
+    dtype: str
+    checks: tuple[TensorCheck, ...]
+    seconds: float = 0.0
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    @property
+    def max_rel(self) -> float:
+        return max((c.rel for c in self.checks), default=0.0)
+
+    @property
+    def failures(self) -> tuple[TensorCheck, ...]:
+        return tuple(c for c in self.checks if not c.ok)
+
+    @property
+    def worst(self) -> TensorCheck | None:
+        """The check with the largest relative error (a failing one first)."""
+        return min(self.checks, key=lambda c: (c.ok, -c.rel), default=None)
+
+    def errors(self) -> dict[str, float]:
+        """``{"loss": err, "grad layers.0.weight": err, ...}``: max relative error per tensor."""
+        return {c.label: c.rel for c in self.checks}
+
+    def summary(self) -> str:
+        """One paragraph: OK or MISMATCH, steps, ranks, dtype, the max relative error and its tensor, the
+        wall time, and on a mismatch which tensors differ (like :meth:`JobResult.summary`)."""
+        worst = self.worst
+        where = f" (worst: {worst.label})" if worst is not None else ""
+        n = len(self.checks)
+        text = (
+            f"{'OK' if self.ok else 'MISMATCH'}: {self.steps} step{'s' * (self.steps != 1)} on {self.nproc} "
+            f"rank{'s' * (self.nproc != 1)} ({self.dtype}) against one device, max relative error "
+            f"{self.max_rel:.3e}{where}, {n} tensor{'s' * (n != 1)} compared, wall {self.seconds:.1f} s"
+        )
+        if self.ok:
+            return text
+        bad = self.failures
+        names = ", ".join(f"{c.label} ({c.rel:.3e}{', ' + c.detail if c.detail else ''})" for c in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        return (
+            f"{text}; FAILED: {len(bad)} of {n} differ beyond rtol {self.rtol:g} + atol {self.atol:g}: "
+            f"{names}{more}"
+        )
+
+    def text(self) -> str:
+        head = (
+            f"verify {self.plan}: {'OK' if self.ok else 'MISMATCH'} on {self.nproc} ranks, "
+            f"{self.steps} steps, {self.dtype}, max relative error {self.max_rel:.3e} "
+            f"(rtol {self.rtol:g}, atol {self.atol:g}), {self.seconds:.1f} s"
+        )
+        lines = [head]
+        if not self.ok:
+            lines.append("  max relative error per tensor (worst first):")
+            for c in sorted(self.checks, key=lambda c: (c.ok, -c.rel)):
+                mark = "ok  " if c.ok else "FAIL"
+                extra = f"  ({c.detail})" if c.detail else ""
+                lines.append(f"  {mark} {c.kind:6s} {c.name:40s} {c.rel:.3e}{extra}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        color = "#1a7f37" if self.ok else "#cf222e"
+        rows = "".join(
+            f"<tr><td>{'✓' if c.ok else '✗'}</td><td>{html.escape(c.kind)}</td>"
+            f"<td><code>{html.escape(c.name)}</code></td><td>{c.rel:.3e}</td>"
+            f"<td>{html.escape(c.detail)}</td></tr>"
+            for c in sorted(self.checks, key=lambda c: (c.ok, -c.rel))
+        )
+        return (
+            f"<div><b style='color:{color}'>{'OK' if self.ok else 'MISMATCH'}</b> "
+            f"{html.escape(self.plan)}: {self.nproc} ranks, {self.steps} steps, {html.escape(self.dtype)}, "
+            f"max relative error {self.max_rel:.3e}"
+            "<details><summary>per tensor</summary><table><tr><th></th><th>kind</th><th>tensor</th>"
+            f"<th>max rel. error</th><th></th></tr>{rows}</table></details></div>"
+        )
+
+
+# ========================================================================================= reference
+
+
+def run_reference(
+    graph: Graph,
+    inputs: Sequence[torch.Tensor],
+    steps: int,
+    *,
+    optimizer: str = "sgd",
+    lr: float | None = None,
+    dtype: str | None = "float64",
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Train the single-device program (dropout off) for ``steps``: losses per step, gradients after the
+    first backward and weights after the last step, keyed by model FQN (a tied parameter under each of
+    its names). ``progress`` gets ``{"rank": None, "phase": "reference", "step": s}`` per step."""
+    prev = torch.get_default_dtype()
+    tdtype = getattr(torch, dtype) if dtype else None
+    try:
+        if tdtype is not None:
+            torch.set_default_dtype(tdtype)
+        gm = reference_module(graph, dropout=False, dtype=tdtype)
+        params = reference_params(graph, gm)
+        xs = tuple(x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in inputs)
+        unique = {id(p): p for p in params.values() if p.requires_grad}  # a tied parameter counts once
+        opt = make_optimizer(optimizer, list(unique.values()), lr)
+        losses: list[float] = []
+        grads: dict[str, torch.Tensor] = {}
+        for step in range(steps):
+            if progress is not None:
+                progress({"rank": None, "phase": "reference", "step": step})
+            opt.zero_grad(set_to_none=True)
+            loss = gm(*xs)
+            loss.backward()
+            if step == 0:
+                grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+            opt.step()
+            losses.append(float(loss.detach()))
+        weights = {k: p.detach().clone() for k, p in params.items()}
+        return {"losses": losses, "grads": grads, "weights": weights}
+    finally:
+        torch.set_default_dtype(prev)
+
+
+# ============================================================================================ compare
+
+
+def _compare(kind: str, name: str, a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> TensorCheck:
+    a = a.detach().to(torch.float64)
+    b = b.detach().to(torch.float64)
+    if a.shape != b.shape:
+        return TensorCheck(
+            kind, name, float("inf"), float("inf"), False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        )
+    if a.numel() == 0:
+        return TensorCheck(kind, name, 0.0, 0.0, True)
+    diff = float((a - b).abs().max())
+    scale = float(b.abs().max())
+    if diff != diff:  # NaN
+        return TensorCheck(kind, name, float("inf"), float("inf"), False, "NaN")
+    return TensorCheck(kind, name, diff / max(scale, atol), diff, diff <= atol + rtol * scale)
+
+
+def _assemble(
+    name: str, recs: Sequence[Mapping[str, Any]], part: str
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Full tensor from every rank's local pieces; for full (unsharded) tensors also each rank's copy."""
+    pieces: list[torch.Tensor | None] = []
+    dim = -1
+    for rec in recs:
+        info = next(p for p in rec["params"] if p[1] == name)
+        local, dim = info[0], int(info[3])
+        pieces.append(rec[part].get(local))
+    if any(p is None for p in pieces):
+        return None, []
+    if dim >= 0:
+        return torch.cat([p for p in pieces if p is not None], dim), []
+    return pieces[0], [p for p in pieces if p is not None]
+
+
+def _checks(
+    graph: Graph,
+    recs: Sequence[Mapping[str, Any]],
+    ref: Mapping[str, Any],
+    steps: int,
+    rtol: float,
+    atol: float,
+) -> list[TensorCheck]:
+    checks: list[TensorCheck] = []
+    dist_loss = torch.tensor(recs[0]["global_losses"], dtype=torch.float64)
+    summed = torch.tensor([sum(rec["losses"][s] for rec in recs) for s in range(steps)], dtype=torch.float64)
+    ref_loss = torch.tensor(ref["losses"], dtype=torch.float64)
+    checks.append(_compare("loss", "", summed, ref_loss, rtol, atol))
+    if not torch.allclose(dist_loss, summed, rtol=1e-12, atol=1e-12):
+        checks.append(_compare("loss", "all-reduced", dist_loss, ref_loss, rtol, atol))
+    for tid in graph.params:
+        t = graph.tensors[tid]
+        if t.role != "param":
+            continue
+        for part, kind, refd in (("grads", "grad", ref["grads"]), ("weights", "weight", ref["weights"])):
+            if part == "grads" and not t.requires_grad:
+                continue
+            full, copies = _assemble(t.name, recs, part)
+            want = refd.get(t.name)
+            if full is None and want is None:
+                continue
+            if full is None or want is None:
+                which = "the distributed run" if full is None else "the single-device run"
+                checks.append(
+                    TensorCheck(kind, t.name, float("inf"), float("inf"), False, f"missing in {which}")
+                )
+            elif len(copies) > 1:  # replicated: every rank's copy must match
+                checks.append(
+                    max((_compare(kind, t.name, c, want, rtol, atol) for c in copies), key=lambda c: c.rel)
+                )
+            else:
+                checks.append(_compare(kind, t.name, full, want, rtol, atol))
+    return checks
+
+
+# ============================================================================================ verify
+
+
+def verify(
+    plan: Plan,
+    nproc: int | None = None,
+    steps: int = 3,
+    *,
+    model: Any = None,
+    example_inputs: Sequence[Any] | None = None,
+    backend: str = "gloo",
+    dtype: str = "float64",
+    rtol: float | None = None,
+    atol: float | None = None,
+    timeout: float | None = None,
+    stall_timeout: float = 300.0,
+    optimizer: str = "sgd",
+    lr: float | None = None,
+    keep: str | os.PathLike[str] | None = None,
+    progress: ProgressFn | None = None,
+    worker: Sequence[str] = WORKER_ARGV,
+) -> VerifyReport:
+    """Run ``plan`` on ``nproc`` local ranks and compare with the single-device program.
+
+    ``nproc`` defaults to the plan's GPUs: one rank per device, or, for a plan over virtual devices
+    (``gpus > 1``), one rank per physical GPU of its expansion (:func:`hapnb.expand.expand_virtual`).
+
+    Compares the summed loss at every step, every parameter gradient after the first backward (sharded
+    gradients concatenated; a replicated gradient on every rank) and every weight after ``steps``
+    optimizer steps. Dropout is off in both runs; ``dtype`` (default float64) casts weights and float
+    inputs. ``timeout``: limit on the ranks' whole run in seconds (None: none); ``stall_timeout``: the
+    ranks are stuck when none reports progress for that long. ``progress`` is called with each progress
+    event (see :data:`ProgressFn`). Raises :class:`VerifyError` when a rank crashes (with its traceback),
+    the ranks are stuck, or slow past ``timeout``; every rank process is gone by then. ``keep``: a folder
+    to keep the bundle and the rank logs in (default: a temporary folder, removed). ``worker``: how to
+    start a rank (``python *worker BUNDLE ...``).
+    """
+    t0 = time.perf_counter()
+    n = plan.cluster.gpus
+    if nproc is None:
+        nproc = n
+    if nproc != n:
+        what = (
+            f"{n} GPUs ({plan.cluster.n} virtual devices of "
+            f"{'+'.join(str(d.gpus) for d in plan.cluster.devices)} GPUs, one rank per GPU)"
+            if has_virtual(plan)
+            else f"{n} devices ({', '.join(plan.devices)})"
+        )
+        raise ValueError(f"plan {plan.name} is for {what}; verify it with nproc={n}, not {nproc}")
+    if backend == "nccl" and torch.cuda.device_count() < n:
+        raise ValueError(f"backend nccl needs {n} CUDA devices, this machine has {torch.cuda.device_count()}")
+    rtol = (1e-7 if dtype == "float64" else 1e-3) if rtol is None else rtol
+    atol = (1e-9 if dtype == "float64" else 1e-5) if atol is None else atol
+    work = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="hapnb-verify-"))
+    try:
+        bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
+        bundle = load_bundle(bdir)
+        # a plan over virtual devices runs as its expansion over the physical GPUs (hapnb.expand); the
+        # bundle keeps the plan as given and every worker expands it the same way
+        physical = expand_virtual(bundle.plan, bundle.graph)
+        for r in range(n):  # codegen errors surface here, clearly, before any process starts
+            generate(physical, bundle.graph, r, dropout=False)
+        out = work / "ranks"
+        # the supervisor judges stalls; the collectives' own timeout is only a backstop behind it
+        backstop = (timeout if timeout is not None else 10 * stall_timeout) + 60
+        args = [
+            *worker, str(bdir),
+            "--steps", str(steps),
+            "--backend", backend,
+            "--optimizer", optimizer,
+            "--inputs", "full",
+            "--no-dropout",
+            "--verify-out", str(out),
+            "--timeout", f"{backstop:g}",
+        ]  # fmt: skip
+        if dtype:
+            args += ["--dtype", dtype]
+        if lr is not None:
+            args += ["--lr", str(lr)]
+        outcome = run_local(
+            n,
+            args,
+            stall_s=stall_timeout,
+            wall_s=timeout,
+            on_heartbeat=(lambda _r, rec: progress(rec)) if progress is not None else None,
+            log_dir=work,
+            limit_names=("stall_timeout (--stall-timeout)", "timeout (--timeout)"),
+        )
+        if not outcome.ok:
+            raise VerifyError(f"verify {plan.name} on {n} ranks: {outcome.status}: {outcome.error}", outcome)
+        lost = [r for r in range(n) if not (out / f"rank{r}.pt").is_file()]
+        if lost:
+            raise VerifyError(
+                f"verify {plan.name}: ranks {lost} exited cleanly but left no results in {out}; is "
+                f"{' '.join(worker)} a hapnb worker (python -m hapnb.run.worker)?",
+                outcome,
+            )
+        recs = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(n)]
+        ref = run_reference(
+            bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress
+        )
+        checks = _checks(bundle.graph, recs, ref, steps, rtol, atol)
+        ok = all(c.ok for c in checks)
+        return VerifyReport(
+            ok, plan.name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0, rtol, atol
+        )
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
