@@ -277,8 +277,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
 
 class _VerifyProgress:
-    """``hapnb verify``'s progress lines on stderr: each phase when the first rank enters it, each step
-    when every rank has finished it, and the single-device run's steps."""
+    """``hapnb verify``'s progress lines on stderr: each phase (of each step) when the first rank enters
+    it, each step when every rank has finished it, and the single-device run's steps."""
 
     def __init__(self, nproc: int, steps: int) -> None:
         self.nproc, self.steps = nproc, steps
@@ -292,9 +292,9 @@ class _VerifyProgress:
             self._say(f"single-device run: step {step + 1}/{self.steps}")
         elif phase is not None:
             key = (phase, step)
-            if key not in self.seen and phase not in ("forward", "backward"):
+            if key not in self.seen:
                 self.seen.add(key)
-                self._say(f"ranks: {phase}")
+                self._say(f"ranks: {phase}" if step is None else f"step {step + 1}/{self.steps}: {phase}")
         elif step is not None:
             ranks = self.done.setdefault(step, set())
             ranks.add(ev.get("rank"))

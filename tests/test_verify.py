@@ -112,8 +112,8 @@ def test_verify_cli_zero_length_shard(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 0, out + err
     assert "OK on 3 ranks" in out
     # progress on stderr: the ranks' phases, every step once all ranks finished it, the reference run
-    for text in ("ranks: load", "ranks: compile", "step 1/2 done on all 3 ranks", "step 2/2 done on all 3 ranks",
-                 "single-device run: step 2/2"):  # fmt: skip
+    for text in ("ranks: load", "ranks: compile", "step 1/2: forward", "step 2/2: backward",
+                 "step 1/2 done on all 3 ranks", "step 2/2 done on all 3 ranks", "single-device run: step 2/2"):  # fmt: skip
         assert text in err, err
 
 

@@ -80,7 +80,8 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class LaunchError(RuntimeError):
-    """A launched job failed (a rank crashed or hung); ``.result`` is its :class:`JobResult`."""
+    """A launched job failed (a rank crashed, or the job was stuck or slow); ``.result`` is its
+    :class:`JobResult`."""
 
     def __init__(self, message: str, result: JobResult | None = None) -> None:
         super().__init__(message)
@@ -457,7 +458,8 @@ def launch(
     --steps N --backend B *extra_args`` with torchrun's environment variables (see the module
     docstring). ``env`` adds/overrides environment variables of every rank. Multi-node: run the same
     call on each node with ``nnodes``, its ``node_rank`` and ``rdzv="HOST:PORT"`` of node 0.
-    ``timeout_s``: a rank silent that long is considered hung and the job is stopped.
+    ``timeout_s``: when no running rank reports progress (a heartbeat) for that long the job is stuck and
+    is stopped; ``wall_timeout_s``: limit on the whole run (a job still progressing then is slow).
     """
     backend = _check_backend(backend)
     if not isinstance(steps, int) or steps < 1:

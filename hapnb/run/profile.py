@@ -91,7 +91,7 @@ _FLOAT_BYTES = 4  # collectives are timed on float32 tensors
 
 
 class ProfileError(RuntimeError):
-    """Profiling failed (a rank crashed or hung, or no usable measurement)."""
+    """Profiling failed (a rank crashed or got stuck, or no usable measurement)."""
 
 
 # ----------------------------------------------------------------------------------------------------
