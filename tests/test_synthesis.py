@@ -120,9 +120,7 @@ def test_virtual_devices_add_inner_data_parallel_sync():
 
 def test_per_layer_segments_run_exactly():
     """Segments with different ratios meet through reshards; the program still equals one device."""
-    from hapnb.run import runtime
-
     plan = hap.synthesize("gpt", "2xV100+1xP100", segments="layer", **{**zoo.TINY["gpt"], "layers": 3})
     assert len({r for r in plan.ratios}) > 1  # the LP gave the segments different ratios
     assert any(i.name == "reshard" for i in plan.program)
-    assert runtime.verify(plan, nproc=3, steps=2).ok
+    assert hap.verify(plan, nproc=3, steps=2).ok
