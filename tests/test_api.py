@@ -1,0 +1,100 @@
+"""Golden test of the public surface (DESIGN §3.1, §3.2): renaming a public name or a CLI flag is a
+decision made here, in one reviewed line, not a side effect. Also: no module is shadowed by a function
+of the same name (``import hapnb.x.y as m`` always gives the module)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import pkgutil
+import types
+
+import hapnb
+
+PUBLIC = [
+    "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
+    "PinError", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
+    "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
+    "shard_lengths", "synthesize", "theory", "trace", "verify", "zoo",
+]  # fmt: skip
+
+FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "shard_lengths",
+             "synthesize", "theory", "trace", "verify"]  # fmt: skip
+MODULES = ["collectives", "display", "rules", "zoo"]
+
+
+def test_public_names_are_the_golden_list():
+    assert sorted(hapnb.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        obj = getattr(hapnb, name)
+        if name in FUNCTIONS:
+            assert inspect.isfunction(obj), name
+        elif name in MODULES:
+            assert isinstance(obj, types.ModuleType), name
+    assert set(dir(hapnb)) >= set(PUBLIC)
+
+
+def test_public_functions_keep_their_documented_signatures():
+    sig = {
+        n: list(inspect.signature(getattr(hapnb, n)).parameters) for n in ("trace", "synthesize", "theory")
+    }
+    assert sig["trace"][:3] == ["model", "example_inputs", "loss"]
+    assert sig["synthesize"][:4] == ["model_or_graph", "cluster", "pins", "example_inputs"]
+    assert sig["theory"][0] == "graph"
+    assert list(inspect.signature(hapnb.Search).parameters)[:4] == ["graph", "cluster", "ratios", "pins"]
+
+
+def _all_modules() -> list[str]:
+    out = []
+    for info in pkgutil.walk_packages(hapnb.__path__, "hapnb."):
+        if not info.name.endswith("__main__"):
+            out.append(info.name)
+    return out
+
+
+def test_no_module_is_shadowed_by_a_function():
+    """``hapnb.theory`` and ``hapnb.launch`` used to be functions sharing their module's name, so
+    ``import hapnb.theory as T`` gave the function. Modules and attributes now have distinct names."""
+    for name in _all_modules():
+        mod = importlib.import_module(name)
+        parent, _, leaf = name.rpartition(".")
+        attr = getattr(importlib.import_module(parent), leaf)
+        assert attr is mod, f"{parent}.{leaf} is {type(attr).__name__}, not the module {name}"
+    # and the public functions stay functions after every module was imported
+    for name in FUNCTIONS:
+        assert inspect.isfunction(getattr(hapnb, name)), name
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for cmd, sp in sorted(subs.choices.items()):
+        flags = sorted(s for a in sp._actions for s in a.option_strings if s.startswith("--"))
+        out[cmd] = flags
+    return out
+
+
+def test_cli_surface_is_the_golden_list():
+    from hapnb import cli
+
+    got = _subcommands(cli.build_parser())
+    assert got == CLI, "CLI changed: update CLI in tests/test_api.py (and DESIGN §3.2 / README) on purpose"
+
+
+CLI: dict[str, list[str]] = {
+    "calibrate": ["--backend", "--help", "--json", "--nproc", "--steps", "--timeout", "--warmup", "--worker"],
+    "compare": ["--batch", "--cluster", "--help", "--json", "--layers", "--model", "--seq", "--set"],
+    "demo": ["--help", "--no-verify", "--report"],
+    "launch": ["--backend", "--bundle-dir", "--help", "--json", "--nnodes", "--node-rank", "--nproc",
+               "--print-commands", "--rdzv", "--slurm", "--steps", "--timeout", "--wall-timeout", "--worker"],
+    "plan": ["--batch", "--cluster", "--help", "--json", "--layers", "--model", "--no-baselines", "--output",
+             "--pin", "--ratio-pin", "--ratios", "--report", "--seq", "--set"],
+    "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",
+                "--timeout"],
+    "simulate": ["--help", "--json"],
+    "theory": ["--check", "--help"],
+    "verify": ["--backend", "--batch", "--cluster", "--dtype", "--help", "--layers", "--model", "--nproc",
+               "--pin", "--plan", "--quiet", "--ratio-pin", "--ratios", "--seq", "--set", "--stall-timeout",
+               "--steps", "--timeout"],
+}  # fmt: skip
