@@ -31,7 +31,14 @@ def test_docstring_examples(name: str) -> None:
 def test_the_library_has_runnable_examples() -> None:
     """Not every example may be skipped: the public entry points show runnable ones."""
     attempted = 0
-    for name in ("hapnb", "hapnb.tracing", "hapnb.synthesis", "hapnb.cluster", "hapnb.forms", "hapnb.balance"):
+    for name in (
+        "hapnb",
+        "hapnb.tracing",
+        "hapnb.synthesis",
+        "hapnb.cluster",
+        "hapnb.forms",
+        "hapnb.balance",
+    ):
         tests = doctest.DocTestFinder().find(importlib.import_module(name), name)
         attempted += sum(len([e for e in t.examples if not e.options.get(doctest.SKIP)]) for t in tests)
     assert attempted >= 10
