@@ -169,10 +169,17 @@ def balance(
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
     objective = []
     constant = 0.0
-    for k, idx in enumerate(cm.stages(program)):
-        # computation: P_k >= sum over the stage's steps of device j's time (the cost model's own terms)
+    groups = cm.stages(program)
+    opt_coef, opt_const = cm.optimizer_linear(program)
+    for k, idx in enumerate(groups):
+        # computation: P_k >= sum over the stage's steps of device j's time (the cost model's own terms);
+        # the last stage also carries the optimizer step of device-model devices
         coef = [[0.0] * n for _ in range(S)]
         const = [0.0] * n
+        if k == len(groups) - 1:
+            for s, row in opt_coef.items():
+                coef[s] = [a + b for a, b in zip(coef[s], row)]
+            const = list(opt_const)
         for i in idx:
             step_coef, step_const = cm.comp_linear(program[i])
             for s, row in step_coef.items():

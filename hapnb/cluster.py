@@ -44,6 +44,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from .devices import DeviceModel, device_model_or_none
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "DERIVED_COLLECTIVES",
@@ -56,6 +58,8 @@ __all__ = [
     "Collective",
     "Device",
     "DeviceKind",
+    "DeviceModel",
+    "DEVICE_MODELS",
     "GiB",
 ]
 
@@ -127,9 +131,12 @@ class Device:
     memory_bytes: int
     machine: str
     gpus: int = 1
+    model: DeviceModel | None = None  # None: flops-only (time = flops / self.flops)
 
     def __post_init__(self) -> None:
         who = f"device {self.name!r}"
+        if self.model is not None and not isinstance(self.model, DeviceModel):
+            raise ValueError(f"{who}: model must be a DeviceModel or None, got {self.model!r:.80}")
         _nonempty_str(self.name, "device name")
         _nonempty_str(self.kind, f"{who}: kind")
         _nonempty_str(self.machine, f"{who}: machine")
@@ -224,6 +231,25 @@ class DeviceKind:
     peak_tflops: float
     link: str  # "nvlink-h100" | "nvlink" | "pcie": default intra-machine collectives
     source: str
+    model: DeviceModel | None = None  # the roofline model (None: flops-only, as the paper's HAP)
+
+
+# H100: peak_flops is the fp32 matmul rate measured on this project's H100; the rest is fitted to the 12
+# LM steps of shared/data/h100-lm-steps.json by the command in docs/fidelity.md (`hapnb calibrate`).
+# DEVICE_MODELS: the kinds with a device model; all others stay flops-only (the paper presets among them).
+H100_MODEL = DeviceModel(
+    peak_flops=51.6e12,
+    bandwidth_Bps=2.7e12,
+    kernel_s=20e-6,
+    matmul_eff=0.85,
+    matmul_half_flops=5e8,
+    optimizer_passes=16.0,
+    optimizer_kernels=12.0,
+    memory_overhead=0.05,
+    memory_const_bytes=0.0,
+    source="datasheet placeholder",
+)
+DEVICE_MODELS: Mapping[str, DeviceModel] = MappingProxyType({"H100": H100_MODEL})
 
 
 def _derived(name: str, peak_tflops: float, mem_gib: int, link: str, source: str) -> DeviceKind:
@@ -249,12 +275,13 @@ def _build_kinds() -> dict[str, DeviceKind]:
         ("A6000", 38.7, 77.4, 48, "pcie", "datasheet"),
     ]
     for name, fp32, tf32, mem, link, src in ampere_plus:
-        kinds.append(_derived(name, fp32, mem, link, f"{src} fp32 x V100 efficiency"))
+        k = _derived(name, fp32, mem, link, f"{src} fp32 x V100 efficiency")
+        kinds.append(dataclasses.replace(k, model=DEVICE_MODELS.get(name)))
         kinds.append(_derived(f"{name}-TF32", tf32, mem, link, f"{src} tf32 (dense) x V100 efficiency"))
     return {k.name: k for k in kinds}
 
 
-#: Known device kinds by canonical name.
+#: Known device kinds by canonical name (only those with a :class:`DeviceModel` leave flops-only mode).
 KINDS: Mapping[str, DeviceKind] = MappingProxyType(_build_kinds())
 
 
@@ -489,7 +516,16 @@ def complete_collectives(given: Mapping[str, Collective]) -> dict[str, Collectiv
     return out
 
 
-_DEVICE_KEYS = ("name", "kind", "flops", "memory_bytes", "machine", "gpus")
+_DEVICE_KEYS = ("name", "kind", "flops", "memory_bytes", "machine", "gpus", "model")
+
+
+def _device_json(d: Device) -> dict[str, Any]:
+    out = {k: getattr(d, k) for k in _DEVICE_KEYS[:-1]}
+    if d.model is not None:
+        out["model"] = d.model.to_json()
+    return out
+
+
 _TOP_KEYS = ("name", "dtype_bytes", "devices", "collectives", "intra_machine_Bps")
 
 
@@ -634,6 +670,7 @@ class Cluster:
                     memory_bytes=sum(d.memory_bytes for d in ds),
                     machine=machine,
                     gpus=sum(d.gpus for d in ds),
+                    model=ds[0].model if len({d.model for d in ds}) == 1 else None,
                 )
             )
         merge = max(len(ds) for ds in groups.values())
@@ -668,18 +705,18 @@ class Cluster:
                     raise ValueError(
                         f"cluster spec {spec!r}: custom flops must be positive, got {kind_text!r}"
                     )
-                kind, memory = "custom", _CUSTOM_MEMORY
+                kind, memory, model = "custom", _CUSTOM_MEMORY, None
             else:
                 try:
                     k = _lookup_kind(kind_text)
                 except ValueError as e:
                     raise ValueError(f"cluster spec {spec!r}: {e}") from None
-                kind, flops, memory = k.name, k.flops, k.memory_bytes
+                kind, flops, memory, model = k.name, k.flops, k.memory_bytes, k.model
             prefix = kind.lower()
             for _ in range(count):
                 idx = counters.get(prefix, 0)
                 counters[prefix] = idx + 1
-                devices.append(Device(f"{prefix}-{idx}", kind, flops, memory, f"m{mi}"))
+                devices.append(Device(f"{prefix}-{idx}", kind, flops, memory, f"m{mi}", model=model))
         colls, intra = _default_collectives(tuple(devices))
         return cls(name or spec.strip(), tuple(devices), colls, intra_machine_Bps=intra)
 
@@ -727,7 +764,7 @@ class Cluster:
         return {
             "name": self.name,
             "dtype_bytes": self.dtype_bytes,
-            "devices": [{k: getattr(d, k) for k in _DEVICE_KEYS} for d in self.devices],
+            "devices": [_device_json(d) for d in self.devices],
             "collectives": {
                 k: {"latency_s": c.latency_s, "bandwidth_Bps": c.bandwidth_Bps} for k, c in self.collectives
             },
@@ -768,7 +805,7 @@ class Cluster:
             unknown = sorted(set(rd) - set(_DEVICE_KEYS))
             if unknown:
                 raise fail(f"{where}.{unknown[0]}", f"unknown key; allowed keys: {', '.join(_DEVICE_KEYS)}")
-            for key in _DEVICE_KEYS[:-1]:
+            for key in _DEVICE_KEYS[:-2]:
                 if key not in rd:
                     raise fail(f"{where}.{key}", "missing")
             dname = check(f"{where}.name", _nonempty_str, rd["name"])
@@ -783,6 +820,7 @@ class Cluster:
                     memory_bytes=check(f"{where}.memory_bytes", _positive_int, rd["memory_bytes"]),
                     machine=check(f"{where}.machine", _nonempty_str, rd["machine"]),
                     gpus=check(f"{where}.gpus", _positive_int, rd.get("gpus", 1)),
+                    model=check(f"{where}.model", device_model_or_none, rd.get("model")),
                 )
             )
         raw_colls = data["collectives"]
@@ -844,12 +882,16 @@ class Cluster:
             counts[label] = counts.get(label, 0) + 1
         return ", ".join(f"{c}x{k}" for k, c in counts.items())
 
+    def _model_summary(self) -> str:
+        models = {d.kind: d.model for d in self.devices if d.model is not None}
+        return "".join(f"; {k} device model: {m}" for k, m in models.items())
+
     def __str__(self) -> str:
         machines = len(self.machines)
         return (
             f"Cluster {self.name!r}: {self.n} device{'s' * (self.n != 1)} ({self._kind_summary()}) on "
             f"{machines} machine{'s' * (machines != 1)}, {self.total_flops / 1e12:.4g} TFLOP/s effective, "
-            f"all_reduce {self.collective('all_reduce').bandwidth_Bps / 1e9:.3g} GB/s"
+            f"all_reduce {self.collective('all_reduce').bandwidth_Bps / 1e9:.3g} GB/s{self._model_summary()}"
         )
 
     def _repr_html_(self) -> str:
@@ -883,7 +925,7 @@ class Cluster:
         return (
             f"<div><b>Cluster {esc(self.name)}</b> &mdash; {self.n} devices on {len(self.machines)} "
             f"machines, {self.total_flops / 1e12:.4g} TFLOP/s effective, intra-machine "
-            f"{self.intra_machine_Bps / 1e9:.3g} GB/s, {self.dtype_bytes}-byte elements"
+            f"{self.intra_machine_Bps / 1e9:.3g} GB/s, {self.dtype_bytes}-byte elements{esc(self._model_summary())}"
             "<div style='display:flex;gap:16px;align-items:flex-start;margin-top:4px'>"
             f"{devices}{colls}</div></div>"
         )

@@ -14,20 +14,99 @@ the iteration time is ``sum over stages (comm + max_j comp_j)`` (paper §3.2).
 * Virtual devices (a machine of k GPUs, data parallel inside) add the inner gradient all-reduce of the
   parameters they load: ``2 (k-1)/k * bytes / intra_machine_Bps`` to that device's computation.
 
+Device model (devices whose kind has a :class:`~hapnb.devices.DeviceModel`, e.g. the H100; every other
+device stays flops-only as above, so the paper presets keep HAP's numbers). Per op, forward + backward:
+``kernels * kernel_s + max(flops / (peak * eff), bytes / bandwidth)``, kernels from
+:data:`FAMILY_KERNELS`, bytes = the op's input + output tensors forward and 2x that backward, ``eff`` the
+matmul efficiency curve for matmul-like families (:data:`MATMUL_FAMILIES`) at the per-kernel flops, 1
+for the memory-bound rest. To stay linear in the device's ratio ``r`` (so the ratio LP stays an LP),
+the efficiency and the regime (compute or memory bound) are read at a *reference share* (the
+throughput-proportional ratio of the device); the op then costs ``const + coef * r``. The optimizer
+step (Adam, foreach) is memory-bound work over the device's parameters, gradients and states,
+``optimizer_kernels * kernel_s + optimizer_passes * local_param_bytes / bandwidth``, charged once per
+iteration to the last stage.
+
+Memory (:meth:`CostModel.memory_breakdown`): per device, parameters, gradients and Adam's two states by
+each tensor's stored form, inputs, the activations autograd saves for the backward
+(:data:`SAVED_FOR_BACKWARD`), a transient of twice the largest local activation during the backward,
+and the device model's allocator overhead. The peak is the larger of the backward phase (states +
+saved activations + transient, gradients growing as activations are freed) and the optimizer phase
+(parameters, gradients, states and one parameter-sized foreach temporary).
+
 The search, the LP and :func:`evaluate` all use these same terms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .cluster import Cluster
 from .forms import Form
+from .graph import Graph, Op
 from .rules import Strategy
 from .triples import Theory
 
-__all__ = ["Term", "Step", "Load", "Conversion", "CostModel", "StageCost", "Evaluation"]
+__all__ = [
+    "Term",
+    "Step",
+    "Load",
+    "Conversion",
+    "CostModel",
+    "StageCost",
+    "Evaluation",
+    "FAMILY_KERNELS",
+    "MATMUL_FAMILIES",
+    "SAVED_FOR_BACKWARD",
+    "MEMORY_CATEGORIES",
+]
+
+#: GPU kernels per op of each rule family, (forward, backward), eager PyTorch fp32. Views and
+#: ``dropout(p=0)`` (an alias) launch none; a family not listed counts (1, 1).
+FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
+    {
+        "matmul": (1, 3),  # addmm; grad input mm, grad weight mm, bias-grad sum
+        "linear": (1, 3),
+        "conv": (1, 3),
+        "attention": (1, 2),  # memory-efficient SDPA; its backward kernel + the delta pre-pass
+        "embedding": (1, 4),  # index_select; zero-fill, sort, segment sums, index_put
+        "norm": (1, 2),  # layer_norm; grad input, grad weight/bias
+        "loss": (2, 3),  # log_softmax + nll_loss; fill, nll_loss_backward, log_softmax_backward
+        "multiplicative": (1, 2),
+        "creation": (1, 0),
+        "random": (1, 0),
+        "view": (0, 0),
+    }
+)
+#: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
+MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv", "attention"})
+#: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
+#: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
+#: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
+#: element), ``none``. ReLU keeps its output; other pointwise ops their inputs. Not listed: ``in``.
+SAVED_FOR_BACKWARD: Mapping[str, str] = MappingProxyType(
+    {
+        "matmul": "in",
+        "linear": "in0",
+        "conv": "in0",
+        "attention": "qkvo",
+        "embedding": "ids",
+        "norm": "norm",
+        "loss": "loss",
+        "additive": "none",
+        "view": "none",
+        "select": "none",
+        "creation": "none",
+        "convert": "none",
+        "random": "none",
+        "reduction": "none",
+        "dimwise": "out",
+    }
+)
+#: The memory breakdown's categories (bytes each; they sum to the predicted peak).
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "overhead")
+
 
 # collectives that move no data and so do not start a stage
 FREE = frozenset({"slice", "to_partial"})
@@ -139,18 +218,133 @@ class CostModel:
             k = d.gpus
             inner.append(2.0 * (k - 1) / k / cluster.intra_machine_Bps if k > 1 else 0.0)
         self.inner_sync_s_per_byte = tuple(inner)
+        self.models = tuple(d.model for d in cluster.devices)
+        self.gpus = tuple(max(1, d.gpus) for d in cluster.devices)
+        total = sum(self.flops)
+        #: the device's reference share: efficiency and regime of the device model are read there
+        self.reference_share = tuple(f / total for f in self.flops)
+        self._lin: dict[tuple[int, Strategy, int], tuple[float, float]] = {}
+        self._op_bytes: dict[int, tuple[float, int]] = {}
 
     # ------------------------------------------------------------------ computation
     def comp(self, op: int, s: Strategy, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         r = ratios[self.graph.ops[op].segment]
-        return tuple((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j] for j in range(self.n))
+        out = []
+        for j in range(self.n):
+            if self.models[j] is None:
+                out.append((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j])
+            else:
+                const, coef = self.op_linear(op, s, j)
+                out.append(const + coef * r[j])
+        return tuple(out)
+
+    def op_traffic(self, op: int) -> tuple[float, int]:
+        """``(bytes, kernels)`` of one op, forward + backward, on one device holding the whole op."""
+        hit = self._op_bytes.get(op)
+        if hit is not None:
+            return hit
+        g = self.graph
+        o = g.ops[op]
+        fwd_k, bwd_k = FAMILY_KERNELS.get(o.family, (1, 1))
+        if _is_alias(o):
+            fwd_k = bwd_k = 0
+        nbytes = 0.0
+        if fwd_k:
+            ins = [g.tensors[t] for t in dict.fromkeys(o.inputs)]
+            out_b = sum(g.tensors[t].nbytes for t in o.outputs)
+            if o.family == "embedding" and len(ins) >= 2:
+                # gathers rows (reads and writes out-sized), the backward writes the whole table grad
+                nbytes = 3.0 * (ins[1].nbytes + 2 * out_b) + 2.0 * ins[0].nbytes
+            else:  # backward moves ~2x the forward's bytes
+                nbytes = 3.0 * (sum(t.nbytes for t in ins) + out_b)
+        hit = (nbytes, fwd_k + bwd_k)
+        self._op_bytes[op] = hit
+        return hit
+
+    def op_linear(self, op: int, s: Strategy, j: int) -> tuple[float, float]:
+        """Device-model time of ``op`` under ``s`` on device ``j`` as ``(const, coef)``: seconds
+        ``const + coef * r_j``, efficiency and regime read at the device's reference share."""
+        key = (op, s, j)
+        hit = self._lin.get(key)
+        if hit is not None:
+            return hit
+        m = self.models[j]
+        assert m is not None
+        o = self.graph.ops[op]
+        nbytes, kernels = self.op_traffic(op)
+        k = self.gpus[j]
+        fs, ff = s.scaled_flops, s.fixed_flops
+        total = fs + ff
+        if total > 0:
+            bs, bf = nbytes * fs / total, nbytes * ff / total
+        else:
+            sharded = any(f.kind == "G" for f in s.outputs)
+            bs, bf = (nbytes, 0.0) if sharded else (0.0, nbytes)
+        ref = self.reference_share[j]
+        eff = 1.0
+        if o.family in MATMUL_FAMILIES:
+            share = (fs * ref + ff) / total if total > 0 else 1.0
+            eff = m.efficiency(o.flops * share / k)
+        rate, bw = m.peak_flops * eff * k, m.bandwidth_Bps * k
+        if (fs * ref + ff) / rate >= (bs * ref + bf) / bw:
+            coef, const = fs / rate, ff / rate
+        else:
+            coef, const = bs / bw, bf / bw
+        hit = (kernels * m.kernel_s + const, coef)
+        self._lin[key] = hit
+        return hit
 
     def lower_bound(self) -> float:
-        """Total training flops over total throughput: no plan can be faster (DESIGN §3.2)."""
+        """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
+        a device model counts ``peak * matmul_eff`` per GPU (overheads and bandwidth left out)."""
         total = 0.0
         for ss in self.theory.strategies:
             total += min(s.scaled_flops + s.fixed_flops for s in ss)
-        return total / sum(self.flops)
+        rate = [
+            f if m is None else m.peak_flops * m.matmul_eff * k
+            for f, m, k in zip(self.flops, self.models, self.gpus)
+        ]
+        return total / sum(rate)
+
+    # ------------------------------------------------------------------ optimizer step
+    def _param_forms(self, program: Sequence[Step]) -> dict[int, Form]:
+        forms: dict[int, Form] = {}
+        for st in program:
+            for ld in st.loads:
+                if self.graph.tensors[ld.tensor].role == "param":
+                    forms.setdefault(ld.tensor, ld.form)
+        return forms
+
+    def optimizer_linear(
+        self, program: Sequence[Step]
+    ) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:
+        """The optimizer step (Adam, foreach) per device as ``(coef, const)`` like :meth:`comp_linear`:
+        memory-bound over the device's parameter bytes (a G-loaded parameter counts its share ``r``);
+        zero on flops-only devices."""
+        coef: dict[int, list[float]] = {}
+        const = [0.0] * self.n
+        forms = self._param_forms(program)
+        for j, m in enumerate(self.models):
+            if m is None:
+                continue
+            const[j] += m.optimizer_kernels * m.kernel_s
+            per_byte = m.optimizer_passes / (m.bandwidth_Bps * self.gpus[j])
+            for t, f in forms.items():
+                nb = self.graph.tensors[t].nbytes * per_byte
+                if f.kind == "G":
+                    coef.setdefault(self.segment_of[t], [0.0] * self.n)[j] += nb
+                else:
+                    const[j] += nb
+        return {s: tuple(v) for s, v in coef.items()}, tuple(const)
+
+    def optimizer_comp(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
+        """Seconds of the optimizer step per device at ``ratios`` (see :meth:`optimizer_linear`)."""
+        coef, const = self.optimizer_linear(program)
+        v = list(const)
+        for s, row in coef.items():
+            for j in range(self.n):
+                v[j] += row[j] * ratios[s][j]
+        return tuple(v)
 
     def load_comp(self, ld: Load, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         """Inner data-parallel gradient sync of a virtual device for a loaded parameter."""
@@ -289,14 +483,20 @@ class CostModel:
         return out
 
     def evaluate(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> Evaluation:
+        """Iteration time: stages of communication + the slowest device's computation; the optimizer
+        step of device-model devices is charged to the last stage."""
         stages = []
         total = 0.0
-        for k, idx in enumerate(self.stages(program, ratios)):
+        groups = self.stages(program, ratios)
+        opt = self.optimizer_comp(program, ratios) if any(self.models) else (0.0,) * self.n
+        for k, idx in enumerate(groups):
             comm = sum(tm.time(ratios) for tm in self.step_terms(program[idx[0]]))
             comp = [0.0] * self.n
             for i in idx:
                 for j, x in enumerate(self.step_comp(program[i], ratios)):
                     comp[j] += x
+            if k == len(groups) - 1:
+                comp = [c + x for c, x in zip(comp, opt)]
             sc = StageCost(k, tuple(idx), comm, tuple(comp))
             stages.append(sc)
             total += sc.time_s
@@ -306,38 +506,130 @@ class CostModel:
     def memory(
         self, program: Sequence[Step], extra: Sequence[Conversion], ratios: Sequence[Sequence[float]]
     ) -> tuple[int, ...]:
-        """Per-GPU bytes of a program: parameters + gradients + Adam state (4x the local parameter bytes)
-        + inputs + activations kept for the backward (every computed tensor's local part), per device;
-        a virtual device's share is split over its GPUs."""
+        """Predicted peak bytes per GPU of a program (the sum of :meth:`memory_breakdown`)."""
+        return tuple(sum(b.values()) for b in self.memory_breakdown(program, extra, ratios))
+
+    def _local(
+        self, tensor: int, form: Form, ratios: Sequence[Sequence[float]], seg: int = -1
+    ) -> list[float]:
+        t = self.graph.tensors[tensor]
+        if form.kind != "G" or not t.shape:
+            return [float(t.nbytes)] * self.n
+        s = self.segment_of[tensor] if seg < 0 else seg
+        lengths = self.theory.lengths(tensor, form.dim, ratios[s])
+        return [t.nbytes / t.shape[form.dim] * x for x in lengths]
+
+    def memory_breakdown(
+        self, program: Sequence[Step], extra: Sequence[Conversion], ratios: Sequence[Sequence[float]]
+    ) -> tuple[dict[str, int], ...]:
+        """Per GPU, the predicted peak split by :data:`MEMORY_CATEGORIES` (bytes; they sum to the peak).
+
+        Parameters, gradients and Adam's two states count each parameter's stored (loaded) form;
+        activations are what autograd keeps (:data:`SAVED_FOR_BACKWARD`, each tensor once, in the form
+        its consumer uses); the transient is twice the largest local activation (an output gradient and
+        the input gradient made from it), plus the final conversions. The peak is the larger phase:
+        backward (states + saved + transient) or optimizer step (states + gradients + one
+        parameter-sized temporary); ``overhead`` is the device model's allocator overhead (0 when
+        flops-only). A virtual device's bytes are split over its GPUs."""
         g = self.graph
-        mem = [0.0] * self.n
+        n = self.n
+        cat = {c: [0.0] * n for c in MEMORY_CATEGORIES}
 
-        def add(tensor: int, form: Form, k: float = 1.0) -> None:
-            t = g.tensors[tensor]
-            if form.kind != "G":
-                for j in range(self.n):
-                    mem[j] += k * t.nbytes
-                return
-            lengths = self.theory.lengths(tensor, form.dim, ratios[self.segment_of[tensor]])
-            for j, x in enumerate(lengths):
-                mem[j] += k * t.nbytes / t.shape[form.dim] * x
+        def add(key: str, v: Sequence[float], k: float = 1.0) -> None:
+            for j in range(n):
+                cat[key][j] += k * v[j]
 
+        seen_load: set[int] = set()
+        alias: dict[int, int] = {}  # dropout(p=0) returns its input: the same storage
+        for op in g.ops:
+            if _is_alias(op) and op.inputs and op.outputs:
+                alias[op.outputs[0]] = alias.get(op.inputs[0], op.inputs[0])
+        saved: set[tuple[int, str, float]] = set()
+        largest = [0.0] * n
         for st in program:
             for ld in st.loads:
-                add(ld.tensor, ld.form, 4.0 if g.tensors[ld.tensor].role == "param" else 1.0)
-            for cv in st.conversions:
-                if cv.name == "reshard":
-                    t = g.tensors[cv.tensor]
-                    for j, x in enumerate(self.theory.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment])):
-                        mem[j] += t.nbytes / t.shape[cv.dst.dim] * x
+                if ld.tensor in seen_load:
+                    continue
+                seen_load.add(ld.tensor)
+                t = g.tensors[ld.tensor]
+                v = self._local(ld.tensor, ld.form, ratios)
+                if t.role == "param":
+                    add("parameters", v)
+                    add("gradients", v)
+                    add("optimizer", v, 2.0)
                 else:
-                    add(cv.tensor, cv.dst)
-            for t, f in zip(g.ops[st.op].outputs, st.strategy.outputs):
-                add(t, f)
+                    add("inputs", v)
+            op = g.ops[st.op]
+            seg = op.segment
+            for t, f in zip(op.outputs, st.strategy.outputs):
+                if g.tensors[t].is_float and op.family != "view" and not _is_alias(op):
+                    largest = [max(a, b) for a, b in zip(largest, self._local(t, f, ratios, seg))]
+            for t, f, scale in _saved(g, op, st.strategy):
+                t = alias.get(t, t)
+                if (t, str(f), scale) not in saved and g.tensors[t].role == "activation":
+                    saved.add((t, str(f), scale))
+                    add("activations", self._local(t, f, ratios, seg), scale)
         for cv in extra:
-            add(cv.tensor, cv.dst)
-        gpus = [max(1, d.gpus) for d in self.cluster.devices]
-        return tuple(int(m / k) if k > 1 else int(m) for m, k in zip(mem, gpus))
+            add("transient", self._local(cv.tensor, cv.dst, ratios))
+        add("transient", largest, 2.0)
+        out = []
+        for j, d in enumerate(self.cluster.devices):
+            c = {k: v[j] for k, v in cat.items()}
+            backward = c["activations"] + c["transient"]
+            step = c["gradients"] + c["parameters"]  # gradients + one foreach temporary
+            if step > backward:
+                c["activations"], c["transient"] = 0.0, c["parameters"]
+            else:
+                c["gradients"] = 0.0  # gradients grow as saved activations are freed
+            m = d.model
+            raw = sum(c.values())
+            c["overhead"] = raw * m.memory_overhead + m.memory_const_bytes * self.gpus[j] if m else 0.0
+            k = self.gpus[j]
+            row = {key: int(v / k) for key, v in c.items()}
+            out.append(row)
+        return tuple(out)
+
+
+def _is_alias(op: Op) -> bool:
+    """``dropout(p=0)`` (or not training) returns its input: no kernel, no new storage."""
+    if "dropout" not in op.target:
+        return False
+    args = list(op.args) + [None, None, None]
+    p, train = args[1], args[2]
+    return p == 0 or train is False
+
+
+def _saved(g: Graph, op: Op, s: Strategy) -> list[tuple[int, Form, float]]:
+    """Tensors (with the form the op uses and a byte factor) autograd keeps for ``op``'s backward."""
+    ins = list(zip(op.inputs, s.inputs))
+    outs = list(zip(op.outputs, s.outputs))
+    kind = SAVED_FOR_BACKWARD.get(op.family, "in")
+    if op.family == "pointwise":
+        kind = "out" if "relu" in op.target else "in"
+        if "dropout" in op.target:
+            kind = "none" if _is_alias(op) else "mask"
+    if kind == "none":
+        return []
+    if kind == "in0":
+        return [(t, f, 1.0) for t, f in ins[:1]]
+    if kind == "out":
+        return [(t, f, 1.0) for t, f in outs[:1]]
+    if kind == "mask":
+        t, f = outs[0]
+        return [(t, f, 1.0 / max(1, g.tensors[t].itemsize))]
+    if kind == "ids":
+        return [(t, f, 1.0) for t, f in ins[1:2]]
+    if kind == "qkvo":
+        hd = g.tensors[op.inputs[0]].shape[-1] if g.tensors[op.inputs[0]].shape else 1
+        lse = [(t, f, 1.0 / max(1, hd)) for t, f in outs[:1]]  # logsumexp: one float per row
+        return [(t, f, 1.0) for t, f in ins[:3]] + [(t, f, 1.0) for t, f in outs[:1]] + lse
+    if kind == "norm":
+        t, f = ins[0]
+        last = g.tensors[t].shape[-1] if g.tensors[t].shape else 1
+        return [(t, f, 1.0 + 2.0 / max(1, last))]  # + mean and rstd per row
+    if kind == "loss":
+        return [(t, f, 1.0) for t, f in ins[:2]]  # log-probabilities (input-sized) + target
+    return [(t, f, 1.0) for t, f in ins]
 
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce")

@@ -144,6 +144,8 @@ class Plan:
     options: tuple[tuple[str, Any], ...] = ()
     synthesis_s: float = 0.0
     graph: Any = field(default=None, compare=False, repr=False)
+    # per device: (category, bytes) pairs of the predicted peak (hapnb.cost.MEMORY_CATEGORIES)
+    memory_breakdown: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     # ------------------------------------------------------------------ views
     @property
@@ -277,6 +279,7 @@ class Plan:
             "search": dict(self.search),
             "fallback_ops": [list(p) for p in self.fallback_ops],
             "memory_bytes": list(self.memory_bytes),
+            "memory_breakdown": [dict(b) for b in self.memory_breakdown],
             "options": _jsonable(dict(self.options)),
             "synthesis_s": self.synthesis_s,
         }
@@ -324,6 +327,9 @@ class Plan:
                 search=tuple(sorted((str(k), _tuplify(v)) for k, v in d.get("search", {}).items())),
                 fallback_ops=tuple((str(a), str(b)) for a, b in d.get("fallback_ops", ())),
                 memory_bytes=tuple(int(x) for x in d.get("memory_bytes", ())),
+                memory_breakdown=tuple(
+                    tuple((str(k), int(v)) for k, v in b.items()) for b in d.get("memory_breakdown", ())
+                ),
                 model=tuple(sorted((str(k), _freeze(v)) for k, v in (d.get("model") or {}).items())),
                 options=tuple(sorted((str(k), _freeze(v)) for k, v in d.get("options", {}).items())),
                 synthesis_s=float(d.get("synthesis_s", 0.0)),
@@ -521,4 +527,9 @@ def make_plan(
         synthesis_s=synthesis_s,
         graph=g,
     )
-    return replace(plan, memory_bytes=cm.memory(program, extra, ratios))
+    breakdown = cm.memory_breakdown(program, extra, ratios)
+    return replace(
+        plan,
+        memory_bytes=tuple(sum(b.values()) for b in breakdown),
+        memory_breakdown=tuple(tuple(b.items()) for b in breakdown),
+    )

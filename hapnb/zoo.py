@@ -23,6 +23,9 @@ Models (paper sizes by default: hidden 768, 12 heads, ff 3072, seq 128, dropout 
 * ``bert`` — the paper's "BERT-base", a causal LM on a 33,280-word vocabulary (WikiText-2 padded).
 * ``bert-moe`` — ``bert`` with a top-2 GShard MoE FFN on every odd layer (E = 2 x devices experts).
 * ``gpt`` — a pre-norm GPT with fused qkv and ``scaled_dot_product_attention(is_causal=True)``.
+* ``lm`` — the LM measured on an H100 (shared/data/h100-lm-steps.json, docs/fidelity.md): embedding
+  (vocab 8192) + learned positions, post-LN ReLU encoder layers (heads = hidden // 64, no mask, dropout 0),
+  linear head, summed cross-entropy over the next token.
 
 Options (``build`` keywords): ``devices`` (default 8), ``seed`` (0), ``dtype`` ("float32"), ``batch``
 (global, default 32 x devices), ``reduction`` ("mean" or "sum" for the loss) and per model:
@@ -77,6 +80,10 @@ depend on sizes) — see also docs/zoo-ops.md:
   aten.dropout.default, aten.embedding.default, aten.gelu.default, aten.layer_norm.default,
   aten.linear.default, aten.reshape.default, aten.scaled_dot_product_attention.default,
   aten.split.Tensor, aten.transpose.int, aten.view.default
+* ``lm``: operator.getitem, aten.add.Tensor, aten.cross_entropy_loss.default, aten.dropout.default,
+  aten.embedding.default, aten.flatten.using_ints, aten.layer_norm.default, aten.linear.default,
+  aten.relu.default, aten.reshape.default, aten.scaled_dot_product_attention.default,
+  aten.split.Tensor, aten.transpose.int, aten.view.default
 
 With ``attention="sdpa"`` the MultiheadAttention plumbing (unflatten, unsqueeze, squeeze, contiguous,
 permute) becomes ``aten.split.Tensor`` + ``operator.getitem``.
@@ -113,7 +120,7 @@ __all__ = [
     "zoo_options",
 ]
 
-ZOO_NAMES: tuple[str, ...] = ("mlp", "vgg19", "vit", "bert", "bert-moe", "gpt")
+ZOO_NAMES: tuple[str, ...] = ("mlp", "vgg19", "vit", "bert", "bert-moe", "gpt", "lm")
 
 # Options accepted by every zoo model besides its own (build's explicit keywords included).
 _COMMON = ("devices", "seed", "dtype", "batch", "reduction")
@@ -125,6 +132,7 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "bert": (*_LM, "attention"),
     "bert-moe": (*_LM, "attention", "experts", "capacity_factor"),
     "gpt": _LM,
+    "lm": (*_LM, "attention"),
 }
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _WIKITEXT2_WORDS = 33278  # WikiText-2 word vocabulary incl. <eos>, as in the original benchmark
@@ -465,6 +473,31 @@ class MoEEncoderLayer(nn.Module):
         return self.norm2(x + self.dropout2(self.moe(x)))
 
 
+class LM(nn.Module):
+    """The measured H100 LM (shared/data/h100-lm-steps.json): token embedding + learned positions, post-LN
+    ReLU encoder layers without a mask, a linear head and summed cross-entropy over next tokens."""
+
+    def __init__(
+        self, layers: int, seq: int, hidden: int, heads: int, ff: int, dropout: float, vocab: int,
+        reduction: str, attention: str = "sdpa",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(torch.zeros(1, seq, hidden))
+        blocks = [_encoder_layer(hidden, heads, ff, dropout, attention) for _ in range(layers)]
+        self.layers = nn.ModuleList(blocks)
+        self.head = nn.Linear(hidden, vocab)
+        self.reduction = reduction
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        return _loss_ce(logits.flatten(0, 1), targets.flatten(), self.reduction)
+
+
 class CausalLM(nn.Module):
     """The paper's "BERT": scaled embedding + sinusoidal positions, post-LN encoder with a causal mask.
 
@@ -612,6 +645,9 @@ def _resolve(name: str, given: dict[str, Any]) -> dict[str, Any]:
     elif name == "vit":
         cfg.update(layers=12, hidden=768, heads=12, ff=None, dropout=0.1, image=32, patch=4, classes=10)
         cfg.update(attention="sdpa")
+    elif name == "lm":
+        cfg.update(layers=2, seq=64, hidden=256, heads=None, ff=None, dropout=0.0, vocab=8192)
+        cfg.update(attention="sdpa", reduction="sum")
     else:
         vocab = devices * (_WIKITEXT2_WORDS // devices + 1) if name != "gpt" else 32000
         cfg.update(layers=12, seq=128, hidden=768, heads=12, ff=None, dropout=0.1, vocab=vocab)
@@ -622,6 +658,8 @@ def _resolve(name: str, given: dict[str, Any]) -> dict[str, Any]:
     cfg.update({k: v for k, v in given.items() if v is not None})
     if cfg.get("ff", 0) is None:
         cfg["ff"] = 4 * cfg["hidden"]
+    if name == "lm" and cfg.get("heads") is None:
+        cfg["heads"] = max(1, cfg["hidden"] // 64)
 
     _need(cfg, "batch", int)
     if cfg["dtype"] not in _DTYPES:
@@ -672,6 +710,10 @@ def _make(name: str, cfg: dict[str, Any], gen: torch.Generator) -> tuple[nn.Modu
     keys = ("layers", "seq", "hidden", "heads", "ff", "dropout", "vocab")
     if name == "gpt":
         model = GPT(*(cfg[k] for k in keys), red)
+    elif name == "lm":
+        model = LM(*(cfg[k] for k in keys), red, attention=cfg["attention"])
+        tokens = torch.randint(0, cfg["vocab"], (b, cfg["seq"]), generator=gen)
+        return model, (tokens, tokens.roll(-1, 1))
     elif name == "bert":
         model = CausalLM(*(cfg[k] for k in keys), red, attention=cfg["attention"])
     else:
@@ -875,6 +917,7 @@ TINY: dict[str, dict[str, Any]] = {
     "bert": dict(layers=2, hidden=32, heads=4, vocab=64, seq=8, batch=8),
     "bert-moe": dict(layers=2, hidden=32, heads=4, vocab=64, seq=8, batch=8, experts=4),
     "gpt": dict(layers=2, hidden=32, heads=4, vocab=64, seq=8, batch=8),
+    "lm": dict(layers=2, hidden=32, heads=4, vocab=64, seq=8, batch=8),
 }
 """Small configurations of every zoo model (fast to build, trace and run; used by tests)."""
 

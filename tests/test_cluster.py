@@ -498,3 +498,42 @@ def test_given_kinds_win_over_derived_ones():
     given = {"all_gather": Collective(1e-5, 4e9), "broadcast": Collective(3e-6, 1e9)}
     out = complete_collectives(given)
     assert out["broadcast"] == given["broadcast"] and out["reduce"] == given["broadcast"]
+
+
+# --------------------------------------------------------------------------- device models
+
+
+def test_h100_has_a_device_model_with_its_source_and_paper_kinds_stay_flops_only():
+    from hapnb.cluster import DEVICE_MODELS, KINDS
+
+    for spec in ("1xH100", "h100", "h100x8"):
+        c = Cluster.resolve(spec)
+        assert all(d.model is DEVICE_MODELS["H100"] for d in c.devices)
+        assert "H100 device model" in str(c) and c.devices[0].model.source in str(c)
+        assert c.devices[0].model.source in c._repr_html_()
+    assert Cluster.parse("8xH100").virtual().devices[0].model is DEVICE_MODELS["H100"]
+    assert KINDS["H100-TF32"].model is None
+    for name in ("paper-hetero-8", "paper-hetero-64", "2xV100+6xP100", "4xA100"):
+        c = Cluster.resolve(name)
+        assert all(d.model is None for d in c.devices) and "device model" not in str(c)
+
+
+def test_device_model_json_round_trip_and_old_json_still_loads(tmp_path):
+    from hapnb.devices import DeviceModel
+
+    c = Cluster.parse("2xH100")
+    d = c.to_json()
+    assert d["devices"][0]["model"]["source"] == c.devices[0].model.source
+    back = Cluster.load(c.save(tmp_path / "c.json"))
+    assert back == c and back.devices[1].model == c.devices[1].model
+    old = _valid_json()  # no model key: flops-only
+    assert all(dv.model is None for dv in Cluster.from_json(old).devices)
+    m = DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, source="profile of this CPU")
+    old["devices"][0]["model"] = m.to_json()
+    loaded = Cluster.from_json(old)
+    assert loaded.devices[0].model == m and loaded.devices[1].model is None
+    old["devices"][0]["model"] = {**m.to_json(), "bogus": 1}
+    with pytest.raises(ValueError, match=r"devices\[0\]\.model"):
+        Cluster.from_json(old)
+    with pytest.raises(ValueError, match="matmul_eff"):
+        DeviceModel(5e12, 1e11, 1e-5, 0.0, 1e8)

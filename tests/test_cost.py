@@ -108,8 +108,137 @@ def test_memory_counts_parameter_state_and_local_shards(setup):
     prog = _data_parallel(g, th)
     ratios = ((0.75, 0.25),)
     mem = cm.memory(prog, (), ratios)
-    w_state = 4 * 32 * 16 * 4  # weight + gradient + two Adam moments
+    w = 32 * 16 * 4
     x_rows = (48, 16)
     for j in range(2):
-        want = w_state + x_rows[j] * 32 * 4 + x_rows[j] * 16 * 4 + 4  # input shard, activation shard, loss
-        assert mem[j] == want
+        static = w + 2 * w + x_rows[j] * 32 * 4  # weight, two Adam moments, input shard
+        # saved: the sum (family unknown: keeps its inputs) keeps mm's output shard; x is an input (counted
+        # above); the transient is twice the largest local activation
+        backward = x_rows[j] * 16 * 4 + 2 * x_rows[j] * 16 * 4
+        step = w + w  # gradient + one foreach temporary
+        assert mem[j] == static + max(backward, step)
+    # device 0 peaks in the backward, device 1 (a quarter of the batch) in the optimizer step
+    b0, b1 = cm.memory_breakdown(prog, (), ratios)
+    assert b0["transient"] == 2 * 48 * 16 * 4 and b0["gradients"] == 0
+    assert b1["gradients"] == w and b1["transient"] == w and b1["overhead"] == 0
+
+
+# --------------------------------------------------------------------------- device model
+
+
+def _model(**kw):
+    from hapnb.devices import DeviceModel
+
+    base = dict(peak_flops=1e9, bandwidth_Bps=1e12, kernel_s=1e-5, matmul_eff=0.8, matmul_half_flops=1e4)
+    return DeviceModel(**{**base, **kw}, source="test")
+
+
+def _with_models(c, *models):
+    import dataclasses
+
+    devs = tuple(dataclasses.replace(d, model=m) for d, m in zip(c.devices, models))
+    return c.replace(devices=devs)
+
+
+def test_device_model_time_by_hand(setup):
+    g, th, c, _ = setup
+    m = _model()
+    cm = CostModel(th, _with_models(c, m, None))
+    mm = g.ops[0]
+    s = _strategy(th, mm.id, "data")
+    r = ((0.6, 0.4),)
+    t0, t1 = cm.comp(mm.id, s, r)
+    # device 0: 2 kernels (a family not in the table: 1 forward + 1 backward) + compute bound at 1 GFLOP/s
+    assert t0 == pytest.approx(2 * 1e-5 + (s.scaled_flops * 0.6 + s.fixed_flops) / 1e9)
+    # device 1 has no model: flops-only, exactly the old formula
+    assert t1 == (s.scaled_flops * 0.4 + s.fixed_flops) / 1e12
+    # memory bound when the bandwidth is tiny: bytes = forward inputs + output, 3x for fwd + bwd
+    cm2 = CostModel(th, _with_models(c, _model(bandwidth_Bps=1e3), None))
+    nbytes = 3 * (64 * 32 + 32 * 16 + 64 * 16) * 4
+    assert cm2.op_traffic(mm.id) == (nbytes, 2)
+    want = 2 * 1e-5 + nbytes * s.scaled_flops / (s.scaled_flops + s.fixed_flops) * 0.6 / 1e3
+    assert cm2.comp(mm.id, s, r)[0] == pytest.approx(want)
+
+
+def test_matmul_efficiency_curve():
+    m = _model()
+    assert m.efficiency(1e4) == pytest.approx(0.4)  # half of matmul_eff at matmul_half_flops
+    assert m.efficiency(1e12) == pytest.approx(0.8, rel=1e-6)
+    assert m.efficiency(1e3) < m.efficiency(1e5)
+
+
+def test_device_model_is_linear_in_the_ratio_and_comp_linear_matches(setup):
+    g, th, c, _ = setup
+    cm = CostModel(th, _with_models(c, _model(), _model(bandwidth_Bps=1e6)))
+    rnd = random.Random(1)
+    for op in g.ops:
+        for s in th.strategies[op.id]:
+            step = Step(op.id, s, tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs) if t != 2))
+            coef, const = cm.comp_linear(step)
+            for _ in range(5):
+                a = rnd.random()
+                r = ((a, 1 - a),)
+                want = cm.step_comp(step, r)
+                got = [sum(coef[k][j] * r[k][j] for k in coef) + const[j] for j in range(2)]
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
+
+
+def test_optimizer_step_is_charged_once_to_the_last_stage(setup):
+    g, th, c, _ = setup
+    m = _model(optimizer_passes=10.0, optimizer_kernels=3.0, bandwidth_Bps=1e9)
+    cm = CostModel(th, _with_models(c, m, m))
+    prog = _data_parallel(g, th)
+    r = ((0.5, 0.5),)
+    coef, const = cm.optimizer_linear(prog)
+    w = 32 * 16 * 4  # the replicated weight: every device steps all of it
+    assert coef == {} and const == pytest.approx((3e-5 + 10 * w / 1e9,) * 2)
+    ev = cm.evaluate(prog, r)
+    comp = [sum(cm.step_comp(st, r)[j] for st in prog) + const[j] for j in range(2)]
+    assert ev.stages[-1].comp_s == pytest.approx(tuple(comp))
+    # a G-loaded parameter counts its share
+    x, w_id = g.tensor("x").id, g.tensor("w0").id
+    sharded = [Step(prog[0].op, prog[0].strategy, (Load(x, G(0)), Load(w_id, G(0))))]
+    coef, const = cm.optimizer_linear(sharded)
+    assert coef[0] == pytest.approx((10 * w / 1e9,) * 2) and const == pytest.approx((3e-5,) * 2)
+
+
+def test_flops_only_kinds_keep_the_old_formula():
+    from hapnb import zoo
+    from hapnb.tracing import trace
+
+    model, inputs, _ = zoo.build("mlp", devices=8, **zoo.TINY["mlp"])
+    g = trace(model, inputs)
+    th = theory(g)
+    c = Cluster.preset("paper-hetero-8")
+    assert all(d.model is None for d in c.devices)
+    cm = CostModel(th, c)
+    r = ((0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1),) * cm.n_segments
+    for op in g.ops:
+        for s in th.strategies[op.id]:
+            old = tuple((s.scaled_flops * r[op.segment][j] + s.fixed_flops) / c.flops[j] for j in range(8))
+            assert cm.comp(op.id, s, r) == old
+    assert cm.optimizer_linear([]) == ({}, (0.0,) * 8)
+    total = sum(min(s.scaled_flops + s.fixed_flops for s in ss) for ss in th.strategies)
+    assert cm.lower_bound() == pytest.approx(total / c.total_flops)
+
+
+def test_memory_breakdown_sums_to_the_peak_and_shards_parameters(setup):
+    g, th, c, _ = setup
+    m = _model(memory_overhead=0.1, memory_const_bytes=1000.0)
+    cm = CostModel(th, _with_models(c, m, None))
+    x, w = g.tensor("x").id, g.tensor("w0").id
+    mm = g.ops[0]
+    step = Step(mm.id, _strategy(th, mm.id, "data"), (Load(x, G(0)), Load(w, I)))
+    r = ((0.75, 0.25),)
+    for b, total in zip(cm.memory_breakdown([step], (), r), cm.memory([step], (), r)):
+        assert sum(b.values()) == total
+    b0, b1 = cm.memory_breakdown([step], (), r)
+    assert b0["overhead"] == int(0.1 * sum(v for k, v in b0.items() if k != "overhead") + 1000)
+    assert b1["overhead"] == 0
+    # a parameter sharded on its rows counts its shard in parameters, gradients and both Adam states
+    col = next(s for s in th.strategies[mm.id] if s.inputs[1].kind == "G")
+    d = col.inputs[1].dim
+    step2 = Step(mm.id, col, (Load(x, col.inputs[0]), Load(w, col.inputs[1])))
+    for j, b in enumerate(cm.memory_breakdown([step2], (), r)):
+        shard = th.lengths(w, d, r[0])[j] * 32 * 16 * 4 // g.tensors[w].shape[d]
+        assert b["parameters"] == shard and b["optimizer"] == 2 * shard

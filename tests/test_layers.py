@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rules",),
     ("tracing",),
     ("triples",),
-    ("cluster", "cost"),
+    ("devices", "cluster", "cost"),
     ("search", "balance", "optimize"),
     ("plan", "simulate", "synthesis"),
     ("expand", "codegen", "collectives", "run"),

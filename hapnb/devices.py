@@ -1,0 +1,90 @@
+"""The roofline device model of one GPU kind (a value; :mod:`hapnb.cost` prices it, :mod:`hapnb.cluster`
+holds the parameters of the known kinds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DeviceModel", "device_model_or_none"]
+
+
+def _positive(value: object, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _nonnegative(value: object, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Roofline model of one GPU (all fp32): per-op time = ``kernels * kernel_s + max(flops / (peak_flops *
+    eff), bytes / bandwidth_Bps)`` with ``eff = matmul_eff * w / (w + matmul_half_flops)`` for matmul-like
+    kernels of ``w`` flops (1 for the rest); Adam moves ``optimizer_passes`` x the parameter bytes in
+    ``optimizer_kernels`` kernels; peak memory = ``(1 + memory_overhead) * model + memory_const_bytes``.
+    ``source`` says where the numbers come from (datasheet, profile, fit). :mod:`hapnb.cost` prices it."""
+
+    peak_flops: float
+    bandwidth_Bps: float
+    kernel_s: float
+    matmul_eff: float
+    matmul_half_flops: float
+    optimizer_passes: float = 16.0
+    optimizer_kernels: float = 12.0
+    memory_overhead: float = 0.0
+    memory_const_bytes: float = 0.0
+    source: str = "datasheet"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self)[:-1]:
+            pos = f.name in ("peak_flops", "bandwidth_Bps", "matmul_eff")
+            check = _positive if pos else _nonnegative
+            object.__setattr__(self, f.name, check(getattr(self, f.name), f"device model: {f.name}"))
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"device model: source must be a non-empty string, got {self.source!r}")
+
+    def efficiency(self, kernel_flops: float) -> float:
+        """Fraction of ``peak_flops`` a matmul-like kernel of ``kernel_flops`` flops reaches."""
+        w = max(0.0, kernel_flops)
+        return self.matmul_eff * w / (w + self.matmul_half_flops) if w > 0 else self.matmul_eff
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "model") -> DeviceModel:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) - set(names):
+            raise ValueError(
+                f"{where}: expected an object with keys among {', '.join(names)}, got {data!r:.80}"
+            )
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.peak_flops / 1e12:.3g} TFLOP/s x {self.matmul_eff:.3g} (half at "
+            f"{self.matmul_half_flops:.3g} flops), {self.bandwidth_Bps / 1e9:.4g} GB/s, "
+            f"{self.kernel_s * 1e6:.3g} us/kernel [{self.source}]"
+        )
+
+
+def device_model_or_none(value: object, what: str = "model") -> DeviceModel | None:
+    """Parse an optional ``model`` object of a cluster JSON device (None stays None)."""
+    return None if value is None else DeviceModel.from_json(value, what)
