@@ -61,8 +61,8 @@ def gantt(plan: Any, measured: Any = None, *, width: int = 900, height: int | No
         comm = "; ".join(s.comm) or "none"
         texts = [str(plan.program[i]) for i in s.instructions if i < len(plan.program)]
         instrs = "; ".join(texts)
-        if len(instrs) > 700:
-            instrs = instrs[:700] + f" ... ({len(texts)} instructions)"
+        if len(instrs) > 240:
+            instrs = instrs[:240] + f" ... ({len(texts)} instructions)"
         for j, d in enumerate(devs):
             c = s.comp_s[j] if j < len(s.comp_s) else 0.0
             if s.comm_s > 0:
