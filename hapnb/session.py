@@ -137,21 +137,11 @@ class PlanDiff:
         return display.safe_html(display.plan_diff_html, self.old, self.new)
 
 
-def _forms_by_tensor(plan: Plan) -> dict[str, tuple[str, ...]]:
-    out: dict[str, list[str]] = {}
-    for ins in plan.program:
-        if ins.kind in ("load", "collective"):
-            out.setdefault(ins.tensor, []).append(ins.form)
-        for t, f in ins.outputs:
-            out.setdefault(t, []).append(f)
-    return {k: tuple(v) for k, v in out.items()}
-
-
 def diff_plans(old: Plan, new: Plan) -> PlanDiff:
     """The :class:`PlanDiff` from ``old`` to ``new``."""
     po, pn = dict(old.pins), dict(new.pins)
     pins = tuple((t, po.get(t), pn.get(t)) for t in dict.fromkeys([*po, *pn]) if po.get(t) != pn.get(t))
-    fo, fn = _forms_by_tensor(old), _forms_by_tensor(new)
+    fo, fn = display.forms_by_tensor(old), display.forms_by_tensor(new)
     forms = tuple(
         (t, fo.get(t, ()), fn.get(t, ())) for t in dict.fromkeys([*fo, *fn]) if fo.get(t) != fn.get(t)
     )

@@ -43,7 +43,7 @@ from __future__ import annotations
 from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_unit
 from .charts import gantt, gantt_html
 from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
-from .plans import gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
+from .plans import forms_by_tensor, gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
 from .report import report_html
 from .tables import (
     cluster_html,
@@ -66,6 +66,7 @@ __all__ = [
     "plan_html",
     "history_html",
     "plan_diff_html",
+    "forms_by_tensor",
     "cluster_html",
     "sharding_html",
     "gantt",

@@ -179,7 +179,8 @@ def plan_html(plan: Any, *, max_instructions: int = 400) -> str:
     )
 
 
-def _forms_by_tensor(plan: Any) -> dict[str, tuple[str, ...]]:
+def forms_by_tensor(plan: Any) -> dict[str, tuple[str, ...]]:
+    """Every form each tensor takes in the plan's program, in program order (loads, collectives, outputs)."""
     out: dict[str, list[str]] = {}
     for ins in plan.program:
         if ins.kind in ("load", "collective"):
@@ -222,7 +223,7 @@ def plan_diff_html(old: Any, new: Any) -> str:
         parts.append(
             _table(["device", "old ratio", "new ratio"], rows, right=(1, 2), caption="ratios changed")
         )
-    fo, fn = _forms_by_tensor(old), _forms_by_tensor(new)
+    fo, fn = forms_by_tensor(old), forms_by_tensor(new)
     frows = [
         [esc(t), esc(", ".join(fo.get(t, ())) or "-"), esc(", ".join(fn.get(t, ())) or "-")]
         for t in dict.fromkeys(list(fo) + list(fn))
@@ -251,7 +252,7 @@ def plan_diff_html(old: Any, new: Any) -> str:
 
 def sharding_html(plan: Any, tensor: str, *, width: int = 480) -> str:
     """A picture (SVG) of one tensor's slices per device: uneven G(d) shards, or I/R copies."""
-    forms = _forms_by_tensor(plan).get(tensor, ())
+    forms = forms_by_tensor(plan).get(tensor, ())
     shape = None
     if plan.graph is not None:
         try:
