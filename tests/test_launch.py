@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import assert_gone
 
 from hapnb.cli import main as cli_main
 from hapnb.run.launch import (
@@ -75,33 +76,10 @@ def standin(tmp_path: Path) -> tuple[tuple[str, ...], Path]:
     return (str(script),), bundle
 
 
-def _alive(pid: int) -> bool:
-    try:
-        import psutil
-
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-    except ImportError:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-
 def _all_pids(job: Job) -> set[int]:
     pids = set(job.pids)
     pids |= {m["child"] for m in job.steps if m.get("child")}
     return pids
-
-
-def _assert_no_leftovers(pids: set[int]) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
 def test_streams_steps_from_four_ranks(standin) -> None:
@@ -126,7 +104,7 @@ def test_streams_steps_from_four_ranks(standin) -> None:
     assert result.final_loss == pytest.approx(1 / 6)
     assert "6 steps" in result.summary()
     assert all("starting rank" in t for t in result.stdout_tails)
-    _assert_no_leftovers(_all_pids(job))  # the children each rank spawned are gone too
+    assert_gone(_all_pids(job))  # the children each rank spawned are gone too
 
 
 def test_crashing_rank_stops_job_with_its_error(standin) -> None:
@@ -152,7 +130,7 @@ def test_crashing_rank_stops_job_with_its_error(standin) -> None:
     assert "ValueError: boom on rank 2 at step 2" in msg  # the traceback's last line
     assert "boom on rank 2" in result.stderr_tails[2]
     assert result.returncodes[2] == 1
-    _assert_no_leftovers(_all_pids(job))
+    assert_gone(_all_pids(job))
 
 
 def test_rank_killed_by_signal(standin) -> None:
@@ -163,7 +141,7 @@ def test_rank_killed_by_signal(standin) -> None:
     result = job.wait(timeout=30)
     assert result.failed_rank == 0 and result.returncode == 128 + 9 and result.returncodes[0] == -9
     assert "rank 0 was killed by SIGKILL (often the out-of-memory killer) after step 1" in result.error
-    _assert_no_leftovers(set(job.pids))
+    assert_gone(set(job.pids))
 
 
 def test_hanging_rank_is_stopped_by_timeout(standin) -> None:
@@ -178,7 +156,7 @@ def test_hanging_rank_is_stopped_by_timeout(standin) -> None:
     assert not result.ok and result.returncode == 124 and result.failed_rank == 1
     assert "rank 1 printed nothing for 1.5 s" in result.error
     assert "rank 1: step 0" in result.error and "rank 0: step 3" in result.error
-    _assert_no_leftovers(_all_pids(job))
+    assert_gone(_all_pids(job))
 
 
 def test_wall_timeout_and_stop(standin) -> None:
@@ -188,7 +166,7 @@ def test_wall_timeout_and_stop(standin) -> None:
     )
     result = job.wait(timeout=20)
     assert result.returncode == 124 and "wall-clock limit of 1 s" in result.error
-    _assert_no_leftovers(set(job.pids))
+    assert_gone(set(job.pids))
 
     job = launch(bundle, nproc=2, steps=1000, worker=worker, extra_args=["--child"])
     while len(job.steps) < 2:
@@ -196,7 +174,7 @@ def test_wall_timeout_and_stop(standin) -> None:
     res = job.stop()
     assert res is not None and res.returncode == 130 and "stopped" in res.error
     assert job.stop() is res  # idempotent
-    _assert_no_leftovers(_all_pids(job))
+    assert_gone(_all_pids(job))
 
 
 def test_ctrl_c_during_wait_cleans_up(standin) -> None:
@@ -210,7 +188,7 @@ def test_ctrl_c_during_wait_cleans_up(standin) -> None:
     with pytest.raises(KeyboardInterrupt):
         job.wait()
     assert not job.running and job.result.returncode == 130
-    _assert_no_leftovers(_all_pids(job))
+    assert_gone(_all_pids(job))
 
 
 def test_launch_validates_inputs(standin, tmp_path: Path) -> None:

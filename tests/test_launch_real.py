@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from procs import alive
 
 import hapnb as hap
 from hapnb import zoo
@@ -18,14 +19,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def plan() -> hap.Plan:
     return hap.synthesize("mlp", "2xV100+2xP100", **zoo.TINY["mlp"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_four_ranks_stream_steps(plan: hap.Plan) -> None:
@@ -55,4 +48,4 @@ def test_killing_a_rank_ends_the_job_cleanly(plan: hap.Plan) -> None:
     assert "rank 2" in res.error
     assert time.monotonic() - t0 < 60
     time.sleep(0.5)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)

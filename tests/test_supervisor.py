@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import assert_gone
 
 from hapnb.run.supervisor import (
     Outcome,
@@ -68,26 +69,11 @@ def _run(nproc: int, cfg: dict, **kw) -> tuple[Outcome, list[dict]]:
     return out, beats
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _pids(beats: list[dict]) -> set[int]:
     out = set()
     for b in beats:
         out |= {b.get("pid"), *b.get("kids", ())} - {None}
     return out
-
-
-def _assert_gone(pids: set[int]) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
 def test_helpers() -> None:
@@ -128,7 +114,7 @@ def test_crash_names_the_root_rank_and_kills_the_rest() -> None:
     assert "Traceback" in out.stderr_tails[1]
     pids = _pids(beats)
     assert len(pids) == 9  # three ranks, each with a child and a grandchild
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 def test_peer_loss_is_secondary_even_when_it_exits_first() -> None:
@@ -162,7 +148,7 @@ def test_stall_is_stuck_within_the_limit_and_the_tree_is_killed() -> None:
     assert "rank 1 printed nothing for 1.5 s (stall_s)" in out.error and "looks stuck" in out.error
     assert "rank 0: step 9" in out.error and "rank 1: step 1" in out.error
     pids = _pids(beats)
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 def test_wall_limit_while_progressing_is_slow() -> None:
@@ -172,7 +158,7 @@ def test_wall_limit_while_progressing_is_slow() -> None:
     assert "wall-clock limit of 1.5 s (--timeout) while still progressing: it is slow, not stuck" in out.error
     assert "raise --timeout" in out.error
     pids = _pids(beats)
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 def test_stop_and_a_failing_callback_end_the_run() -> None:
@@ -183,7 +169,7 @@ def test_stop_and_a_failing_callback_end_the_run() -> None:
     out = sup.stop()
     assert out is not None and out.status == "stopped" and out.returncode == 130
     assert sup.stop() is out
-    _assert_gone(set(sup.pids))
+    assert_gone(set(sup.pids))
 
     def boom(rank: int, rec: dict) -> None:
         raise KeyError("no such field")
@@ -205,7 +191,7 @@ def test_interpreter_exit_kills_the_ranks(tmp_path: Path) -> None:
     )  # exits without stopping: the atexit hook must end the ranks
     r = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    _assert_gone(set(json.loads((tmp_path / "pids").read_text())))
+    assert_gone(set(json.loads((tmp_path / "pids").read_text())))
 
 
 def test_bad_arguments() -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import assert_gone
 
 import hapnb as hap
 from hapnb import zoo
@@ -39,21 +40,6 @@ def dp_plan() -> Plan:
     plan = _mlp("2xV100", [0.75, 0.25], pins=DP_PINS, options={"sfb": False})
     assert all(i.name == "load" for i in plan.program if i.kind == "load")
     return plan
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _assert_gone(pids: set[int]) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
 # ============================================================================ against one device
@@ -249,7 +235,7 @@ def test_stopped_heartbeats_are_stuck_within_the_stall_limit(dp_plan: Plan, stan
     assert "raise stall_timeout (--stall-timeout)" in msg
     pids = _pids(events)
     assert len(pids) == 4  # two ranks, each with a child: all gone
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 @pytest.mark.slow
@@ -264,4 +250,4 @@ def test_progress_past_the_time_limit_is_slow(dp_plan: Plan, standin: str) -> No
         "wall-clock limit of 3 s (timeout (--timeout)) while still progressing: it is slow, not stuck" in msg
     )
     assert "raise timeout (--timeout)" in msg
-    _assert_gone(_pids(events))
+    assert_gone(_pids(events))

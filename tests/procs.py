@@ -1,0 +1,25 @@
+"""Process checks shared by the run-layer tests: is a pid alive (zombies count as gone), and did a run
+leave nothing behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, already exited but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids: Iterable[int], within_s: float = 5.0) -> None:
+    """Every pid has exited within ``within_s`` seconds."""
+    pids = set(pids)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes left behind"
