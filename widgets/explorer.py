@@ -774,9 +774,8 @@ class Explorer:
         depth = int(self.controls["depth"].value)
         ev = s.event if s.event is not None and getattr(s.event.popped, "id", None) == s.current else None
         try:
-            dot = display.search_tree_dot(s.search, around=s.current, depth=depth, event=ev)
             # left to right: the root sits at the drawing's left edge, where the scroll box opens
-            dot.attr(rankdir="LR")
+            dot = display.search_tree_dot(s.search, around=s.current, depth=depth, event=ev, rankdir="LR")
             pic = display.svg(dot)
             body = pic if pic else f"<pre>{html.escape(dot.source)}</pre>"
         except Exception as e:  # noqa: BLE001 - the drawing is optional

@@ -229,8 +229,10 @@ def search_tree_dot(
     *,
     event: Any = None,
     max_children: int = 12,
+    rankdir: str = "TB",
 ) -> Any:
-    """Draw the part of the A* tree around one node as a graphviz ``Digraph``.
+    """Draw the part of the A* tree around one node as a graphviz ``Digraph`` (``rankdir="LR"`` puts
+    the root at the left edge, for boxes that scroll sideways).
 
     Shows the path from the root to ``around`` (default: the node ``event`` popped, else the best
     complete node, else the root), ``depth`` levels of its descendants (at most ``max_children`` per
@@ -251,7 +253,7 @@ def search_tree_dot(
         best_path.add(nid)
         nid = search.node(nid).parent
     dot = _digraph(
-        "search", rankdir="TB", fontname="Helvetica", fontsize="10", labelloc="t",
+        "search", rankdir=rankdir, fontname="Helvetica", fontsize="10", labelloc="t",
         label=_lbl(f"A* tree of {g.name}: {search.stats.get('expansions', 0)} expansions, "
                    f"{len(open_ids)} open" + (f", best {_ms(best.cost)} ms" if best else "")),
     )  # fmt: skip
