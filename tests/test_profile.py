@@ -11,10 +11,13 @@ import pytest
 
 from hapnb.cli import main as cli_main
 from hapnb.cluster import COLLECTIVE_KINDS, Cluster, Collective
+from hapnb.devices import DeviceModel
 from hapnb.run.profile import (
     ProfileError,
     fit_collective,
+    fit_matmul_curve,
     profile_collectives,
+    profile_device_model,
     profile_devices,
     training_flops,
 )
@@ -80,6 +83,60 @@ def test_profile_devices_cpu() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# device model (roofline parameters)
+
+
+def test_matmul_fit_recovers_a_known_curve() -> None:
+    rate, half = 90e9, 1.5e5  # achieved = rate * w / (w + half)  <=>  seconds = (w + half) / rate
+    flops = [2.0 * n**3 for n in (16, 32, 64, 128, 256, 512)]
+    r, h = fit_matmul_curve([(w, (w + half) / rate) for w in flops])
+    assert r == pytest.approx(rate, rel=1e-9) and h == pytest.approx(half, rel=1e-6)
+    rng = random.Random(1)  # 2 % multiplicative noise, three timings per size
+    noisy = [(w, (w + half) / rate * (1 + rng.uniform(-0.02, 0.02))) for w in flops * 3]
+    r, h = fit_matmul_curve(noisy)
+    assert r == pytest.approx(rate, rel=0.05) and h == pytest.approx(half, rel=0.25)
+    # pure throughput (no fixed cost) and a negative intercept both give half_flops = 0
+    assert fit_matmul_curve([(w, w / rate) for w in flops])[1] == pytest.approx(0.0, abs=1e-3)
+    r, h = fit_matmul_curve([(1e6, 0.9e-5), (2e6, 2.0e-5), (4e6, 4.1e-5)])
+    assert h == 0.0 and 0.9e11 < r < 1.1e11
+    with pytest.raises(ValueError, match=">= 2 sizes"):
+        fit_matmul_curve([(1e6, 1e-5), (1e6, 2e-5)])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fit_matmul_curve([(1e6, 1e-5), (2e6, 0.0)])
+
+
+def test_profile_device_model_quick_is_sane() -> None:
+    import torch
+
+    p = profile_device_model("cpu", quick=True, threads=1)
+    m = p.model
+    assert isinstance(m, DeviceModel)
+    for name in ("peak_flops", "bandwidth_Bps", "kernel_s", "matmul_eff", "attention_eff",
+                 "optimizer_passes", "optimizer_kernels"):  # fmt: skip
+        assert getattr(m, name) > 0 and math.isfinite(getattr(m, name)), name
+    assert m.matmul_half_flops >= 0 and m.matmul_eff <= 1 and m.attention_eff <= 1
+    # physically plausible for any CPU: 1e8..1e14 flop/s, 1e8..1e13 B/s, 10 ns..10 ms per kernel
+    assert 1e8 < m.peak_flops < 1e14 and 1e8 < m.bandwidth_Bps < 1e13 and 1e-8 < m.kernel_s < 1e-2
+    assert m.source.startswith("profile: ") and f"torch {torch.__version__}" in m.source
+    assert "1 threads" in m.source and torch.get_num_threads() >= 1
+    assert len(p.matmul) >= 4 and all(w > 0 and t > 0 for w, t in p.matmul)
+    with pytest.raises(ValueError, match="device must be"):
+        profile_device_model("tpu")
+    with pytest.raises(ValueError, match="stat must be"):
+        profile_device_model("cpu", quick=True, stat="mean")
+
+
+def test_profiled_device_model_round_trips_through_cluster_json(tmp_path: Path) -> None:
+    tiny = [("mlp", {"batch": 4, "hidden": 8, "input": 8, "layers": 1})]
+    (d,) = profile_devices(1, "cpu", quick=True, steps=1, warmup=0, models=tiny, device_model=True)
+    assert d.model is not None and d.device().model == d.model
+    c = Cluster("one-cpu", (d.device(),), {"all_reduce": Collective(1e-5, 1e9)})
+    again = Cluster.load(c.save(tmp_path / "c.json"))
+    assert again == c and again.devices[0].model == d.model
+    assert "device model" in str(again)
+
+
+# ----------------------------------------------------------------------------------------------------
 # collectives on 2 gloo ranks -> cluster JSON
 
 
@@ -118,6 +175,10 @@ def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     assert c.name == "here" and c.names == ("cpu-0", "cpu-1") and c.dtype_bytes == 4
     assert all(coll.bandwidth_Bps > 0 and coll.latency_s >= 0 for _, coll in c.collectives)
     assert c.intra_machine_Bps == c.collective("all_reduce").bandwidth_Bps
+    # every device carries the measured device model (the same one: the ranks share this CPU)
+    models = {d.model for d in c.devices}
+    assert len(models) == 1 and all(isinstance(m, DeviceModel) for m in models)
+    assert next(iter(models)).source.startswith("profile: ")
     assert "wrote" in capsys.readouterr().out
 
 

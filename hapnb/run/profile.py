@@ -8,6 +8,10 @@
   ``3 x`` the sum of the forward ``flops`` that :func:`hapnb.trace` gives each op, exactly what the cost
   model charges (backward = 2x forward; paper §3.2, hap-reference §3.2). The result is an *effective*
   throughput: the cost model's flops divided by real time, not the hardware's peak.
+* **Device model** (:func:`profile_device_model`): the roofline parameters of
+  :class:`~hapnb.devices.DeviceModel` (matmul efficiency curve over sizes, memory bandwidth, per-kernel
+  overhead, attention efficiency, Adam step), fitted with numpy (:func:`fit_matmul_curve`); its
+  ``source`` names the device, the date and the torch version.
 * **Collectives** (:func:`profile_collectives`): ``nproc`` local ranks (gloo on CPU, NCCL on GPUs) time
   each collective kind at several sizes (barrier before each call, median over repeats of the slowest
   rank's time) with the same torch.distributed calls the runtime makes, and :func:`fit_collective`
@@ -26,7 +30,7 @@
   ``reduce``          n ``reduce`` (one per root, grouped)     ``full``            n
   ==================  =======================================  ==================  ==========
 
-* :func:`profile_cluster` combines both into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
+* :func:`profile_cluster` combines them into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
   or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
 
 Calibration against a real run is :mod:`hapnb.run.calibrate`.
@@ -50,18 +54,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+from ..devices import DeviceModel
 from .supervisor import run_local
 
 __all__ = [
+    "BANDWIDTH_ELEMENTS",
     "BENCHMARKS",
     "CollectiveFit",
+    "DeviceModelProfile",
     "DeviceProfile",
+    "MATMUL_SIZES",
     "ProfileError",
     "collective_sizes",
+    "device_name",
     "fit_collective",
+    "fit_matmul_curve",
     "measure_step_s",
     "profile_cluster",
     "profile_collectives",
+    "profile_device_model",
     "profile_devices",
     "training_flops",
 ]
@@ -146,9 +157,10 @@ class DeviceProfile:
     step_s: float  # median fwd+bwd+SGD seconds, summed over the benchmark models
     training_flops: float  # cost-model flops of one step, summed over the benchmark models
     details: tuple[tuple[str, float, float], ...] = ()  # (model, training flops, median step s)
+    model: DeviceModel | None = None  # the measured roofline model (profile_device_model), if asked
 
     def device(self) -> Device:
-        return Device(self.name, self.kind, self.flops, self.memory_bytes, self.machine)
+        return Device(self.name, self.kind, self.flops, self.memory_bytes, self.machine, model=self.model)
 
     def __str__(self) -> str:
         rate = f"{self.flops / 1e9:.4g} GFLOP/s effective"
@@ -196,9 +208,11 @@ def profile_devices(
     warmup: int = 2,
     models: Sequence[tuple[str, Mapping[str, Any]]] | None = None,
     threads: int | None = None,
+    device_model: bool = False,
 ) -> tuple[DeviceProfile, ...]:
     """Effective training throughput of ``nproc`` local devices (``device``: "cpu", "cuda" or None =
-    CUDA when available).
+    CUDA when available); with ``device_model``, also each device's roofline parameters
+    (:func:`profile_device_model`, same ``quick`` and threads), carried by the profiles' devices.
 
     CUDA: GPUs ``0..nproc-1`` are measured one by one (named after their kind, e.g. ``a100-0``). CPU:
     the ``nproc`` ranks share this CPU, so the benchmark runs once with ``threads`` = cores / nproc
@@ -224,22 +238,261 @@ def profile_devices(
             props = torch.cuda.get_device_properties(i)
             kind = _gpu_kind(props.name)
             details = _benchmark(torch.device("cuda", i), models, steps, warmup)
-            out.append(_profile(f"{kind.lower()}-{i}", kind, int(props.total_memory), machine, details))
+            dm = profile_device_model(f"cuda:{i}", quick=quick).model if device_model else None
+            out.append(_profile(f"{kind.lower()}-{i}", kind, int(props.total_memory), machine, details, dm))
         return tuple(out)
     old = torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // nproc))
+    nthreads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    torch.set_num_threads(nthreads)
     try:
         details = _benchmark(torch.device("cpu"), models, steps, warmup)
+        dm = profile_device_model("cpu", quick=quick, threads=nthreads).model if device_model else None
     finally:
         torch.set_num_threads(old)
     mem = max(1, _ram_bytes() // nproc)
-    return tuple(_profile(f"cpu-{i}", "CPU", mem, machine, details) for i in range(nproc))
+    return tuple(_profile(f"cpu-{i}", "CPU", mem, machine, details, dm) for i in range(nproc))
 
 
-def _profile(name: str, kind: str, mem: int, machine: str, details: tuple) -> DeviceProfile:
+def _profile(
+    name: str, kind: str, mem: int, machine: str, details: tuple, model: DeviceModel | None = None
+) -> DeviceProfile:
     flops = math.fsum(d[1] for d in details)
     step_s = math.fsum(d[2] for d in details)
-    return DeviceProfile(name, kind, flops / step_s, mem, machine, step_s, flops, details)
+    return DeviceProfile(name, kind, flops / step_s, mem, machine, step_s, flops, details, model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device model (the roofline parameters of hapnb.devices.DeviceModel)
+
+#: Square matmul sizes ``n`` (``n x n @ n x n``) timed for the efficiency curve, per (device type, quick).
+MATMUL_SIZES: Mapping[tuple[str, bool], tuple[int, ...]] = {
+    ("cpu", True): (16, 32, 64, 128, 256),
+    ("cpu", False): (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768),
+    ("cuda", True): (64, 256, 1024, 2048),
+    ("cuda", False): (64, 128, 256, 512, 1024, 2048, 4096, 8192),
+}
+#: Elements per tensor of the elementwise ``c = a + b`` that measures memory bandwidth (3 tensors move).
+BANDWIDTH_ELEMENTS: Mapping[tuple[str, bool], int] = {
+    ("cpu", True): 1 << 21, ("cpu", False): 1 << 23, ("cuda", True): 1 << 24, ("cuda", False): 1 << 26,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeviceModelProfile:
+    """What :func:`profile_device_model` measured: the :class:`~hapnb.devices.DeviceModel` and the raw
+    timings it was fitted from (``matmul``: (flops, seconds) per call; ``kernel_s``: per kernel of a
+    fwd+bwd chain of one-element ops; ``bandwidth``: (bytes, seconds) of ``c = a + b``; ``attention``:
+    (training flops, seconds) of one SDPA fwd+bwd; ``adam``: (parameter bytes, seconds) of an Adam step)."""
+
+    model: DeviceModel
+    matmul: tuple[tuple[float, float], ...]
+    kernel_s: float
+    bandwidth: tuple[float, float]
+    attention: tuple[float, float] | None
+    adam: tuple[float, float] | None
+
+    def __str__(self) -> str:
+        return f"device model: {self.model}"
+
+
+def fit_matmul_curve(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(rate, half_flops)`` of the curve ``achieved = rate * w / (w + half_flops)`` fitted to ``points``
+    of (``w`` flops per call, seconds per call).
+
+    The curve means ``seconds = (w + half_flops) / rate``, a line in ``w``; it is fitted by least squares
+    on the *relative* residual ``(c + s w) / t - 1`` (every size counts alike), then ``rate = 1 / s`` and
+    ``half_flops = c / s`` (0 when the intercept comes out negative: refitted through the origin).
+
+    >>> pts = [(w, (w + 1e6) / 1e11) for w in (1e5, 1e6, 1e7, 1e8)]
+    >>> rate, half = fit_matmul_curve(pts)
+    >>> round(rate / 1e9, 6), round(half / 1e6, 6)
+    (100.0, 1.0)
+    """
+    import numpy as np
+
+    pts = [(float(w), float(t)) for w, t in points]
+    if len({w for w, _ in pts}) < 2:
+        raise ValueError(f"fitting the matmul curve needs timings at >= 2 sizes, got {len(pts)} point(s)")
+    if any(not (w > 0 and t > 0 and math.isfinite(w) and math.isfinite(t)) for w, t in pts):
+        raise ValueError(f"fitting the matmul curve: flops and seconds must be finite and > 0: {pts}")
+    w = np.array([p[0] for p in pts])
+    t = np.array([p[1] for p in pts])
+    a = np.stack([1 / t, w / t], axis=1)
+    (c, s), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
+    if c < 0 or s <= 0:  # through the origin: seconds = w / rate
+        c, s = 0.0, float(np.sum(w / t) / np.sum((w / t) ** 2))
+    return float(1 / s), float(c / s)
+
+
+def _timer(device: Any, stat: str = "min") -> Any:
+    """``time(fn, inner, repeats) -> seconds per call`` on ``device`` (CUDA synchronised): the ``stat``
+    ("min" or "median") over the repeats."""
+    import torch
+
+    reduce_fn = {"median": statistics.median, "min": min}.get(stat)
+    if reduce_fn is None:
+        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def time_it(fn: Any, inner: int = 1, repeats: int = 5, warmup: int = 1) -> float:
+        times = []
+        for i in range(warmup + repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) / inner)
+        return reduce_fn(times)
+
+    return time_it
+
+
+def _inner(seconds_per_call: float, budget_s: float) -> int:
+    return max(1, min(10_000, int(budget_s / max(seconds_per_call, 1e-9))))
+
+
+def device_name(device: Any) -> str:
+    """A human name of a torch device: the GPU's name, or the CPU's model name from /proc/cpuinfo."""
+    import platform
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} (CPU)"
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return f"{platform.processor() or platform.machine() or 'unknown'} (CPU)"
+
+
+def profile_device_model(
+    device: str | None = None,
+    *,
+    quick: bool = False,
+    threads: int | None = None,
+    repeats: int | None = None,
+    sizes: Sequence[int] | None = None,
+    stat: str = "min",
+) -> DeviceModelProfile:
+    """Measure the local device's :class:`~hapnb.devices.DeviceModel` parameters (``device``: "cpu",
+    "cuda", "cuda:1" or None = CUDA when available; ``threads``: torch threads on CPU, default unchanged).
+
+    * matmul efficiency: ``torch.mm`` and ``torch.addmm`` of ``n x n`` matrices (``sizes``, default
+      :data:`MATMUL_SIZES`), ``2 n^3`` flops each; :func:`fit_matmul_curve` gives the asymptotic rate and
+      ``matmul_half_flops``; ``peak_flops`` = the larger of that rate and the best measured one,
+      ``matmul_eff`` = rate / peak;
+    * ``bandwidth_Bps``: ``c = a + b`` on :data:`BANDWIDTH_ELEMENTS` floats (``3 x`` the tensor bytes move);
+    * ``kernel_s``: a chain of 200 multiplications of one-element tensors, forward + backward (2 kernels
+      per op), so it includes autograd's per-op cost as the cost model's kernel counts do;
+    * ``attention_eff``: ``F.scaled_dot_product_attention`` forward + backward, the rules' flops (x3 for
+      training) over time, as a fraction of ``peak_flops``;
+    * ``optimizer_passes``: a ``torch.optim.Adam`` step over one large parameter, seconds x bandwidth over
+      the parameter bytes; ``optimizer_kernels``: an Adam step over one one-element parameter, in kernels.
+
+    Memory overhead and constant stay 0 (``hapnb calibrate --measured`` fits them from measured peaks).
+    Each timing repeats short calls to ~20 ms (5 ms quick) and takes the ``stat`` over ``repeats``
+    (default 3 quick, 7 otherwise): the fastest (``"min"``, the default: on a shared machine other work
+    only ever adds time) or the median.
+    """
+    import datetime
+
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    repeats = repeats or (3 if quick else 7)
+    budget = 0.005 if quick else 0.02
+    old_threads = torch.get_num_threads()
+    if threads is not None and dev.type == "cpu":
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        time_it = _timer(dev, stat)
+
+        def timed(fn: Any) -> float:
+            return time_it(fn, _inner(time_it(fn, 1, 1, 1), budget), repeats)
+
+        with torch.no_grad():
+            mm_points = []
+            for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
+                a, b, c = (torch.randn(n, n, device=dev) for _ in range(3))
+                bias = torch.randn(n, device=dev)
+                mm_points.append((2.0 * n**3, timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))))
+                addmm = lambda a=a, b=b, c=c, bias=bias: torch.addmm(bias, a, b, out=c)  # noqa: E731
+                mm_points.append((2.0 * n**3, timed(addmm)))
+            rate, half = fit_matmul_curve(mm_points)
+            peak = max(rate, max(w / t for w, t in mm_points))
+            n = BANDWIDTH_ELEMENTS[(dev.type, quick)]
+            x, y, z = (torch.randn(n, device=dev) for _ in range(3))
+            bw_point = (3.0 * 4 * n, timed(lambda: torch.add(x, y, out=z)))
+            x = y = z = torch.empty(0)
+        bandwidth = bw_point[0] / bw_point[1]
+
+        chain = 200
+        x = torch.ones(1, device=dev, requires_grad=True)
+
+        def tiny_chain() -> None:
+            y = x
+            for _ in range(chain):
+                y = y * 1.0001
+            y.backward()
+
+        kernel_s = timed(tiny_chain) / (2 * chain)
+
+        shape = (2, 4, 64, 32) if quick else (4, 8, 128, 64)  # batch, heads, seq, head dim
+        q, k, v = (torch.randn(shape, device=dev, requires_grad=True) for _ in range(3))
+
+        def attention() -> None:
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+        lead, L, E = shape[0] * shape[1], shape[2], shape[3]
+        att_flops = 3.0 * (2 * lead * L * L * (2 * E) + 5 * lead * L * L)  # the rules' sdpa flops, x3
+        att_t = timed(attention)
+        attention_eff = min(1.0, max(1e-3, att_flops / att_t / peak))
+
+        big = torch.nn.Parameter(torch.zeros(n // 4, device=dev))
+        big.grad = torch.zeros_like(big)
+        opt = torch.optim.Adam([big], lr=1e-4)
+        adam_big = timed(opt.step)
+        passes = max(1.0, adam_big * bandwidth / (4.0 * big.numel()))
+        one = torch.nn.Parameter(torch.zeros(1, device=dev))
+        one.grad = torch.zeros_like(one)
+        opt1 = torch.optim.Adam([one], lr=1e-4)
+        opt_kernels = max(1.0, timed(opt1.step) / kernel_s)
+    finally:
+        torch.set_num_threads(old_threads)
+    date = datetime.date.today().isoformat()
+    nthreads = f", {threads or old_threads} threads" if dev.type == "cpu" else ""
+    model = DeviceModel(
+        peak_flops=peak,
+        bandwidth_Bps=bandwidth,
+        kernel_s=kernel_s,
+        matmul_eff=min(1.0, rate / peak),
+        matmul_half_flops=half,
+        attention_eff=attention_eff,
+        optimizer_passes=passes,
+        optimizer_kernels=opt_kernels,
+        source=f"profile: {device_name(dev)}{nthreads}, {date}, torch {torch.__version__}",
+    )
+    return DeviceModelProfile(
+        model, tuple(mm_points), kernel_s, bw_point, (att_flops, att_t), (4.0 * big.numel(), adam_big)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -488,11 +741,15 @@ def profile_cluster(
     sizes: Sequence[int] | None = None,
     repeats: int | None = None,
     timeout_s: float = 300.0,
+    threads: int | None = None,
+    device_model: bool = True,
 ) -> Cluster:
     """Profile ``nproc`` local devices and their collectives into a :class:`Cluster`.
 
     Defaults: all visible GPUs with NCCL, else 2 CPU ranks with gloo. The cluster's
-    ``intra_machine_Bps`` is the measured all-reduce bandwidth.
+    ``intra_machine_Bps`` is the measured all-reduce bandwidth. With ``device_model`` (default) every
+    device carries its measured :class:`~hapnb.devices.DeviceModel` (JSON key ``model``), so the cost
+    model prices it as a roofline; ``threads``: torch threads per CPU rank (default cores / nproc).
     """
     import torch
 
@@ -501,7 +758,7 @@ def profile_cluster(
         nproc = torch.cuda.device_count() if cuda else 2
     backend = backend or ("nccl" if cuda else "gloo")
     device = "cuda" if backend == "nccl" or (cuda and torch.cuda.device_count() >= nproc) else "cpu"
-    devices = profile_devices(nproc, device, quick=quick)
+    devices = profile_devices(nproc, device, quick=quick, threads=threads, device_model=device_model)
     fits = profile_collectives(nproc, backend, sizes, repeats, quick=quick, timeout_s=timeout_s)
     kind = devices[0].kind
     return Cluster(
