@@ -139,8 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="limit for the collective runs (s)")
 
-    p = sub.add_parser("calibrate", help="launch a plan briefly and compare predicted vs measured time")
-    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    p = sub.add_parser(
+        "calibrate",
+        help="launch a plan briefly and compare predicted vs measured time, or (--measured) fit a "
+        "device model to measured training steps",
+    )
+    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", nargs="?", help="a plan JSON file or a bundle directory")
+    p.add_argument(
+        "--measured",
+        metavar="RUNS_JSON",
+        help="fit the device model of --kind to these measured runs (format of shared/data/h100-lm-steps.json)",
+    )
+    p.add_argument("--kind", default="H100", help="device kind to fit (with --measured)")
+    p.add_argument("-o", "--output", help="write the fitted one-device cluster JSON here (with --measured)")
+    p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits (with --measured)")
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
@@ -457,9 +469,27 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(ns: argparse.Namespace) -> int:
-    from .run.calibrate import calibrate_launch
+    from .run.calibrate import calibrate_launch, fit_device_model
     from .run.launch import LaunchError, default_backend
 
+    if ns.measured:
+        try:
+            fit = fit_device_model(ns.measured, ns.kind, loo=not ns.no_loo)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"hapnb calibrate: {e}", file=sys.stderr)
+            return 2
+        if ns.output:
+            fit.cluster().save(ns.output)
+        print(json.dumps(fit.to_json()) if ns.json else fit.summary())
+        if ns.output and not ns.json:
+            print(f"wrote {ns.output}")
+        return 0
+    if not ns.plan:
+        print(
+            "hapnb calibrate: give a plan (or bundle) to launch, or --measured RUNS_JSON to fit",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = calibrate_launch(
             ns.plan,

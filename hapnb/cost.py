@@ -16,12 +16,16 @@ the iteration time is ``sum over stages (comm + max_j comp_j)`` (paper §3.2).
 
 Device model (devices whose kind has a :class:`~hapnb.devices.DeviceModel`, e.g. the H100; every other
 device stays flops-only as above, so the paper presets keep HAP's numbers). Per op, forward + backward:
-``kernels * kernel_s + max(flops / (peak * eff), bytes / bandwidth)``, kernels from
-:data:`FAMILY_KERNELS`, bytes = the op's input + output tensors forward and 2x that backward, ``eff`` the
-matmul efficiency curve for matmul-like families (:data:`MATMUL_FAMILIES`) at the per-kernel flops, 1
-for the memory-bound rest. To stay linear in the device's ratio ``r`` (so the ratio LP stays an LP),
-the efficiency and the regime (compute or memory bound) are read at a *reference share* (the
-throughput-proportional ratio of the device); the op then costs ``const + coef * r``. The optimizer
+a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a GPU work time
+``max(flops / (peak * eff), bytes / bandwidth)``, bytes = the op's input + output tensors forward and 2x
+that backward, ``eff`` the matmul efficiency curve for :data:`MATMUL_FAMILIES` at the per-kernel flops,
+``attention_eff`` for attention, 1 for the memory-bound rest. The host runs ahead of the GPU, so a
+device is either launch bound (every op costs its launch time) or GPU bound (every op costs its work):
+the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``,
+which the fit to the measured H100 steps prefers to the per-op sum: docs/fidelity.md). To stay linear in
+the device's ratio ``r`` (so the ratio LP stays an LP), efficiency, regime (compute or memory bound) and
+the device's launch/GPU bound are read at a *reference share* (the throughput-proportional ratio of the
+device, each op under its first strategy); an op then costs ``const + coef * r``. The optimizer
 step (Adam, foreach) is memory-bound work over the device's parameters, gradients and states,
 ``optimizer_kernels * kernel_s + optimizer_passes * local_param_bytes / bandwidth``, charged once per
 iteration to the last stage.
@@ -80,7 +84,7 @@ FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
     }
 )
 #: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
-MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv", "attention"})
+MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
 #: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
 #: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
 #: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
@@ -225,6 +229,7 @@ class CostModel:
         self.reference_share = tuple(f / total for f in self.flops)
         self._lin: dict[tuple[int, Strategy, int], tuple[float, float]] = {}
         self._op_bytes: dict[int, tuple[float, int]] = {}
+        self._bound: dict[int, bool] = {}
 
     # ------------------------------------------------------------------ computation
     def comp(self, op: int, s: Strategy, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
@@ -266,8 +271,16 @@ class CostModel:
         ``const + coef * r_j``, efficiency and regime read at the device's reference share."""
         key = (op, s, j)
         hit = self._lin.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            m = self.models[j]
+            assert m is not None
+            launch = self.op_traffic(op)[1] * m.kernel_s
+            hit = (launch, 0.0) if self.launch_bound(j) else self._work_linear(op, s, j)
+            self._lin[key] = hit
+        return hit
+
+    def _work_linear(self, op: int, s: Strategy, j: int) -> tuple[float, float]:
+        """GPU work of ``op`` under ``s`` on device ``j`` as ``(const, coef)`` (regime at the reference)."""
         m = self.models[j]
         assert m is not None
         o = self.graph.ops[op]
@@ -285,25 +298,37 @@ class CostModel:
         if o.family in MATMUL_FAMILIES:
             share = (fs * ref + ff) / total if total > 0 else 1.0
             eff = m.efficiency(o.flops * share / k)
+        elif o.family == "attention":
+            eff = m.attention_eff
         rate, bw = m.peak_flops * eff * k, m.bandwidth_Bps * k
         if (fs * ref + ff) / rate >= (bs * ref + bf) / bw:
             coef, const = fs / rate, ff / rate
         else:
             coef, const = bs / bw, bf / bw
-        hit = (kernels * m.kernel_s + const, coef)
-        self._lin[key] = hit
+        return const, coef
+
+    def launch_bound(self, j: int) -> bool:
+        """Whether device ``j`` (with a device model) is launch bound on this graph: the launch times of
+        all ops (each under its first strategy, at the reference share) exceed their GPU work."""
+        hit = self._bound.get(j)
+        if hit is None:
+            m = self.models[j]
+            assert m is not None
+            launch = work = 0.0
+            for op in self.graph.ops:
+                const, coef = self._work_linear(op.id, self.theory.strategies[op.id][0], j)
+                launch += self.op_traffic(op.id)[1] * m.kernel_s
+                work += const + coef * self.reference_share[j]
+            hit = self._bound[j] = launch > work
         return hit
 
     def lower_bound(self) -> float:
         """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
-        a device model counts ``peak * matmul_eff`` per GPU (overheads and bandwidth left out)."""
+        a device model counts its peak per GPU (no efficiency reaches more; overheads left out)."""
         total = 0.0
         for ss in self.theory.strategies:
             total += min(s.scaled_flops + s.fixed_flops for s in ss)
-        rate = [
-            f if m is None else m.peak_flops * m.matmul_eff * k
-            for f, m, k in zip(self.flops, self.models, self.gpus)
-        ]
+        rate = [f if m is None else m.peak_flops * k for f, m, k in zip(self.flops, self.models, self.gpus)]
         return total / sum(rate)
 
     # ------------------------------------------------------------------ optimizer step
@@ -431,6 +456,9 @@ class CostModel:
         return tuple(out)
 
     def step_terms(self, step: Step) -> tuple[Term, ...]:
+        """Communication terms of one step; none on a one-device cluster (nothing to talk to)."""
+        if self.n == 1:
+            return ()
         terms: list[Term] = []
         for ld in step.loads:
             terms += self.load_terms(ld)
@@ -566,8 +594,9 @@ class CostModel:
                     largest = [max(a, b) for a, b in zip(largest, self._local(t, f, ratios, seg))]
             for t, f, scale in _saved(g, op, st.strategy):
                 t = alias.get(t, t)
-                if (t, str(f), scale) not in saved and g.tensors[t].role == "activation":
-                    saved.add((t, str(f), scale))
+                key = (t, str(f) if n > 1 else "", scale)  # one device: every form is the whole tensor
+                if key not in saved and g.tensors[t].role == "activation":
+                    saved.add(key)
                     add("activations", self._local(t, f, ratios, seg), scale)
         for cv in extra:
             add("transient", self._local(cv.tensor, cv.dst, ratios))

@@ -35,17 +35,23 @@ def _nonnegative(value: object, what: str) -> float:
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """Roofline model of one GPU (all fp32): per-op time = ``kernels * kernel_s + max(flops / (peak_flops *
-    eff), bytes / bandwidth_Bps)`` with ``eff = matmul_eff * w / (w + matmul_half_flops)`` for matmul-like
-    kernels of ``w`` flops (1 for the rest); Adam moves ``optimizer_passes`` x the parameter bytes in
-    ``optimizer_kernels`` kernels; peak memory = ``(1 + memory_overhead) * model + memory_const_bytes``.
-    ``source`` says where the numbers come from (datasheet, profile, fit). :mod:`hapnb.cost` prices it."""
+    """Model of one GPU running eager PyTorch (fp32), priced by :mod:`hapnb.cost`.
+
+    Per op: a launch time ``kernels * kernel_s`` (the host's dispatch of its forward and backward
+    kernels) and a GPU work time ``max(flops / (peak_flops * eff), bytes / bandwidth_Bps)`` with
+    ``eff = matmul_eff * w / (w + matmul_half_flops)`` for matmul-like kernels of ``w`` flops,
+    ``attention_eff`` for fused attention and 1 for the memory-bound rest. The host runs ahead of the
+    GPU, so a step costs the larger of the two sums (launch bound or GPU bound); Adam's step adds
+    ``optimizer_kernels`` launches and ``optimizer_passes`` x the parameter bytes of memory traffic. Peak
+    memory = ``(1 + memory_overhead) * modelled + memory_const_bytes``. ``source``: where the numbers
+    come from (datasheet, profile, fit)."""
 
     peak_flops: float
     bandwidth_Bps: float
     kernel_s: float
     matmul_eff: float
     matmul_half_flops: float
+    attention_eff: float = 0.5
     optimizer_passes: float = 16.0
     optimizer_kernels: float = 12.0
     memory_overhead: float = 0.0
@@ -54,7 +60,7 @@ class DeviceModel:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self)[:-1]:
-            pos = f.name in ("peak_flops", "bandwidth_Bps", "matmul_eff")
+            pos = f.name in ("peak_flops", "bandwidth_Bps", "matmul_eff", "attention_eff")
             check = _positive if pos else _nonnegative
             object.__setattr__(self, f.name, check(getattr(self, f.name), f"device model: {f.name}"))
         if not isinstance(self.source, str) or not self.source.strip():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -89,3 +90,121 @@ def test_calibrate_cli_launches_and_reports(tmp_path: Path, capsys) -> None:
     assert info.value.result is not None and info.value.result.returncode == 5
     assert cli_main(["calibrate", str(bundle), "--worker", str(crash), "--backend", "gloo"]) == 5
     assert "hapnb calibrate: the run failed" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- fitting a device model
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+DATA = (
+    next(
+        (
+            p
+            for p in (_ROOT / "shared", _ROOT.parent / "shared")
+            if (p / "data" / "h100-lm-steps.json").is_file()
+        ),
+        _ROOT / "shared",
+    )
+    / "data"
+    / "h100-lm-steps.json"
+)
+
+
+def _synthetic_runs(truth):
+    """Hand-made run features: matmuls of several sizes, attention, memory-bound ops; launch-bound small
+    runs and GPU-bound large ones. The 'measured' times come from the model itself."""
+    import numpy as np
+
+    from hapnb.run.calibrate import RunFeatures, predict_step_s
+
+    runs = []
+    for i, (n_ops, w) in enumerate([(20, 1e6), (40, 2e6), (80, 1e6), (20, 1e9), (40, 3e9), (30, 3e10),
+                                    (60, 1e10), (10, 1e8), (10, 3e11), (5, 1e12)]):  # fmt: skip
+        mm = np.arange(3 * n_ops) % 3 == 0
+        att = np.arange(3 * n_ops) % 3 == 1
+        kflops = np.where(mm, w, 0.0)
+        flops = np.where(mm, 3 * w, np.where(att, (0.2 + i % 3) * w, 0.0))
+        nbytes = np.where(mm | att, 1e4, 40 * w / 1e3)
+        kernels = np.where(mm, 4.0, 2.0)
+        f = RunFeatures(f"r{i}", 1.0, None, flops, nbytes, kernels, kflops, mm, att, 1e6 * (i + 1), 0.0, 0)
+        runs.append(dataclasses.replace(f, measured_s=predict_step_s(truth, f)))
+    return runs
+
+
+def test_fit_recovers_known_parameters_from_synthetic_runs():
+    from hapnb.cluster import H100_MODEL
+    from hapnb.run.calibrate import fit_device_model, predict_step_s
+
+    truth = dataclasses.replace(
+        H100_MODEL,
+        kernel_s=3e-5,
+        matmul_eff=0.9,
+        matmul_half_flops=2e9,
+        attention_eff=0.4,
+        optimizer_kernels=8.0,
+    )
+    feats = _synthetic_runs(truth)
+    rep = fit_device_model({"runs": []}, "H100", loo=False, features=feats)
+    m = rep.model
+    for f in feats:
+        assert predict_step_s(m, f) == pytest.approx(f.measured_s, rel=2e-3)
+    assert m.kernel_s == pytest.approx(3e-5, rel=0.02)
+    assert m.matmul_eff == pytest.approx(0.9, rel=0.02)
+    assert m.matmul_half_flops == pytest.approx(2e9, rel=0.05)
+    assert m.attention_eff == pytest.approx(0.4, rel=0.02)
+    assert rep.stats["step time, fitted on all"]["mean_abs_pct"] < 0.2
+    assert m.source.startswith("fit to 10 measured runs")
+
+
+def _tiny_runs(path: Path) -> Path:
+    runs = [
+        {"name": f"tiny{i}", "layers": l, "hidden": 32, "seq": s, "batch": 8, "step_s_median": t,
+         "peak_mem_bytes": mem}
+        for i, (l, s, t, mem) in enumerate([(1, 8, 0.004, 9e7), (2, 8, 0.006, 9.5e7), (2, 16, 0.0065, 1e8),
+                                            (3, 8, 0.0085, 1.01e8)])
+    ]  # fmt: skip
+    path.write_text(json.dumps({"model": {"vocab": 64}, "runs": runs}))
+    return path
+
+
+def test_features_price_like_the_cost_model():
+    """The fit's closed form equals what `hapnb plan` predicts for one device (time and peak memory)."""
+    import hapnb as hap
+    from hapnb.cluster import H100_MODEL
+    from hapnb.run.calibrate import predict_step_s, run_features
+
+    opts = dict(layers=2, hidden=32, seq=16, batch=8, vocab=64)
+    f = run_features({"name": "t", "step_s_median": 1.0, **opts})
+    plan = hap.synthesize("lm", "1xH100", **opts)
+    assert predict_step_s(H100_MODEL, f) == pytest.approx(plan.cost_s, rel=1e-9)
+    want = (1 + H100_MODEL.memory_overhead) * f.raw_memory + H100_MODEL.memory_const_bytes
+    assert plan.memory_bytes[0] == pytest.approx(want, abs=8)
+
+
+def test_shipped_h100_model_predicts_a_measured_run():
+    if not DATA.is_file():
+        pytest.skip("shared/data not present")
+    from hapnb.cluster import H100_MODEL
+    from hapnb.run.calibrate import load_measured, predict_step_s, run_features
+
+    data = load_measured(DATA)
+    run = data["runs"][0]
+    f = run_features(run, {"vocab": data["model"]["vocab"]})
+    assert predict_step_s(H100_MODEL, f) == pytest.approx(run["step_s_median"], rel=0.1)
+    peak = f.raw_memory * (1 + H100_MODEL.memory_overhead) + H100_MODEL.memory_const_bytes
+    assert peak == pytest.approx(run["peak_mem_bytes"], rel=0.15)
+
+
+def test_cli_calibrate_measured_writes_a_cluster(tmp_path, capsys):
+    runs = _tiny_runs(tmp_path / "runs.json")
+    out = tmp_path / "fitted.json"
+    assert cli_main(["calibrate", "--measured", str(runs), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "leave-one-out" in text and "tiny3" in text and "Spearman" in text
+    c = Cluster.load(out)
+    assert c.n == 1 and c.devices[0].kind == "H100" and c.devices[0].model.source.startswith("fit to 4")
+    assert cli_main(["calibrate", "--measured", str(runs), "--json", "--no-loo"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["runs"]) == 4 and d["model"]["kernel_s"] > 0
+    assert cli_main(["calibrate", "--measured", str(tmp_path / "missing.json")]) == 2
+    assert cli_main(["calibrate"]) == 2

@@ -148,16 +148,21 @@ def test_device_model_time_by_hand(setup):
     s = _strategy(th, mm.id, "data")
     r = ((0.6, 0.4),)
     t0, t1 = cm.comp(mm.id, s, r)
-    # device 0: 2 kernels (a family not in the table: 1 forward + 1 backward) + compute bound at 1 GFLOP/s
-    assert t0 == pytest.approx(2 * 1e-5 + (s.scaled_flops * 0.6 + s.fixed_flops) / 1e9)
+    # device 0 is GPU bound at 1 GFLOP/s (work > launches), compute bound (bytes / 1 TB/s is less)
+    assert not cm.launch_bound(0)
+    assert t0 == pytest.approx((s.scaled_flops * 0.6 + s.fixed_flops) / 1e9)
     # device 1 has no model: flops-only, exactly the old formula
     assert t1 == (s.scaled_flops * 0.4 + s.fixed_flops) / 1e12
-    # memory bound when the bandwidth is tiny: bytes = forward inputs + output, 3x for fwd + bwd
-    cm2 = CostModel(th, _with_models(c, _model(bandwidth_Bps=1e3), None))
+    # memory bound when the bandwidth is small: bytes = forward inputs + output, 3x for fwd + bwd
+    cm2 = CostModel(th, _with_models(c, _model(bandwidth_Bps=1e5), None))
     nbytes = 3 * (64 * 32 + 32 * 16 + 64 * 16) * 4
-    assert cm2.op_traffic(mm.id) == (nbytes, 2)
-    want = 2 * 1e-5 + nbytes * s.scaled_flops / (s.scaled_flops + s.fixed_flops) * 0.6 / 1e3
+    assert cm2.op_traffic(mm.id) == (nbytes, 2)  # a family not in the table: 1 forward + 1 backward kernel
+    want = nbytes * s.scaled_flops / (s.scaled_flops + s.fixed_flops) * 0.6 / 1e5
     assert cm2.comp(mm.id, s, r)[0] == pytest.approx(want)
+    # launch bound when the GPU is fast: every op costs its kernels x kernel_s, whatever its share
+    cm3 = CostModel(th, _with_models(c, _model(peak_flops=1e15, kernel_s=1e-3), None))
+    assert cm3.launch_bound(0)
+    assert cm3.comp(mm.id, s, r)[0] == cm3.comp(mm.id, s, ((0.1, 0.9),))[0] == pytest.approx(2e-3)
 
 
 def test_matmul_efficiency_curve():
