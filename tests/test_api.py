@@ -83,7 +83,10 @@ def test_cli_surface_is_the_golden_list():
 
 
 CLI: dict[str, list[str]] = {
-    "calibrate": ["--backend", "--help", "--json", "--nproc", "--steps", "--timeout", "--warmup", "--worker"],
+    "calibrate": [
+        "--backend", "--help", "--json", "--kind", "--measured", "--no-loo", "--nproc", "--output", "--steps",
+        "--timeout", "--warmup", "--worker",
+    ],
     "compare": ["--batch", "--cluster", "--help", "--json", "--layers", "--model", "--seq", "--set"],
     "demo": ["--help", "--no-verify", "--report"],
     "launch": ["--backend", "--bundle-dir", "--help", "--json", "--nnodes", "--node-rank", "--nproc",
