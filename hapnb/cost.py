@@ -21,7 +21,8 @@ a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a
 that backward, ``eff`` the matmul efficiency curve for :data:`MATMUL_FAMILIES` at the per-kernel flops,
 ``attention_eff`` for attention, 1 for the memory-bound rest. The host runs ahead of the GPU, so a
 device is either launch bound (every op costs its launch time) or GPU bound (every op costs its work):
-the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``,
+the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
+a model without ``overlap``, e.g. a CPU running its own kernels, costs ``launch + work`` per op instead;
 which the fit to the measured H100 steps prefers to the per-op sum: docs/fidelity.md). To stay linear in
 the device's ratio ``r`` (so the ratio LP stays an LP), efficiency, regime (compute or memory bound) and
 the device's launch/GPU bound are read at a *reference share* (the throughput-proportional ratio of the
@@ -275,7 +276,11 @@ class CostModel:
             m = self.models[j]
             assert m is not None
             launch = self.op_traffic(op)[1] * m.kernel_s
-            hit = (launch, 0.0) if self.launch_bound(j) else self._work_linear(op, s, j)
+            if not m.overlap:  # the device runs its own launches: launch + work
+                const, coef = self._work_linear(op, s, j)
+                hit = (launch + const, coef)
+            else:
+                hit = (launch, 0.0) if self.launch_bound(j) else self._work_linear(op, s, j)
             self._lin[key] = hit
         return hit
 

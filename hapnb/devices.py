@@ -40,8 +40,9 @@ class DeviceModel:
     Per op: a launch time ``kernels * kernel_s`` (the host's dispatch of its forward and backward
     kernels) and a GPU work time ``max(flops / (peak_flops * eff), bytes / bandwidth_Bps)`` with
     ``eff = matmul_eff * w / (w + matmul_half_flops)`` for matmul-like kernels of ``w`` flops,
-    ``attention_eff`` for fused attention and 1 for the memory-bound rest. The host runs ahead of the
-    GPU, so a step costs the larger of the two sums (launch bound or GPU bound); Adam's step adds
+    ``attention_eff`` for fused attention and 1 for the memory-bound rest. With ``overlap`` (a GPU: the
+    host runs ahead of the device) a step costs the larger of the two sums (launch bound or GPU bound);
+    without (a CPU runs its own kernels) their sum. Adam's step adds
     ``optimizer_kernels`` launches and ``optimizer_passes`` x the parameter bytes of memory traffic. Peak
     memory = ``(1 + memory_overhead) * modelled + memory_const_bytes``. ``source``: where the numbers
     come from (datasheet, profile, fit)."""
@@ -57,9 +58,14 @@ class DeviceModel:
     memory_overhead: float = 0.0
     memory_const_bytes: float = 0.0
     source: str = "datasheet"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self)[:-1]:
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"device model: overlap must be true or false, got {self.overlap!r}")
+        for f in dataclasses.fields(self):
+            if f.name in ("source", "overlap"):
+                continue
             pos = f.name in ("peak_flops", "bandwidth_Bps", "matmul_eff", "attention_eff")
             check = _positive if pos else _nonnegative
             object.__setattr__(self, f.name, check(getattr(self, f.name), f"device model: {f.name}"))

@@ -179,6 +179,12 @@ def test_features_price_like_the_cost_model():
     assert predict_step_s(H100_MODEL, f) == pytest.approx(plan.cost_s, rel=1e-9)
     want = (1 + H100_MODEL.memory_overhead) * f.raw_memory + H100_MODEL.memory_const_bytes
     assert plan.memory_bytes[0] == pytest.approx(want, abs=8)
+    # a device model without overlap (a CPU): launches and work add up, in the fit as in the cost model
+    cpu = dataclasses.replace(H100_MODEL, overlap=False)
+    c = Cluster.parse("1xH100")
+    c = c.replace(devices=(dataclasses.replace(c.devices[0], model=cpu),))
+    assert predict_step_s(cpu, f) == pytest.approx(hap.synthesize("lm", c, **opts).cost_s, rel=1e-9)
+    assert predict_step_s(cpu, f) > predict_step_s(H100_MODEL, f)
 
 
 def test_shipped_h100_model_predicts_a_measured_run():

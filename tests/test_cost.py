@@ -163,6 +163,9 @@ def test_device_model_time_by_hand(setup):
     cm3 = CostModel(th, _with_models(c, _model(peak_flops=1e15, kernel_s=1e-3), None))
     assert cm3.launch_bound(0)
     assert cm3.comp(mm.id, s, r)[0] == cm3.comp(mm.id, s, ((0.1, 0.9),))[0] == pytest.approx(2e-3)
+    # without overlap (a CPU runs its own kernels) launches and work add up
+    cm4 = CostModel(th, _with_models(c, _model(overlap=False), None))
+    assert cm4.comp(mm.id, s, r)[0] == pytest.approx(2e-5 + (s.scaled_flops * 0.6 + s.fixed_flops) / 1e9)
 
 
 def test_matmul_efficiency_curve():

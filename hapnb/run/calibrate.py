@@ -300,7 +300,7 @@ def predict_step_s(m: Any, f: RunFeatures) -> float:
     work = np.maximum(f.flops / (m.peak_flops * eff), f.nbytes / m.bandwidth_Bps).sum()
     launch = (f.kernels * m.kernel_s).sum()
     opt = m.optimizer_kernels * m.kernel_s + m.optimizer_passes * f.param_bytes / m.bandwidth_Bps
-    return float(max(launch, work) + opt)
+    return float((max(launch, work) if m.overlap else launch + work) + opt)
 
 
 def _nelder_mead(fn: Any, x0: Any, step: float = 0.5, iters: int = 3000, tol: float = 1e-12) -> Any:
