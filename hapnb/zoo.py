@@ -39,6 +39,8 @@ bert       layers 12, seq 128, hidden 768, heads 12, ff 4*hidden, dropout 0.1, v
            attention "sdpa"
 bert-moe   as bert, plus experts 2*devices, capacity_factor 2.5 (capacity = ceil(seq/experts*factor))
 gpt        layers 12, seq 128, hidden 768, heads 12, ff 4*hidden, dropout 0.1, vocab 32000
+lm         layers 2, seq 64, hidden 256, heads hidden//64, ff 4*hidden, dropout 0.0, vocab 8192,
+           reduction "sum", attention "sdpa"
 =========  ====================================================================================
 
 The default ``attention="sdpa"`` builds the encoder layers from :class:`PostLNEncoderLayer`; the
