@@ -266,8 +266,8 @@ def _profile(
 
 #: Square matmul sizes ``n`` (``n x n @ n x n``) timed for the efficiency curve, per (device type, quick).
 MATMUL_SIZES: Mapping[tuple[str, bool], tuple[int, ...]] = {
-    ("cpu", True): (16, 32, 64, 128, 256),
-    ("cpu", False): (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768),
+    ("cpu", True): (16, 32, 64, 128),
+    ("cpu", False): (16, 32, 64, 128, 192, 256, 384, 512),
     ("cuda", True): (64, 256, 1024, 2048),
     ("cuda", False): (64, 128, 256, 512, 1024, 2048, 4096, 8192),
 }
@@ -280,12 +280,14 @@ BANDWIDTH_ELEMENTS: Mapping[tuple[str, bool], int] = {
 @dataclass(frozen=True)
 class DeviceModelProfile:
     """What :func:`profile_device_model` measured: the :class:`~hapnb.devices.DeviceModel` and the raw
-    timings it was fitted from (``matmul``: (flops, seconds) per call; ``kernel_s``: per kernel of a
+    timings it was fitted from (``matmul``: (flops, seconds) per ``mm``/``addmm`` call; ``linear``:
+    (forward flops, seconds / 3) of a Linear forward + backward; ``kernel_s``: per kernel of a
     fwd+bwd chain of one-element ops; ``bandwidth``: (bytes, seconds) of ``c = a + b``; ``attention``:
     (training flops, seconds) of one SDPA fwd+bwd; ``adam``: (parameter bytes, seconds) of an Adam step)."""
 
     model: DeviceModel
     matmul: tuple[tuple[float, float], ...]
+    linear: tuple[tuple[float, float], ...]
     kernel_s: float
     bandwidth: tuple[float, float]
     attention: tuple[float, float] | None
@@ -385,10 +387,14 @@ def profile_device_model(
     """Measure the local device's :class:`~hapnb.devices.DeviceModel` parameters (``device``: "cpu",
     "cuda", "cuda:1" or None = CUDA when available; ``threads``: torch threads on CPU, default unchanged).
 
-    * matmul efficiency: ``torch.mm`` and ``torch.addmm`` of ``n x n`` matrices (``sizes``, default
-      :data:`MATMUL_SIZES`), ``2 n^3`` flops each; :func:`fit_matmul_curve` gives the asymptotic rate and
-      ``matmul_half_flops``; ``peak_flops`` = the larger of that rate and the best measured one,
-      ``matmul_eff`` = rate / peak;
+    * ``peak_flops``: the best rate of ``torch.mm`` / ``torch.addmm`` of ``n x n`` matrices (``sizes``,
+      default :data:`MATMUL_SIZES`; ``2 n^3`` flops each);
+    * matmul efficiency: a Linear layer's forward + backward as training runs it (``4n x n`` inputs to
+      ``n`` and to ``4n`` outputs: addmm, the two gradient mm with transposed operands, the bias sum),
+      a third of its time per forward flop; :func:`fit_matmul_curve` gives the asymptotic rate
+      (``matmul_eff`` = rate / peak) and ``matmul_half_flops``. The cost model applies the curve to
+      forward + backward flops, so it must see the training pattern, which on a CPU runs well below
+      square ``mm``;
     * ``bandwidth_Bps``: ``c = a + b`` on :data:`BANDWIDTH_ELEMENTS` floats (``3 x`` the tensor bytes move);
     * ``kernel_s``: a chain of 200 multiplications of one-element tensors, forward + backward (2 kernels
       per op), so it includes autograd's per-op cost as the cost model's kernel counts do;
@@ -428,16 +434,20 @@ def profile_device_model(
         def timed(fn: Any) -> float:
             return time_it(fn, _inner(time_it(fn, 1, 1, 1), budget), repeats)
 
-        with torch.no_grad():
-            mm_points = []
-            for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
+        mm_points, train_points = [], []
+        for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
+            with torch.no_grad():
                 a, b, c = (torch.randn(n, n, device=dev) for _ in range(3))
                 bias = torch.randn(n, device=dev)
                 mm_points.append((2.0 * n**3, timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))))
                 addmm = lambda a=a, b=b, c=c, bias=bias: torch.addmm(bias, a, b, out=c)  # noqa: E731
                 mm_points.append((2.0 * n**3, timed(addmm)))
-            rate, half = fit_matmul_curve(mm_points)
-            peak = max(rate, max(w / t for w, t in mm_points))
+            for rows, out in ((4 * n, n), (4 * n, 4 * n)):  # tokens x hidden -> hidden, -> 4 hidden
+                train_points.append((2.0 * rows * n * out, timed(_linear_step(rows, n, out, dev)) / 3))
+        peak = max(w / t for w, t in mm_points)
+        rate, half = fit_matmul_curve(train_points)
+        peak = max(peak, rate)
+        with torch.no_grad():
             n = BANDWIDTH_ELEMENTS[(dev.type, quick)]
             x, y, z = (torch.randn(n, device=dev) for _ in range(3))
             bw_point = (3.0 * 4 * n, timed(lambda: torch.add(x, y, out=z)))
@@ -491,8 +501,32 @@ def profile_device_model(
         source=f"profile: {device_name(dev)}{nthreads}, {date}, torch {torch.__version__}",
     )
     return DeviceModelProfile(
-        model, tuple(mm_points), kernel_s, bw_point, (att_flops, att_t), (4.0 * big.numel(), adam_big)
+        model,
+        tuple(mm_points),
+        tuple(train_points),
+        kernel_s,
+        bw_point,
+        (att_flops, att_t),
+        (4.0 * big.numel(), adam_big),
     )
+
+
+def _linear_step(rows: int, inner: int, out: int, dev: Any) -> Any:
+    """One ``F.linear`` forward + backward as training runs it (addmm, two mm for the gradients, the
+    bias-gradient sum; gradients reset to None first, as ``zero_grad(set_to_none=True)`` does)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(rows, inner, device=dev, requires_grad=True)
+    w = torch.randn(out, inner, device=dev, requires_grad=True)
+    b = torch.randn(out, device=dev, requires_grad=True)
+    g = torch.randn(rows, out, device=dev)
+
+    def step() -> None:
+        x.grad = w.grad = b.grad = None
+        F.linear(x, w, b).backward(g)
+
+    return step
 
 
 # ----------------------------------------------------------------------------------------------------
