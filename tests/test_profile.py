@@ -119,6 +119,7 @@ def test_profile_device_model_quick_is_sane() -> None:
     assert 1e8 < m.peak_flops < 1e14 and 1e8 < m.bandwidth_Bps < 1e13 and 1e-8 < m.kernel_s < 1e-2
     assert m.source.startswith("profile: ") and f"torch {torch.__version__}" in m.source
     assert "1 threads" in m.source and torch.get_num_threads() >= 1
+    assert m.overlap is False  # a CPU dispatches and computes on the same thread: launch + work
     assert len(p.matmul) >= 4 and all(w > 0 and t > 0 for w, t in p.matmul)
     with pytest.raises(ValueError, match="device must be"):
         profile_device_model("tpu")

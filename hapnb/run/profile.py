@@ -403,7 +403,8 @@ def profile_device_model(
     * ``optimizer_passes``: a ``torch.optim.Adam`` step over one large parameter, seconds x bandwidth over
       the parameter bytes; ``optimizer_kernels``: an Adam step over one one-element parameter, in kernels.
 
-    Memory overhead and constant stay 0 (``hapnb calibrate --measured`` fits them from measured peaks).
+    ``overlap``: true on CUDA (the host runs ahead of the GPU), false on a CPU (one thread dispatches
+    and computes, so the cost model adds launch and work per op). Memory overhead and constant stay 0 (``hapnb calibrate --measured`` fits them from measured peaks).
     Each timing repeats short calls to ~20 ms (5 ms quick) and takes the ``stat`` over ``repeats``
     (default 3 quick, 7 otherwise): the fastest (``"min"``, the default: on a shared machine other work
     only ever adds time) or the median.
@@ -498,6 +499,7 @@ def profile_device_model(
         attention_eff=attention_eff,
         optimizer_passes=passes,
         optimizer_kernels=opt_kernels,
+        overlap=dev.type != "cpu",  # a CPU runs its own kernels: dispatch and work add up per op
         source=f"profile: {device_name(dev)}{nthreads}, {date}, torch {torch.__version__}",
     )
     return DeviceModelProfile(
