@@ -25,7 +25,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
         "--model",
         required=required,
-        help="zoo model (mlp, vgg19, vit, bert, bert-moe, gpt) or pkg.mod:factory",
+        help="zoo model (mlp, vgg19, vit, bert, bert-moe, gpt, lm) or pkg.mod:factory",
     )
     p.add_argument("--layers", type=int, help="number of layers (zoo models)")
     p.add_argument("--batch", type=int, help="global batch size (default 32 per device)")
@@ -249,6 +249,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "stages": len(plan.stages),
             "baselines": {k: v.cost_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
             "devices": list(plan.devices),
+            "memory_bytes": list(plan.memory_bytes),  # predicted peak per device (breakdown in the plan file)
         }
         print(json.dumps(out))
     else:

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
+import hapnb as hap
 from hapnb.cli import main
 
 SMALL = ["--model", "mlp", "--layers", "2", "--set", "hidden=64", "--set", "input=32", "--batch", "16"]
 PLAN_KEYS = {"cost_s", "lower_bound_s", "synthesis_s", "expansions", "iterations", "ratios", "program", "stages",
-             "baselines", "devices"}  # fmt: skip
+             "baselines", "devices", "memory_bytes"}  # fmt: skip
 
 
 def run(capsys, *argv):
@@ -29,6 +30,7 @@ def test_plan_json_keys_and_files(capsys, tmp_path):
     d = json.loads(out)
     assert set(d) == PLAN_KEYS
     assert set(d["baselines"]) == {"dp_ev", "dp_cp"}
+    assert d["memory_bytes"] == list(hap.Plan.load(plan_path).memory_bytes) and min(d["memory_bytes"]) > 0
     assert d["devices"] == ["v100-0", "v100-1", "p100-0", "p100-1"]
     assert len(d["ratios"]) == 1 and len(d["ratios"][0]) == 4
     assert d["lower_bound_s"] <= d["cost_s"] <= min(d["baselines"].values()) * (1 + 1e-9)
