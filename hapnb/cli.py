@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="limit for the collective runs (s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per CPU rank (cores/nproc)")
 
     p = sub.add_parser(
         "calibrate",
@@ -454,6 +455,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
             sizes=ns.sizes,
             repeats=ns.repeats,
             timeout_s=ns.timeout,
+            threads=ns.threads,
         )
     except (ProfileError, ValueError) as e:
         print(f"hapnb profile: {e}", file=sys.stderr)

@@ -94,7 +94,7 @@ CLI: dict[str, list[str]] = {
     "plan": ["--batch", "--cluster", "--help", "--json", "--layers", "--model", "--no-baselines", "--output",
              "--pin", "--ratio-pin", "--ratios", "--report", "--seq", "--set"],
     "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",
-                "--timeout"],
+                "--threads", "--timeout"],
     "simulate": ["--help", "--json"],
     "theory": ["--check", "--help"],
     "verify": ["--backend", "--batch", "--cluster", "--dtype", "--help", "--layers", "--model", "--nproc",

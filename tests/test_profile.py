@@ -170,7 +170,7 @@ def test_profile_rejects_bad_arguments() -> None:
 def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     out = tmp_path / "cluster.json"
     argv = ["profile", "--nproc", "2", "--backend", "gloo", "--quick", "--sizes", "4K,64K,256K", "--repeats", "2",
-            "-o", str(out), "--name", "here"]  # fmt: skip
+            "-o", str(out), "--name", "here", "--threads", "1"]  # fmt: skip
     assert cli_main(argv) == 0
     c = Cluster.load(out)
     assert c.name == "here" and c.names == ("cpu-0", "cpu-1") and c.dtype_bytes == 4
@@ -179,7 +179,7 @@ def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     # every device carries the measured device model (the same one: the ranks share this CPU)
     models = {d.model for d in c.devices}
     assert len(models) == 1 and all(isinstance(m, DeviceModel) for m in models)
-    assert next(iter(models)).source.startswith("profile: ")
+    assert next(iter(models)).source.startswith("profile: ") and "1 threads" in next(iter(models)).source
     assert "wrote" in capsys.readouterr().out
 
 
