@@ -16,7 +16,9 @@ per-iteration time of >= 6 synthesized plans (small zoo models) on K local CPU r
    also all-reduces the loss for its report, one small collective the plan does not count). The run is
    repeated ``--repeats`` times (a fresh launch each) and the median of the runs' medians is compared;
    the 1-minute load average before each launch is kept (the machine is shared).
-4. ``--also 3,4``: the same at other rank counts (more ranks than cores: oversubscribed), each with its
+4. ``--one-rank``: each model also as a one-device plan (one device of the same profile) on one gloo
+   rank through the same launcher: computation and the Adam step with no peer to wait for.
+5. ``--also 3,4``: the same at other rank counts (more ranks than cores: oversubscribed), each with its
    own profile, kept under ``other_nproc``.
 
 Writes ``--out`` (default docs/fidelity-gloo.json) and prints a table. The machine is shared and has 2
@@ -137,6 +139,22 @@ def study(nproc: int, ns: argparse.Namespace, labels: set[str] | None) -> dict[s
             "loadavg_1min": [r["loadavg_1min"] for r in runs],
             "synthesis_s": synth_s, "launch_wall_s": [r["wall_s"] for r in runs],
         }  # fmt: skip
+        if ns.one_rank:  # the same model as a one-device plan on one gloo rank: computation, no peer
+            one = cluster.replace(name=f"1x{cluster.devices[0].kind} (profiled)", devices=cluster.devices[:1])
+            plan1 = hapnb.synthesize(name, one, **options)
+            runs1 = [measure(plan1, 1, ns.steps, ns.warmup) for _ in range(ns.repeats)]
+            row["one_rank"] = {
+                "predicted_s": plan1.cost_s,
+                "measured_s": statistics.median(r["median_s"] for r in runs1),
+                "measured_min_s": min(r["min_s"] for r in runs1),
+                "repeat_median_s": [r["median_s"] for r in runs1],
+                "loadavg_1min": [r["loadavg_1min"] for r in runs1],
+            }
+            o = row["one_rank"]
+            print(
+                f"{'  1 rank':<12} pred {o['predicted_s'] * 1e3:8.2f} ms  measured {o['measured_s'] * 1e3:8.2f} ms "
+                f"(min {o['measured_min_s'] * 1e3:.2f})  err {100 * (o['predicted_s'] / o['measured_s'] - 1):+6.1f}%"
+            )
         rows.append(row)
         reps = ", ".join(f"{r['median_s'] * 1e3:.2f}" for r in runs)
         loads = ", ".join(f"{r['loadavg_1min'][0]:.1f}" for r in runs)
@@ -150,6 +168,14 @@ def study(nproc: int, ns: argparse.Namespace, labels: set[str] | None) -> dict[s
         "step time (median of runs' medians)": stats([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
         "step time vs the fastest step": stats([r["predicted_s"] for r in rows], [r["measured_min_s"] for r in rows]),
     }  # fmt: skip
+    if rows and all("one_rank" in r for r in rows):
+        ones = [r["one_rank"] for r in rows]
+        summary["one rank, one-device plan: step time (median)"] = stats(
+            [o["predicted_s"] for o in ones], [o["measured_s"] for o in ones]
+        )
+        summary["one rank, one-device plan: vs the fastest step"] = stats(
+            [o["predicted_s"] for o in ones], [o["measured_min_s"] for o in ones]
+        )
     print()
     print(f"{'plan':<12} {'pred ms':>8} {'comm ms':>8} {'meas ms':>8} {'err':>7} {'min ms':>8} {'err':>7}")
     for r in rows:
@@ -184,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="launches per plan")
+    ap.add_argument(
+        "--one-rank", action="store_true", help="also run each model as a one-device plan on one gloo rank"
+    )
     ap.add_argument("--only", default=None, help="comma-separated labels to run (no JSON written)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "fidelity-gloo.json"))
     ns = ap.parse_args(argv)
