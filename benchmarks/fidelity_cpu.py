@@ -13,10 +13,11 @@ peak memory of >= 10 models (zoo models at small sizes and the example factories
    allocator's allocation/free events in time order give the peak of live bytes above the step's start,
    to which the bytes live at the start (parameters, Adam states, buffers, inputs: unique storages) are
    added.
-4. A variant charging single-tensor Adam's kernels per parameter tensor (``optimizer_kernels`` is
-   profiled on one tensor; the cost model charges them once per step, as foreach Adam on a GPU runs)
-   and, with ``--calibrate``, leave-one-out predictions of the device model fitted to the other runs
-   (``hapnb calibrate``'s fit, started from the profile; see docs/fidelity-cpu.md).
+4. Variants of the device model: without its CPU refinements (``optimizer_per_tensor``: single-tensor
+   Adam's kernels per parameter tensor; ``vector_flops``: transcendental, pooling and loss ops priced
+   as compute at the profiled vector rate), i.e. the model as it was before them, and with Adam per
+   tensor only; with ``--calibrate``, leave-one-out predictions of the device model fitted to the other
+   runs (``hapnb calibrate``'s fit, started from the profile; see docs/fidelity-cpu.md).
 
 Writes ``--out`` (default docs/fidelity-cpu.json) and prints a table. Timings on a shared machine are
 noisy: the JSON keeps median and min per model.
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # examples.factories
 import hapnb  # noqa: E402
 from hapnb import zoo  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
-from hapnb.cost import MATMUL_FAMILIES, CostModel  # noqa: E402
+from hapnb.cost import MATMUL_FAMILIES, VECTOR_FAMILIES, CostModel  # noqa: E402
 from hapnb.devices import DeviceModel  # noqa: E402
 from hapnb.run.calibrate import RunFeatures, fit_time, predict_step_s  # noqa: E402
 from hapnb.run.profile import profile_device_model  # noqa: E402
@@ -129,14 +130,22 @@ def stats(pred: list[float], meas: list[float]) -> dict[str, float]:
     }
 
 
-def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float) -> Any:
+def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float, dm: DeviceModel) -> Any:
     """The per-op features :func:`hapnb.run.calibrate.fit_time` fits on (as ``run_features`` reads them
-    for zoo LMs, here for any traced model): each op under its first strategy on one device."""
+    for zoo LMs, here for any traced model): each op under its first strategy on one device. The fit's
+    closed form does not know ``dm.vector_flops``, so a vector op's bytes become
+    ``max(bytes, flops * bandwidth / vector_flops)`` (the same time); it charges ``optimizer_kernels``
+    once per step (foreach), which the fit moves freely (a per-tensor row made it run off to a
+    kernel_s -> 0, optimizer_kernels -> inf corner)."""
     rows = []
     for op in g.ops:
         s = th.strategies[op.id][0]
         nbytes, kernels = cm.op_traffic(op.id)
-        rows.append((s.scaled_flops + s.fixed_flops, nbytes, kernels, op.flops, op.family in MATMUL_FAMILIES,
+        flops = s.scaled_flops + s.fixed_flops
+        rate = dm.pool_flops if op.family == "pool" and dm.pool_flops else dm.vector_flops
+        if rate is not None and op.family in VECTOR_FAMILIES:
+            nbytes = max(nbytes, flops * dm.bandwidth_Bps / rate)
+        rows.append((flops, nbytes, kernels, op.flops, op.family in MATMUL_FAMILIES,
                      op.family == "attention"))  # fmt: skip
     a = np.array(rows, dtype=float).reshape(-1, 6)
     n_params = int(sum(t.nbytes for t in g.tensors if t.role == "param") // 4)
@@ -144,16 +153,25 @@ def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float) -> A
                        float(g.param_bytes), 0.0, n_params)  # fmt: skip
 
 
-def loo_calibrated(feats: list[Any], base: DeviceModel) -> tuple[list[float], DeviceModel]:
+def loo_calibrated(feats: list[Any], base: DeviceModel) -> tuple[list[float], DeviceModel | None]:
     """Leave-one-out: each run predicted by the device model fitted (``hapnb calibrate``'s ``fit_time``:
     kernel_s, matmul_eff, matmul_half_flops, attention_eff, optimizer_kernels; from the profiled model)
     to the other runs; and the model fitted to all runs."""
     src = f"profile + fit to {len(feats)} CPU runs (benchmarks/fidelity_cpu.py)"
     loo = []
     for i, f in enumerate(feats):
-        m = fit_time(feats[:i] + feats[i + 1 :], base, src)
-        loo.append(predict_step_s(m, f))
-    return loo, fit_time(feats, base, src)
+        m = _fit_or_none(feats[:i] + feats[i + 1 :], base, src)
+        loo.append(predict_step_s(m, f) if m else math.nan)
+    return loo, _fit_or_none(feats, base, src)
+
+
+def _fit_or_none(feats: list[Any], base: DeviceModel, src: str) -> DeviceModel | None:
+    """``fit_time``, or None when its unbounded Nelder-Mead runs a parameter off to infinity (noisy
+    timings can make ``kernel_s -> 0, optimizer_kernels -> inf`` a descent direction)."""
+    try:
+        return fit_time(feats, base, src)
+    except ValueError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,9 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         dm = profile_device_model("cpu", threads=ns.threads).model
     print(f"device model: {dm}")
     base = Cluster.parse("1e11")
-    cluster = base.replace(
-        name="1xCPU (profiled)", devices=(dataclasses.replace(base.devices[0], kind="CPU", model=dm),)
-    )
+
+    def one_cpu(m: DeviceModel) -> Cluster:
+        return base.replace(
+            name="1xCPU (profiled)", devices=(dataclasses.replace(base.devices[0], kind="CPU", model=m),)
+        )
+
+    cluster = one_cpu(dm)
+    plain = dict(vector_flops=None, pool_flops=None)
+    before = one_cpu(dataclasses.replace(dm, optimizer_per_tensor=False, **plain))
+    adam_only = one_cpu(dataclasses.replace(dm, optimizer_per_tensor=True, **plain))
     only = set(ns.only.split(",")) if ns.only else None
     rows, feats = [], []
     for label, name, options in MODELS:
@@ -193,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         g = hapnb.trace(model, inputs)
         th = hapnb.theory(g)
         plan = hapnb.synthesize(g, cluster, seed_baselines=False, check_memory=False)
+        plan_before = hapnb.synthesize(g, before, seed_baselines=False, check_memory=False)
+        plan_adam = hapnb.synthesize(g, adam_only, seed_baselines=False, check_memory=False)
         cm = CostModel(th, cluster)
         n_tensors = sum(1 for t in g.tensors if t.role == "param")
         kernels = sum(cm.op_traffic(op.id)[1] for op in g.ops)
@@ -205,15 +232,16 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_s": plan.cost_s, "measured_median_s": med, "measured_min_s": low,
             "measured_s": med if ns.stat == "median" else low,
             "launch_bound": cm.launch_bound(0),
-            "adam_per_tensor_s": plan.cost_s + dm.kernel_s * dm.optimizer_kernels * (n_tensors - 1),
+            "before_s": plan_before.cost_s, "adam_per_tensor_s": plan_adam.cost_s,
             "predicted_peak_bytes": int(plan.memory_bytes[0]), "measured_peak_bytes": int(peak),
             "measured_start_bytes": int(start), "predicted_memory_breakdown": dict(plan.memory_breakdown[0]),
         }  # fmt: skip
-        feats.append(features(g, th, cm, label, row["measured_s"]))
-        row["features_s"] = predict_step_s(dm, feats[-1])  # the calibration's closed form: = predicted_s
+        feats.append(features(g, th, cm, label, row["measured_s"], dm))
+        # the calibration's closed form: = predicted_s less single-tensor Adam's further launches
+        row["features_s"] = predict_step_s(dm, feats[-1])
         rows.append(row)
         print(
-            f"{label:<18} pred {plan.cost_s * 1e3:8.2f} ms  Adam/tensor {row['adam_per_tensor_s'] * 1e3:8.2f} ms  "
+            f"{label:<18} pred {plan.cost_s * 1e3:8.2f} ms  before {row['before_s'] * 1e3:8.2f} ms  "
             f"measured {med * 1e3:8.2f} ms (min {low * 1e3:.2f})  "
             f"err {100 * (plan.cost_s / row['measured_s'] - 1):+6.1f}%  "
             f"mem {plan.memory_bytes[0] / 1e6:7.2f} / {peak / 1e6:7.2f} MB",
@@ -222,28 +250,38 @@ def main(argv: list[str] | None = None) -> int:
     meas = [r["measured_s"] for r in rows]
     other = "min" if ns.stat == "median" else "median"
     summary = {
-        "step time (cost model as shipped)": stats([r["predicted_s"] for r in rows], meas),
-        f"step time (cost model as shipped) vs the {other} step": stats(
+        "step time (profiled model)": stats([r["predicted_s"] for r in rows], meas),
+        f"step time (profiled model) vs the {other} step": stats(
             [r["predicted_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
         ),
-        "step time (Adam kernels per parameter tensor)": stats([r["adam_per_tensor_s"] for r in rows], meas),
+        "step time (before: no CPU refinements)": stats([r["before_s"] for r in rows], meas),
+        f"step time (before: no CPU refinements) vs the {other} step": stats(
+            [r["before_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
+        ),
+        "step time (Adam per tensor only)": stats([r["adam_per_tensor_s"] for r in rows], meas),
         "peak memory": stats([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]),
     }  # fmt: skip
     fitted = None
     if ns.calibrate and len(rows) > 2:
         loo, fitted = loo_calibrated(feats, dm)
         for r, p in zip(rows, loo):
-            r["calibrated_loo_s"] = p
-        summary["step time (calibrated, leave-one-out)"] = stats(loo, meas)
-        print(f"calibrated on all runs: {fitted}")
+            if math.isfinite(p):
+                r["calibrated_loo_s"] = p
+        ok = [i for i, p in enumerate(loo) if math.isfinite(p)]
+        if len(ok) > 2:
+            summary["step time (calibrated, leave-one-out)"] = stats(
+                [loo[i] for i in ok], [meas[i] for i in ok]
+            )
+            summary["step time (calibrated, leave-one-out)"]["runs"] = len(ok)
+        print(f"calibrated on all runs: {fitted} ({len(rows) - len(ok)} leave-one-out fits diverged)")
     print()
-    print(f"{'model':<18} {'measured ms':>11} {'pred ms':>8} {'err':>7} {'Adam/t':>8} {'err':>7} "
+    print(f"{'model':<18} {'measured ms':>11} {'pred ms':>8} {'err':>7} {'before':>8} {'err':>7} "
           f"{'LOO cal':>8} {'err':>7} {'pred MB':>8} {'meas MB':>8} {'err':>7}")  # fmt: skip
     for r in rows:
         m = r["measured_s"]
         print(
             f"{r['label']:<18} {m * 1e3:11.2f} {r['predicted_s'] * 1e3:8.2f} {100 * (r['predicted_s'] / m - 1):+6.1f}%"
-            f" {r['adam_per_tensor_s'] * 1e3:8.2f} {100 * (r['adam_per_tensor_s'] / m - 1):+6.1f}%"
+            f" {r['before_s'] * 1e3:8.2f} {100 * (r['before_s'] / m - 1):+6.1f}%"
             f" {r.get('calibrated_loo_s', math.nan) * 1e3:8.2f} {100 * (r.get('calibrated_loo_s', math.nan) / m - 1):+6.1f}%"
             f" {r['predicted_peak_bytes'] / 1e6:8.2f} {r['measured_peak_bytes'] / 1e6:8.2f}"
             f" {100 * (r['predicted_peak_bytes'] / r['measured_peak_bytes'] - 1):+6.1f}%"

@@ -19,16 +19,18 @@ device stays flops-only as above, so the paper presets keep HAP's numbers). Per 
 a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a GPU work time
 ``max(flops / (peak * eff), bytes / bandwidth)``, bytes = the op's input + output tensors forward and 2x
 that backward, ``eff`` the matmul efficiency curve for :data:`MATMUL_FAMILIES` at the per-kernel flops,
-``attention_eff`` for attention, 1 for the memory-bound rest. The host runs ahead of the GPU, so a
-device is either launch bound (every op costs its launch time) or GPU bound (every op costs its work):
-the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
+``attention_eff`` for attention, 1 for the memory-bound rest (with the model's ``vector_flops``, the
+:data:`VECTOR_FAMILIES` run at that rate instead of ``peak * eff``; pooling at ``pool_flops`` if set).
+The host runs ahead of the GPU, so a device is either launch bound (every op costs its launch time) or
+GPU bound (every op costs its work): the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
 a model without ``overlap``, e.g. a CPU running its own kernels, costs ``launch + work`` per op instead;
 which the fit to the measured H100 steps prefers to the per-op sum: docs/fidelity.md). To stay linear in
 the device's ratio ``r`` (so the ratio LP stays an LP), efficiency, regime (compute or memory bound) and
 the device's launch/GPU bound are read at a *reference share* (the throughput-proportional ratio of the
 device, each op under its first strategy); an op then costs ``const + coef * r``. The optimizer
 step (Adam, foreach) is memory-bound work over the device's parameters, gradients and states,
-``optimizer_kernels * kernel_s + optimizer_passes * local_param_bytes / bandwidth``, charged once per
+``optimizer_kernels * kernel_s + optimizer_passes * local_param_bytes / bandwidth`` (the launches once
+per local parameter tensor with ``optimizer_per_tensor``: single-tensor Adam, a CPU), charged once per
 iteration to the last stage.
 
 Memory (:meth:`CostModel.memory_breakdown`): per device, parameters, gradients and Adam's two states by
@@ -63,6 +65,7 @@ __all__ = [
     "Evaluation",
     "FAMILY_KERNELS",
     "MATMUL_FAMILIES",
+    "VECTOR_FAMILIES",
     "SAVED_FOR_BACKWARD",
     "MEMORY_CATEGORIES",
 ]
@@ -86,6 +89,9 @@ FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
 )
 #: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
 MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
+#: Families priced at the device model's ``vector_flops`` (when it has one, e.g. a profiled CPU):
+#: transcendental pointwise ops, pooling, the loss (log-softmax + nll), ops without a rule.
+VECTOR_FAMILIES = frozenset({"pointwise", "pool", "loss", "unknown"})
 #: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
 #: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
 #: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
@@ -306,6 +312,10 @@ class CostModel:
         elif o.family == "attention":
             eff = m.attention_eff
         rate, bw = m.peak_flops * eff * k, m.bandwidth_Bps * k
+        if o.family == "pool" and m.pool_flops is not None:
+            rate = m.pool_flops * k
+        elif m.vector_flops is not None and o.family in VECTOR_FAMILIES:
+            rate = m.vector_flops * k
         if (fs * ref + ff) / rate >= (bs * ref + bf) / bw:
             coef, const = fs / rate, ff / rate
         else:
@@ -350,14 +360,16 @@ class CostModel:
     ) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:
         """The optimizer step (Adam, foreach) per device as ``(coef, const)`` like :meth:`comp_linear`:
         memory-bound over the device's parameter bytes (a G-loaded parameter counts its share ``r``);
-        zero on flops-only devices."""
+        its launches once per step, or once per parameter tensor with ``optimizer_per_tensor``
+        (single-tensor Adam); zero on flops-only devices."""
         coef: dict[int, list[float]] = {}
         const = [0.0] * self.n
         forms = self._param_forms(program)
         for j, m in enumerate(self.models):
             if m is None:
                 continue
-            const[j] += m.optimizer_kernels * m.kernel_s
+            launches = m.optimizer_kernels * (len(forms) if m.optimizer_per_tensor else 1)
+            const[j] += launches * m.kernel_s
             per_byte = m.optimizer_passes / (m.bandwidth_Bps * self.gpus[j])
             for t, f in forms.items():
                 nb = self.graph.tensors[t].nbytes * per_byte

@@ -45,7 +45,15 @@ class DeviceModel:
     without (a CPU runs its own kernels) their sum. Adam's step adds
     ``optimizer_kernels`` launches and ``optimizer_passes`` x the parameter bytes of memory traffic. Peak
     memory = ``(1 + memory_overhead) * modelled + memory_const_bytes``. ``source``: where the numbers
-    come from (datasheet, profile, fit)."""
+    come from (datasheet, profile, fit).
+
+    CPU refinements, off by default (every datasheet and fitted GPU kind prices as without them):
+    ``optimizer_per_tensor`` charges the ``optimizer_kernels`` launches once per local parameter tensor
+    (single-tensor Adam, PyTorch's default on a CPU) instead of once per step (foreach Adam);
+    ``vector_flops`` (flop/s in the rules' units) prices the vector families of :mod:`hapnb.cost`
+    (transcendental pointwise ops, pooling, losses, ops without a rule) as
+    ``max(flops / vector_flops, bytes / bandwidth)`` instead of memory bound; ``pool_flops``, when set,
+    replaces ``vector_flops`` for pooling (a CPU's max-pool with indices runs far below either)."""
 
     peak_flops: float
     bandwidth_Bps: float
@@ -59,12 +67,19 @@ class DeviceModel:
     memory_const_bytes: float = 0.0
     source: str = "datasheet"
     overlap: bool = True
+    optimizer_per_tensor: bool = False
+    vector_flops: float | None = None
+    pool_flops: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"device model: overlap must be true or false, got {self.overlap!r}")
+        for flag in ("overlap", "optimizer_per_tensor"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"device model: {flag} must be true or false, got {getattr(self, flag)!r}")
+        for rate in ("vector_flops", "pool_flops"):
+            if getattr(self, rate) is not None:
+                object.__setattr__(self, rate, _positive(getattr(self, rate), f"device model: {rate}"))
         for f in dataclasses.fields(self):
-            if f.name in ("source", "overlap"):
+            if f.name in ("source", "overlap", *_OPTIONAL):
                 continue
             pos = f.name in ("peak_flops", "bandwidth_Bps", "matmul_eff", "attention_eff")
             check = _positive if pos else _nonnegative
@@ -78,7 +93,12 @@ class DeviceModel:
         return self.matmul_eff * w / (w + self.matmul_half_flops) if w > 0 else self.matmul_eff
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a JSON object; the CPU refinements only when set (older readers, same bytes)."""
+        out = dataclasses.asdict(self)
+        for name in _OPTIONAL:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return out
 
     @classmethod
     def from_json(cls, data: object, where: str = "model") -> DeviceModel:
@@ -90,11 +110,19 @@ class DeviceModel:
         return cls(**data)
 
     def __str__(self) -> str:
+        extra = f", vector {self.vector_flops / 1e9:.3g} GFLOP/s" if self.vector_flops else ""
+        extra += f", pooling {self.pool_flops / 1e9:.3g} GFLOP/s" if self.pool_flops else ""
+        extra += ", Adam per tensor" if self.optimizer_per_tensor else ""
         return (
             f"{self.peak_flops / 1e12:.3g} TFLOP/s x {self.matmul_eff:.3g} (half at "
             f"{self.matmul_half_flops:.3g} flops), {self.bandwidth_Bps / 1e9:.4g} GB/s, "
-            f"{self.kernel_s * 1e6:.3g} us/kernel [{self.source}]"
+            f"{self.kernel_s * 1e6:.3g} us/kernel{extra} [{self.source}]"
         )
+
+
+#: Fields left out of :meth:`DeviceModel.to_json` at their defaults (JSON without them still loads).
+_OPTIONAL = ("optimizer_per_tensor", "vector_flops", "pool_flops")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeviceModel)}
 
 
 def device_model_or_none(value: object, what: str = "model") -> DeviceModel | None:

@@ -537,3 +537,39 @@ def test_device_model_json_round_trip_and_old_json_still_loads(tmp_path):
         Cluster.from_json(old)
     with pytest.raises(ValueError, match="matmul_eff"):
         DeviceModel(5e12, 1e11, 1e-5, 0.0, 1e8)
+
+
+def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
+    import dataclasses
+
+    from hapnb.cluster import DEVICE_MODELS
+    from hapnb.devices import DeviceModel
+
+    for m in DEVICE_MODELS.values():  # every shipped kind keeps today's pricing
+        assert m.optimizer_per_tensor is False and m.vector_flops is None
+        assert m.pool_flops is None and not {"optimizer_per_tensor", "vector_flops", "pool_flops"} & set(
+            m.to_json()
+        )
+    m = DeviceModel(
+        5e12, 1e11, 1e-5, 0.7, 1e8, overlap=False, optimizer_per_tensor=True, vector_flops=4e9, pool_flops=5e8
+    )
+    assert m.to_json()["vector_flops"] == 4e9 and m.to_json()["optimizer_per_tensor"] is True
+    assert DeviceModel.from_json(json.loads(json.dumps(m.to_json()))) == m
+    c = Cluster.parse("2xH100")
+    c = c.replace(devices=tuple(dataclasses.replace(d, model=m) for d in c.devices))
+    back = Cluster.load(c.save(tmp_path / "c.json"))
+    assert back.devices[0].model == m and "vector 4 GFLOP/s" in str(m) and "Adam per tensor" in str(m)
+    assert "pooling 0.5 GFLOP/s" in str(m)
+    old = {
+        k: v
+        for k, v in m.to_json().items()
+        if k not in ("optimizer_per_tensor", "vector_flops", "pool_flops")
+    }
+    loaded = DeviceModel.from_json(old)  # JSON written before the fields existed
+    assert loaded.optimizer_per_tensor is False and loaded.vector_flops is None and loaded.pool_flops is None
+    for bad in (0.0, -1.0, float("nan"), True):
+        for rate in ("vector_flops", "pool_flops"):
+            with pytest.raises(ValueError, match=rate):
+                DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, **{rate: bad})
+    with pytest.raises(ValueError, match="optimizer_per_tensor"):
+        DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, optimizer_per_tensor=1)

@@ -250,3 +250,127 @@ def test_memory_breakdown_sums_to_the_peak_and_shards_parameters(setup):
     for j, b in enumerate(cm.memory_breakdown([step2], (), r)):
         shard = th.lengths(w, d, r[0])[j] * 32 * 16 * 4 // g.tensors[w].shape[d]
         assert b["parameters"] == shard and b["optimizer"] == 2 * shard
+
+
+# --------------------------------------------------------------------------- CPU refinements
+
+
+def _tiny_gpt(devices: int = 1):
+    from hapnb import zoo
+    from hapnb.tracing import trace
+
+    model, inputs, _ = zoo.build("gpt", devices=devices, **zoo.TINY["gpt"])
+    g = trace(model, inputs)
+    return g, theory(g)
+
+
+def _cluster_of(*models):
+    return _with_models(Cluster.parse(f"{len(models)}x1e12"), *models)
+
+
+def test_vector_flops_prices_only_the_vector_families_as_compute():
+    from hapnb.cost import MATMUL_FAMILIES, VECTOR_FAMILIES
+
+    g, th = _tiny_gpt()
+    plain = _model(peak_flops=1e12, bandwidth_Bps=1e10, overlap=False)
+    vec = _model(peak_flops=1e12, bandwidth_Bps=1e10, overlap=False, vector_flops=1e7)
+    cp, cv = CostModel(th, _cluster_of(plain)), CostModel(th, _cluster_of(vec))
+    r = ((1.0,),) * cp.n_segments
+    seen = set()
+    for op in g.ops:
+        s = th.strategies[op.id][0]
+        nbytes, kernels = cp.op_traffic(op.id)
+        flops = s.scaled_flops + s.fixed_flops
+        if op.family in VECTOR_FAMILIES and kernels:
+            want = kernels * 1e-5 + max(flops / 1e7, nbytes / 1e10)
+            assert cv.comp(op.id, s, r)[0] == pytest.approx(want)
+            assert cp.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + max(flops / 1e12, nbytes / 1e10))
+            seen.add(op.family)
+        else:  # matmul, attention, norm, additive, ...: exactly as without vector_flops
+            assert cv.comp(op.id, s, r) == cp.comp(op.id, s, r)
+            seen.add("matmul" if op.family in MATMUL_FAMILIES else "other")
+    assert {"pointwise", "loss", "matmul", "other"} <= seen
+
+
+def test_pool_flops_prices_pooling_and_falls_back_to_vector_flops():
+    from hapnb import zoo
+    from hapnb.tracing import trace
+
+    model, inputs, _ = zoo.build("vgg19", devices=1, **zoo.TINY["vgg19"])
+    g = trace(model, inputs)
+    th = theory(g)
+    base = dict(peak_flops=1e12, bandwidth_Bps=1e12, overlap=False)
+    vec = CostModel(th, _cluster_of(_model(**base, vector_flops=1e6)))
+    pool = CostModel(th, _cluster_of(_model(**base, vector_flops=1e6, pool_flops=1e5)))
+    r = ((1.0,),) * vec.n_segments
+    assert any(op.family == "pool" for op in g.ops)
+    for op in g.ops:
+        s = th.strategies[op.id][0]
+        nbytes, kernels = vec.op_traffic(op.id)
+        flops = s.scaled_flops + s.fixed_flops
+        if op.family == "pool":
+            assert vec.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + max(flops / 1e6, nbytes / 1e12))
+            assert pool.comp(op.id, s, r)[0] == pytest.approx(
+                kernels * 1e-5 + max(flops / 1e5, nbytes / 1e12)
+            )
+        else:
+            assert pool.comp(op.id, s, r) == vec.comp(op.id, s, r)
+
+
+def test_optimizer_per_tensor_charges_the_launches_per_local_parameter_tensor():
+    from hapnb.cost import Load, Step
+
+    g, th = _tiny_gpt()
+    prog = []
+    for op in g.ops:
+        s = th.strategies[op.id][0]
+        prog.append(Step(op.id, s, tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs))))
+    n = len({ld.tensor for st in prog for ld in st.loads if g.tensors[ld.tensor].role == "param"})
+    assert n > 2
+    foreach = _model(optimizer_kernels=5.0, kernel_s=1e-5)
+    single = _model(optimizer_kernels=5.0, kernel_s=1e-5, optimizer_per_tensor=True)
+    (_, c0), (_, c1) = (CostModel(th, _cluster_of(m)).optimizer_linear(prog) for m in (foreach, single))
+    assert c1[0] - c0[0] == pytest.approx((n - 1) * 5 * 1e-5)
+
+
+def test_cpu_refinements_keep_comp_linear_equal_to_step_comp():
+    g, th = _tiny_gpt(devices=2)
+    cpu = _model(
+        peak_flops=1e11,
+        bandwidth_Bps=4e10,
+        overlap=False,
+        vector_flops=5e9,
+        pool_flops=5e8,
+        optimizer_per_tensor=True,
+    )
+    gpu = _model(peak_flops=1e13, bandwidth_Bps=1e12, kernel_s=1e-6, vector_flops=1e12)
+    cm = CostModel(th, _cluster_of(cpu, gpu))
+    rnd = random.Random(3)
+    for op in g.ops:
+        for s in th.strategies[op.id]:
+            step = Step(op.id, s, tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs)))
+            coef, const = cm.comp_linear(step)
+            a = rnd.random()
+            r = ((a, 1 - a),) * cm.n_segments
+            want = cm.step_comp(step, r)
+            got = [sum(coef[k][j] * r[k][j] for k in coef) + const[j] for j in range(2)]
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
+
+
+def test_shipped_kinds_price_vector_ops_memory_bound_as_before():
+    from hapnb.cluster import DEVICE_MODELS
+    from hapnb.cost import VECTOR_FAMILIES
+
+    g, th = _tiny_gpt()
+    h100 = DEVICE_MODELS["H100"]
+    cm = CostModel(th, Cluster.parse("1xH100"))
+    assert cm.models[0] is h100
+    for op in g.ops:
+        if op.family not in VECTOR_FAMILIES:
+            continue
+        s = th.strategies[op.id][0]
+        nbytes, _ = cm.op_traffic(op.id)
+        flops = s.scaled_flops + s.fixed_flops
+        work = max(flops / h100.peak_flops, nbytes / h100.bandwidth_Bps)  # efficiency 1: memory bound
+        const, coef = cm._work_linear(op.id, s, 0)
+        assert const + coef == pytest.approx(work, rel=1e-12)

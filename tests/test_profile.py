@@ -120,6 +120,14 @@ def test_profile_device_model_quick_is_sane() -> None:
     assert m.source.startswith("profile: ") and f"torch {torch.__version__}" in m.source
     assert "1 threads" in m.source and torch.get_num_threads() >= 1
     assert m.overlap is False  # a CPU dispatches and computes on the same thread: launch + work
+    assert m.optimizer_per_tensor is True  # CPU Adam is single-tensor: its launches per parameter tensor
+    assert m.vector_flops is not None and 1e7 < m.vector_flops < m.peak_flops * 10
+    assert p.vector is not None and p.vector[0] / p.vector[1] == pytest.approx(m.vector_flops)
+    assert (
+        m.pool_flops is not None
+        and p.pool is not None
+        and p.pool[0] / p.pool[1] == pytest.approx(m.pool_flops)
+    )
     assert len(p.matmul) >= 4 and all(w > 0 and t > 0 for w, t in p.matmul)
     with pytest.raises(ValueError, match="device must be"):
         profile_device_model("tpu")

@@ -10,7 +10,8 @@
   throughput: the cost model's flops divided by real time, not the hardware's peak.
 * **Device model** (:func:`profile_device_model`): the roofline parameters of
   :class:`~hapnb.devices.DeviceModel` (matmul efficiency curve over sizes, memory bandwidth, per-kernel
-  overhead, attention efficiency, Adam step), fitted with numpy (:func:`fit_matmul_curve`); its
+  overhead, attention efficiency, Adam step; on a CPU the vector and pooling rates and Adam per parameter
+  tensor), fitted with numpy (:func:`fit_matmul_curve`); its
   ``source`` names the device, the date and the torch version.
 * **Collectives** (:func:`profile_collectives`): ``nproc`` local ranks (gloo on CPU, NCCL on GPUs) time
   each collective kind at several sizes (barrier before each call, median over repeats of the slowest
@@ -64,7 +65,9 @@ __all__ = [
     "DeviceModelProfile",
     "DeviceProfile",
     "MATMUL_SIZES",
+    "POOL_SHAPE",
     "ProfileError",
+    "VECTOR_ELEMENTS",
     "collective_sizes",
     "device_name",
     "fit_collective",
@@ -271,6 +274,10 @@ MATMUL_SIZES: Mapping[tuple[str, bool], tuple[int, ...]] = {
     ("cuda", True): (64, 256, 1024, 2048),
     ("cuda", False): (64, 128, 256, 512, 1024, 2048, 4096, 8192),
 }
+#: Elements per tensor of the GELU / tanh forward + backward that measure ``vector_flops`` (CPU, quick).
+VECTOR_ELEMENTS: Mapping[bool, int] = {True: 1 << 16, False: 1 << 18}
+#: Input shape of the ``max_pool2d`` forward + backward that measures ``pool_flops`` (CPU, quick).
+POOL_SHAPE: Mapping[bool, tuple[int, ...]] = {True: (8, 16, 16, 16), False: (16, 32, 32, 32)}
 #: Elements per tensor of the elementwise ``c = a + b`` that measures memory bandwidth (3 tensors move).
 BANDWIDTH_ELEMENTS: Mapping[tuple[str, bool], int] = {
     ("cpu", True): 1 << 21, ("cpu", False): 1 << 23, ("cuda", True): 1 << 24, ("cuda", False): 1 << 26,
@@ -283,7 +290,9 @@ class DeviceModelProfile:
     timings it was fitted from (``matmul``: (flops, seconds) per ``mm``/``addmm`` call; ``linear``:
     (forward flops, seconds / 3) of a Linear forward + backward; ``kernel_s``: per kernel of a
     fwd+bwd chain of one-element ops; ``bandwidth``: (bytes, seconds) of ``c = a + b``; ``attention``:
-    (training flops, seconds) of one SDPA fwd+bwd; ``adam``: (parameter bytes, seconds) of an Adam step)."""
+    (training flops, seconds) of one SDPA fwd+bwd; ``adam``: (parameter bytes, seconds) of an Adam step;
+    ``vector``, ``pool``, CPU only: (training flops in the rules' units, seconds) of GELU and tanh, and of
+    max-pool, fwd+bwd)."""
 
     model: DeviceModel
     matmul: tuple[tuple[float, float], ...]
@@ -292,6 +301,8 @@ class DeviceModelProfile:
     bandwidth: tuple[float, float]
     attention: tuple[float, float] | None
     adam: tuple[float, float] | None
+    vector: tuple[float, float] | None = None  # CPU: (rules' training flops, seconds) of GELU + tanh
+    pool: tuple[float, float] | None = None  # CPU: (rules' training flops, seconds) of max-pool fwd+bwd
 
     def __str__(self) -> str:
         return f"device model: {self.model}"
@@ -401,7 +412,14 @@ def profile_device_model(
     * ``attention_eff``: ``F.scaled_dot_product_attention`` forward + backward, the rules' flops (x3 for
       training) over time, as a fraction of ``peak_flops``;
     * ``optimizer_passes``: a ``torch.optim.Adam`` step over one large parameter, seconds x bandwidth over
-      the parameter bytes; ``optimizer_kernels``: an Adam step over one one-element parameter, in kernels.
+      the parameter bytes; ``optimizer_kernels``: an Adam step over one one-element parameter, in kernels
+      (CUDA: foreach Adam, once per step); on a CPU (single-tensor Adam, ``optimizer_per_tensor``) the
+      extra time per extra one-element parameter tensor (steps over 1 and 33 tensors), in kernels;
+    * ``vector_flops`` (CPU only; None on CUDA, where elementwise ops are memory bound): GELU and tanh
+      forward + backward on :data:`VECTOR_ELEMENTS` floats, the rules' flops (4 per element, x3 for
+      training) over time: transcendentals are compute bound on a CPU core; ``pool_flops`` likewise
+      from ``max_pool2d`` (2x2, with indices for the backward) forward + backward on
+      :data:`POOL_SHAPE` (the rules: 1 flop per input element).
 
     ``overlap``: true on CUDA (the host runs ahead of the GPU), false on a CPU (one thread dispatches
     and computes, so the cost model adds launch and work per op). Memory overhead and constant stay 0 (``hapnb calibrate --measured`` fits them from measured peaks).
@@ -485,7 +503,33 @@ def profile_device_model(
         one = torch.nn.Parameter(torch.zeros(1, device=dev))
         one.grad = torch.randn_like(one)
         opt1 = torch.optim.Adam([one], lr=1e-4)
-        opt_kernels = max(1.0, timed(opt1.step) / kernel_s)
+        adam_one = timed(opt1.step)
+        opt_kernels = max(1.0, adam_one / kernel_s)
+        vector_flops, vec_point, pool_flops, pool_point = None, None, None, None
+        if dev.type == "cpu":  # single-tensor Adam: its kernels per parameter tensor
+            many = [torch.nn.Parameter(torch.zeros(1)) for _ in range(33)]
+            for p in many:
+                p.grad = torch.randn_like(p)
+            per_tensor = (timed(torch.optim.Adam(many, lr=1e-4).step) - adam_one) / 32
+            opt_kernels = max(1.0, per_tensor / kernel_s)
+            v = torch.randn(VECTOR_ELEMENTS[quick], requires_grad=True)
+            ones = torch.ones_like(v)
+
+            def transcendental() -> None:
+                v.grad = None
+                F.gelu(v).backward(ones)
+                torch.tanh(v).backward(ones)
+
+            vec_point = (2 * 3.0 * 4 * v.numel(), timed(transcendental))  # the rules: 4 flops/element
+            vector_flops = vec_point[0] / vec_point[1]
+            img = torch.randn(POOL_SHAPE[quick], requires_grad=True)
+
+            def pool() -> None:
+                img.grad = None
+                F.max_pool2d(img, 2).sum().backward()
+
+            pool_point = (3.0 * img.numel(), timed(pool))
+            pool_flops = pool_point[0] / pool_point[1]
     finally:
         torch.set_num_threads(old_threads)
     date = datetime.date.today().isoformat()
@@ -500,6 +544,9 @@ def profile_device_model(
         optimizer_passes=passes,
         optimizer_kernels=opt_kernels,
         overlap=dev.type != "cpu",  # a CPU runs its own kernels: dispatch and work add up per op
+        optimizer_per_tensor=dev.type == "cpu",  # CPU Adam is single-tensor (not foreach)
+        vector_flops=vector_flops,
+        pool_flops=pool_flops,
         source=f"profile: {device_name(dev)}{nthreads}, {date}, torch {torch.__version__}",
     )
     return DeviceModelProfile(
@@ -510,6 +557,8 @@ def profile_device_model(
         bw_point,
         (att_flops, att_t),
         (4.0 * big.numel(), adam_big),
+        vec_point,
+        pool_point,
     )
 
 
