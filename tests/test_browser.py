@@ -212,8 +212,8 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         if dialogs:
             print("dismissed JupyterLab dialogs:", dialogs)
         _wait_all_run(page, n_code, RUN_TIMEOUT_S)
-        page.wait_for_selector(".jupyter-widgets .widget-button", timeout=30_000)
-        page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=30_000)
+        page.wait_for_selector(".jupyter-widgets .widget-button", timeout=120_000)
+        page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=120_000)
 
         tracebacks = [
             t
@@ -242,9 +242,9 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         # the widget talks to the kernel: Reset, then Step, and the panel reports the new search state
         panel = page.locator(".jupyter-widgets").first
         panel.locator(".widget-button", has_text="Reset").first.click()
-        panel.get_by_text(re.compile(r"\b0 expansions")).first.wait_for(timeout=30_000)
+        panel.get_by_text(re.compile(r"\b0 expansions")).first.wait_for(timeout=120_000)
         panel.locator(".widget-button", has_text=re.compile(r"^\W*Step$")).first.click()
-        panel.get_by_text(re.compile(r"\b1 expansions?")).first.wait_for(timeout=30_000)
+        panel.get_by_text(re.compile(r"\b1 expansions?")).first.wait_for(timeout=120_000)
     except BaseException:
         if context is not None and context.pages:
             with contextlib.suppress(Exception):
