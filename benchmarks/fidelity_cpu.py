@@ -47,7 +47,7 @@ from hapnb import zoo  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
 from hapnb.cost import MATMUL_FAMILIES, VECTOR_FAMILIES, CostModel  # noqa: E402
 from hapnb.devices import DeviceModel  # noqa: E402
-from hapnb.run.calibrate import RunFeatures, fit_time, predict_step_s  # noqa: E402
+from hapnb.run.calibrate import RunFeatures, fit_time, predict_step_s, prediction_stats  # noqa: E402
 from hapnb.run.profile import profile_device_model  # noqa: E402
 
 _LM = dict(layers=2, hidden=128, heads=4, vocab=1024, seq=64, batch=8, dropout=0.0)
@@ -116,18 +116,6 @@ def measure_peak_bytes(model: torch.nn.Module, inputs: tuple, opt: Any) -> tuple
         cur += e.nbytes()
         peak = max(peak, cur)
     return start + peak, start
-
-
-def stats(pred: list[float], meas: list[float]) -> dict[str, float]:
-    p, m = np.asarray(pred, float), np.asarray(meas, float)
-    err = np.abs(p / m - 1) * 100
-    rank = lambda v: np.argsort(np.argsort(v)).astype(float)  # noqa: E731
-    return {
-        "mean_abs_pct": float(err.mean()),
-        "max_abs_pct": float(err.max()),
-        "pearson": float(np.corrcoef(p, m)[0, 1]),
-        "spearman": float(np.corrcoef(rank(p), rank(m))[0, 1]),
-    }
 
 
 def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float, dm: DeviceModel) -> Any:
@@ -250,16 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     meas = [r["measured_s"] for r in rows]
     other = "min" if ns.stat == "median" else "median"
     summary = {
-        "step time (profiled model)": stats([r["predicted_s"] for r in rows], meas),
-        f"step time (profiled model) vs the {other} step": stats(
+        "step time (profiled model)": prediction_stats([r["predicted_s"] for r in rows], meas),
+        f"step time (profiled model) vs the {other} step": prediction_stats(
             [r["predicted_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
         ),
-        "step time (before: no CPU refinements)": stats([r["before_s"] for r in rows], meas),
-        f"step time (before: no CPU refinements) vs the {other} step": stats(
+        "step time (before: no CPU refinements)": prediction_stats([r["before_s"] for r in rows], meas),
+        f"step time (before: no CPU refinements) vs the {other} step": prediction_stats(
             [r["before_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
         ),
-        "step time (Adam per tensor only)": stats([r["adam_per_tensor_s"] for r in rows], meas),
-        "peak memory": stats([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]),
+        "step time (Adam per tensor only)": prediction_stats([r["adam_per_tensor_s"] for r in rows], meas),
+        "peak memory": prediction_stats([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]),
     }  # fmt: skip
     fitted = None
     if ns.calibrate and len(rows) > 2:
@@ -269,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["calibrated_loo_s"] = p
         ok = [i for i, p in enumerate(loo) if math.isfinite(p)]
         if len(ok) > 2:
-            summary["step time (calibrated, leave-one-out)"] = stats(
+            summary["step time (calibrated, leave-one-out)"] = prediction_stats(
                 [loo[i] for i in ok], [meas[i] for i in ok]
             )
             summary["step time (calibrated, leave-one-out)"]["runs"] = len(ok)

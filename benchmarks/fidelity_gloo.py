@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import hapnb  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
-from hapnb.run.calibrate import calibrate  # noqa: E402
+from hapnb.run.calibrate import calibrate, prediction_stats  # noqa: E402
 from hapnb.run.profile import profile_cluster  # noqa: E402
 
 _T = dict(layers=2, hidden=128, heads=4, vocab=1024, seq=64, dropout=0.0)
@@ -61,19 +60,6 @@ PLANS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("lm-L2-H128", "lm", dict(layers=2, hidden=128, seq=64, batch=8, vocab=2048)),
     ("lm-L2-H256", "lm", dict(layers=2, hidden=256, seq=64, batch=16, vocab=4096)),
 )  # fmt: skip
-
-
-def stats(pred: list[float], meas: list[float]) -> dict[str, float]:
-    p, m = np.asarray(pred, float), np.asarray(meas, float)
-    err = np.abs(p / m - 1) * 100
-    rank = lambda v: np.argsort(np.argsort(v)).astype(float)  # noqa: E731
-    return {
-        "mean_abs_pct": float(err.mean()),
-        "max_abs_pct": float(err.max()),
-        "pearson": float(np.corrcoef(p, m)[0, 1]),
-        "spearman": float(np.corrcoef(rank(p), rank(m))[0, 1]),
-        "mean_signed_pct": float((p / m - 1).mean() * 100),
-    }
 
 
 def measure(plan: Any, nproc: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -165,15 +151,15 @@ def study(nproc: int, ns: argparse.Namespace, labels: set[str] | None) -> dict[s
             flush=True,
         )
     summary = {
-        "step time (median of runs' medians)": stats([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
-        "step time vs the fastest step": stats([r["predicted_s"] for r in rows], [r["measured_min_s"] for r in rows]),
+        "step time (median of runs' medians)": prediction_stats([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+        "step time vs the fastest step": prediction_stats([r["predicted_s"] for r in rows], [r["measured_min_s"] for r in rows]),
     }  # fmt: skip
     if rows and all("one_rank" in r for r in rows):
         ones = [r["one_rank"] for r in rows]
-        summary["one rank, one-device plan: step time (median)"] = stats(
+        summary["one rank, one-device plan: step time (median)"] = prediction_stats(
             [o["predicted_s"] for o in ones], [o["measured_s"] for o in ones]
         )
-        summary["one rank, one-device plan: vs the fastest step"] = stats(
+        summary["one rank, one-device plan: vs the fastest step"] = prediction_stats(
             [o["predicted_s"] for o in ones], [o["measured_min_s"] for o in ones]
         )
     print()

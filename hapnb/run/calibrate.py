@@ -396,7 +396,9 @@ def fit_memory(feats: Sequence[RunFeatures]) -> tuple[float, float]:
     return float(scale - 1.0), float(const)
 
 
-def _stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+def prediction_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+    """Mean and max absolute % error of ``pred`` against ``meas``, Pearson, Spearman, and whether the
+    rank order is kept (the fidelity studies' summary numbers)."""
     import numpy as np
 
     p, m = np.asarray(pred, float), np.asarray(meas, float)
@@ -523,12 +525,16 @@ def fit_device_model(
                        loo_peak_bytes=peak(lm, f))  # fmt: skip
         rows.append(row)
     stats = {
-        "step time, fitted on all": _stats([r["fit_s"] for r in rows], [r["measured_s"] for r in rows]),
-        "step time, leave-one-out": _stats([r["loo_s"] for r in rows], [r["measured_s"] for r in rows]),
+        "step time, fitted on all": prediction_stats(
+            [r["fit_s"] for r in rows], [r["measured_s"] for r in rows]
+        ),
+        "step time, leave-one-out": prediction_stats(
+            [r["loo_s"] for r in rows], [r["measured_s"] for r in rows]
+        ),
     }
     mem = [r for r in rows if "measured_peak_bytes" in r]
     if mem:
-        stats["peak memory, leave-one-out"] = _stats(
+        stats["peak memory, leave-one-out"] = prediction_stats(
             [r["loo_peak_bytes"] for r in mem], [r["measured_peak_bytes"] for r in mem]
         )
     return FitReport(kind, model, tuple(rows), stats)
