@@ -158,7 +158,14 @@ class Plan:
 
     @property
     def model_spec(self) -> dict[str, Any] | None:
-        return dict(self.model) if self.model else None
+        """How to rebuild the model, as ``zoo.ModelSpec`` JSON (options as an object, however stored)."""
+        if not self.model:
+            return None
+        out = _jsonable(dict(self.model))
+        opts = out.get("options")
+        if isinstance(opts, list):  # pairs, as a loaded plan may hold them
+            out["options"] = {str(k): v for k, v in opts}
+        return out
 
     def lengths_of(self, tensor: str, dim: int) -> tuple[int, ...]:
         for t, d, ls in self.lengths:

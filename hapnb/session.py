@@ -301,11 +301,7 @@ class Session:
             from . import zoo
             from .tracing import trace
 
-            spec = dict(plan.model_spec or {})
-            opts = spec.get("options", {})
-            if isinstance(opts, (list, tuple)):  # a plan keeps its options frozen as pairs
-                spec["options"] = dict(opts)
-            model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+            model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec or {}))
             g = trace(model, inputs, name=plan.name)
             return g if g.fingerprint == plan.graph_fingerprint else None
         except Exception:  # noqa: BLE001 - the caller explains what to pass instead

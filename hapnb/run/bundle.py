@@ -55,20 +55,6 @@ class Bundle:
     graph: Graph
 
 
-def _spec_json(plan: Plan) -> dict[str, Any] | None:
-    """The plan's model spec as ModelSpec JSON (options as an object, however the plan stored them)."""
-    from ..plan import _jsonable
-
-    spec = plan.model_spec
-    if not spec:
-        return None
-    out = dict(_jsonable(spec))
-    opts = spec.get("options", {})
-    if isinstance(opts, (list, tuple)):
-        out["options"] = {str(k): _jsonable(v) for k, v in opts}
-    return out
-
-
 def program_inputs(g: Graph) -> tuple[torch.Tensor, ...] | None:
     """The example inputs kept by the graph's traced program (None when it keeps none, or keywords)."""
     ex = getattr(g.program, "example_inputs", None)
@@ -96,7 +82,7 @@ def resolve_graph(
             )
         return g, inputs
     if model is None:
-        spec = _spec_json(plan)
+        spec = plan.model_spec
         if not spec:
             raise BundleError(
                 f"plan {plan.name} has no graph in memory and no model spec to rebuild it; "
