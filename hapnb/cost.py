@@ -133,14 +133,26 @@ class Term:
     segment: int = 0
     what: str = ""
     segment2: int = -1  # reshard from ``segment`` to ``segment2``: slope * max_j (u_j + u_{j+1})
+    #: the backward's part of ``const`` and ``slope`` (the rest runs in the forward)
+    bwd_const: float = 0.0
+    bwd_slope: float = 0.0
+    #: a gradient synchronisation (all-reduce of a replicated parameter's gradient), not a feature's
+    gradient: bool = False
 
     def time(self, ratios: Sequence[Sequence[float]]) -> float:
+        return self._time(self.const, self.slope, ratios)
+
+    def backward_time(self, ratios: Sequence[Sequence[float]]) -> float:
+        """The part of :meth:`time` spent in the backward pass (the rest is forward)."""
+        return self._time(self.bwd_const, self.bwd_slope, ratios) if self.time(ratios) > 0 else 0.0
+
+    def _time(self, const: float, slope: float, ratios: Sequence[Sequence[float]]) -> float:
         if self.slope == 0.0:
-            return self.const
+            return const
         if self.segment2 >= 0:
             share = reshard_share(ratios[self.segment], ratios[self.segment2])
-            return self.const + self.slope * share if share > 0 else 0.0
-        return self.const + self.slope * max(ratios[self.segment])
+            return const + slope * share if share > 0 else 0.0
+        return const + slope * max(ratios[self.segment])
 
 
 def reshard_share(a: Sequence[float], b: Sequence[float]) -> float:
@@ -418,28 +430,35 @@ class CostModel:
             fwd_k, bwd_k = (
                 ("all_gather", "reduce_scatter") if name == "all_gather" else ("reduce_scatter", "all_gather")
             )
-            const = c[fwd_k].latency_s + (c[bwd_k].latency_s if bwd else 0.0)
-            slope = n * nbytes / c[fwd_k].bandwidth_Bps + (
-                n * nbytes / c[bwd_k].bandwidth_Bps if bwd else 0.0
-            )
-            return (Term(name, const, slope, seg, what),)
+            bc = c[bwd_k].latency_s if bwd else 0.0
+            bs = n * nbytes / c[bwd_k].bandwidth_Bps if bwd else 0.0
+            const = c[fwd_k].latency_s + bc
+            slope = n * nbytes / c[fwd_k].bandwidth_Bps + bs
+            return (Term(name, const, slope, seg, what, bwd_const=bc, bwd_slope=bs),)
         if name in ("grouped_all_gather", "grouped_reduce_scatter"):
             fwd_k, bwd_k = (
                 ("broadcast", "reduce") if name == "grouped_all_gather" else ("reduce", "broadcast")
             )
-            const = self._t(fwd_k, nbytes, n) + (self._t(bwd_k, nbytes, n) if bwd else 0.0)
-            return (Term(name, const, 0.0, seg, what),)
+            bc = self._t(bwd_k, nbytes, n) if bwd else 0.0
+            const = self._t(fwd_k, nbytes, n) + bc
+            return (Term(name, const, 0.0, seg, what, bwd_const=bc),)
         if name == "all_reduce":
-            return (Term(name, self._t("all_reduce", nbytes) * (2 if bwd else 1), 0.0, seg, what),)
-        if name == "reshard":
+            t1 = self._t("all_reduce", nbytes)
+            return (Term(name, t1 * (2 if bwd else 1), 0.0, seg, what, bwd_const=t1 if bwd else 0.0),)
+        if name in ("reshard", "all_to_all"):
             k = 2 if bwd else 1
             c2 = c["all_to_all"]
-            return (Term(name, k * c2.latency_s, k * nbytes / c2.bandwidth_Bps, seg, what, cv.segment),)
-        if name == "all_to_all":
-            k = 2 if bwd else 1
+            lat, per = c2.latency_s, nbytes / c2.bandwidth_Bps
             return (
                 Term(
-                    name, k * c["all_to_all"].latency_s, k * nbytes / c["all_to_all"].bandwidth_Bps, seg, what
+                    name,
+                    k * lat,
+                    k * per,
+                    seg,
+                    what,
+                    cv.segment if name == "reshard" else -1,
+                    bwd_const=(k - 1) * lat,
+                    bwd_slope=(k - 1) * per,
                 ),
             )
         raise ValueError(f"unknown collective {name!r}")
@@ -450,7 +469,15 @@ class CostModel:
         if t.role != "param" or ld.form.kind != "I" or ld.sfb:
             return ()
         return (
-            Term("all_reduce", self._t("all_reduce", float(t.nbytes)), 0.0, 0, f"grad all_reduce {t.name}"),
+            Term(
+                "all_reduce",
+                (x := self._t("all_reduce", float(t.nbytes))),
+                0.0,
+                0,
+                f"grad all_reduce {t.name}",
+                bwd_const=x,
+                gradient=True,
+            ),
         )
 
     def sfb_terms(self, step: Step) -> tuple[Term, ...]:
@@ -467,7 +494,13 @@ class CostModel:
             if f.kind == "G" and tr.role not in ("param",):
                 out.append(
                     Term(
-                        "all_gather", c.latency_s, self.n * tr.nbytes / c.bandwidth_Bps, seg, f"sfb {tr.name}"
+                        "all_gather",
+                        c.latency_s,
+                        (sl := self.n * tr.nbytes / c.bandwidth_Bps),
+                        seg,
+                        f"sfb {tr.name}",
+                        bwd_const=c.latency_s,
+                        bwd_slope=sl,
                     )
                 )
         return tuple(out)

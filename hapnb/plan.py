@@ -146,6 +146,9 @@ class Plan:
     graph: Any = field(default=None, compare=False, repr=False)
     # per device: (category, bytes) pairs of the predicted peak (hapnb.cost.MEMORY_CATEGORIES)
     memory_breakdown: tuple[tuple[tuple[str, int], ...], ...] = ()
+    #: HiDup's duplex schedule: the batch runs as two micro-batches, one computing while the other
+    #: communicates, gradients accumulated before the update (``cost_s`` is then the duplex cost)
+    duplex: bool = False
 
     # ------------------------------------------------------------------ views
     @property
@@ -289,6 +292,7 @@ class Plan:
             "memory_breakdown": [dict(b) for b in self.memory_breakdown],
             "options": _jsonable(dict(self.options)),
             "synthesis_s": self.synthesis_s,
+            "duplex": self.duplex,
         }
 
     @staticmethod
@@ -340,6 +344,7 @@ class Plan:
                 model=tuple(sorted((str(k), _freeze(v)) for k, v in (d.get("model") or {}).items())),
                 options=tuple(sorted((str(k), _freeze(v)) for k, v in d.get("options", {}).items())),
                 synthesis_s=float(d.get("synthesis_s", 0.0)),
+                duplex=bool(d.get("duplex", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ValueError) and str(e).startswith(source):
