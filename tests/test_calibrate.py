@@ -213,3 +213,15 @@ def test_cli_calibrate_measured_writes_a_cluster(tmp_path, capsys):
     assert len(d["runs"]) == 4 and d["model"]["kernel_s"] > 0
     assert cli_main(["calibrate", "--measured", str(tmp_path / "missing.json")]) == 2
     assert cli_main(["calibrate"]) == 2
+
+
+def test_prediction_stats_counts_pairs_ordered_beyond_the_spread():
+    from hapnb.run.calibrate import prediction_stats
+
+    meas = [1.0, 2.0, 3.0, 3.1]
+    spread = [(0.9, 1.1), (1.9, 2.1), (2.8, 3.2), (3.0, 3.3)]  # the last two overlap: not ordered
+    s = prediction_stats([1.0, 3.05, 2.9, 3.0], meas, spread)
+    assert s["ordered_pairs"] == 5  # (0,1) (0,2) (0,3) (1,2) (1,3)
+    assert s["ordered_pairs_kept"] == 3  # run 1 is predicted above runs 2 and 3
+    assert s["rank_kept"] is False
+    assert "ordered_pairs" not in prediction_stats([1.0, 2.0], [1.0, 2.0])

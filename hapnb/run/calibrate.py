@@ -396,9 +396,18 @@ def fit_memory(feats: Sequence[RunFeatures]) -> tuple[float, float]:
     return float(scale - 1.0), float(const)
 
 
-def prediction_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+def prediction_stats(
+    pred: Sequence[float], meas: Sequence[float], spread: Sequence[tuple[float, float]] | None = None
+) -> dict[str, float]:
     """Mean and max absolute % error of ``pred`` against ``meas``, Pearson, Spearman, and whether the
-    rank order is kept (the fidelity studies' summary numbers)."""
+    rank order is kept (the fidelity studies' summary numbers). With ``spread`` (each measurement's
+    (min, max) over its repeats), also the pairs the measurements order beyond their spread (ranges that
+    do not overlap) and how many of those the prediction orders the same way.
+
+    >>> s = prediction_stats([1.0, 2.2, 2.0], [1.0, 2.0, 2.1], [(0.9, 1.1), (1.8, 2.2), (1.9, 2.3)])
+    >>> s["rank_kept"], s["ordered_pairs"], s["ordered_pairs_kept"]
+    (False, 2, 2)
+    """
     import numpy as np
 
     p, m = np.asarray(pred, float), np.asarray(meas, float)
@@ -406,8 +415,13 @@ def prediction_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, 
     rank = lambda v: np.argsort(np.argsort(v)).astype(float)  # noqa: E731
     pearson = float(np.corrcoef(p, m)[0, 1]) if len(p) > 1 else 1.0
     spearman = float(np.corrcoef(rank(p), rank(m))[0, 1]) if len(p) > 1 else 1.0
-    return {"mean_abs_pct": float(err.mean()), "max_abs_pct": float(err.max()), "pearson": pearson,
-            "spearman": spearman, "rank_kept": bool((np.argsort(p) == np.argsort(m)).all())}  # fmt: skip
+    out = {"mean_abs_pct": float(err.mean()), "max_abs_pct": float(err.max()), "pearson": pearson,
+           "spearman": spearman, "rank_kept": bool((np.argsort(p) == np.argsort(m)).all())}  # fmt: skip
+    if spread is not None:
+        pairs = [(i, j) for i in range(len(p)) for j in range(len(p)) if spread[i][1] < spread[j][0]]
+        out["ordered_pairs"] = len(pairs)
+        out["ordered_pairs_kept"] = sum(1 for i, j in pairs if p[i] < p[j])
+    return out
 
 
 @dataclass(frozen=True)
@@ -446,6 +460,12 @@ class FitReport:
             lines.append(
                 f"{k}: mean |err| {s['mean_abs_pct']:.2f} %, max {s['max_abs_pct']:.2f} %, Pearson "
                 f"{s['pearson']:.4f}, Spearman {s['spearman']:.4f}, rank order kept: {s['rank_kept']}"
+                + (
+                    f"; pairs ordered beyond the measured min-max spread kept: {s['ordered_pairs_kept']}"
+                    f" of {s['ordered_pairs']}"
+                    if "ordered_pairs" in s
+                    else ""
+                )
             )
         return "\n".join(lines)
 
@@ -524,13 +544,14 @@ def fit_device_model(
             row.update(measured_peak_bytes=f.measured_peak, fit_peak_bytes=peak(model, f),
                        loo_peak_bytes=peak(lm, f))  # fmt: skip
         rows.append(row)
+    runs = data["runs"]
+    spread = None
+    if all("step_s_min" in r and "step_s_max" in r for r in runs) and len(runs) == n:
+        spread = [(float(r["step_s_min"]), float(r["step_s_max"])) for r in runs]
+    meas = [r["measured_s"] for r in rows]
     stats = {
-        "step time, fitted on all": prediction_stats(
-            [r["fit_s"] for r in rows], [r["measured_s"] for r in rows]
-        ),
-        "step time, leave-one-out": prediction_stats(
-            [r["loo_s"] for r in rows], [r["measured_s"] for r in rows]
-        ),
+        "step time, fitted on all": prediction_stats([r["fit_s"] for r in rows], meas, spread),
+        "step time, leave-one-out": prediction_stats([r["loo_s"] for r in rows], meas, spread),
     }
     mem = [r for r in rows if "measured_peak_bytes" in r]
     if mem:
