@@ -53,7 +53,11 @@ class DeviceModel:
     ``vector_flops`` (flop/s in the rules' units) prices the vector families of :mod:`hapnb.cost`
     (transcendental pointwise ops, pooling, losses, ops without a rule) as
     ``max(flops / vector_flops, bytes / bandwidth)`` instead of memory bound; ``pool_flops``, when set,
-    replaces ``vector_flops`` for pooling (a CPU's max-pool with indices runs far below either)."""
+    replaces ``vector_flops`` for pooling (a CPU's max-pool with indices runs far below either).
+
+    ``overlap_slowdown`` (Proteus' overlap factor γ, optional): a computation runs ``1 + γ`` times
+    longer while a collective runs beside it; only :mod:`hapnb.simulate` reads it (``hapnb profile``
+    measures it; None: the simulator's default)."""
 
     peak_flops: float
     bandwidth_Bps: float
@@ -70,6 +74,7 @@ class DeviceModel:
     optimizer_per_tensor: bool = False
     vector_flops: float | None = None
     pool_flops: float | None = None
+    overlap_slowdown: float | None = None
 
     def __post_init__(self) -> None:
         for flag in ("overlap", "optimizer_per_tensor"):
@@ -78,6 +83,9 @@ class DeviceModel:
         for rate in ("vector_flops", "pool_flops"):
             if getattr(self, rate) is not None:
                 object.__setattr__(self, rate, _positive(getattr(self, rate), f"device model: {rate}"))
+        if self.overlap_slowdown is not None:
+            g = _nonnegative(self.overlap_slowdown, "device model: overlap_slowdown")
+            object.__setattr__(self, "overlap_slowdown", g)
         for f in dataclasses.fields(self):
             if f.name in ("source", "overlap", *_OPTIONAL):
                 continue
@@ -113,6 +121,9 @@ class DeviceModel:
         extra = f", vector {self.vector_flops / 1e9:.3g} GFLOP/s" if self.vector_flops else ""
         extra += f", pooling {self.pool_flops / 1e9:.3g} GFLOP/s" if self.pool_flops else ""
         extra += ", Adam per tensor" if self.optimizer_per_tensor else ""
+        extra += (
+            f", overlap slowdown {self.overlap_slowdown:.3g}" if self.overlap_slowdown is not None else ""
+        )
         return (
             f"{self.peak_flops / 1e12:.3g} TFLOP/s x {self.matmul_eff:.3g} (half at "
             f"{self.matmul_half_flops:.3g} flops), {self.bandwidth_Bps / 1e9:.4g} GB/s, "
@@ -121,7 +132,7 @@ class DeviceModel:
 
 
 #: Fields left out of :meth:`DeviceModel.to_json` at their defaults (JSON without them still loads).
-_OPTIONAL = ("optimizer_per_tensor", "vector_flops", "pool_flops")
+_OPTIONAL = ("optimizer_per_tensor", "vector_flops", "pool_flops", "overlap_slowdown")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeviceModel)}
 
 

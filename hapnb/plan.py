@@ -26,9 +26,56 @@ from .forms import Form, parse_form
 from .optimize import Round
 from .triples import Theory
 
-__all__ = ["Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping"]
+__all__ = ["CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping"]
 
 PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One communication term of an instruction at the plan's ratios (a :class:`hapnb.cost.Term` priced):
+    ``forward_s`` + ``backward_s`` seconds (the backward's part runs in the backward pass); a gradient
+    all-reduce of a replicated parameter has ``gradient`` set and its gradient's ``nbytes`` (for DDP
+    bucketing). JSON: ``{"what", "kind", "forward_s", "backward_s"[, "gradient_bytes"]}``.
+
+    >>> c = CommCost("all_gather h", "all_gather", 1e-3, 2e-3)
+    >>> CommCost.from_json(c.to_json()) == c, c.time_s
+    (True, 0.003)
+    """
+
+    what: str
+    kind: str
+    forward_s: float
+    backward_s: float
+    gradient: bool = False
+    nbytes: int = 0
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "what": self.what,
+            "kind": self.kind,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+        }
+        if self.gradient:
+            d["gradient_bytes"] = self.nbytes
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> CommCost:
+        grad = "gradient_bytes" in d
+        return CommCost(
+            str(d["what"]),
+            str(d["kind"]),
+            float(d["forward_s"]),
+            float(d["backward_s"]),
+            grad,
+            int(d["gradient_bytes"]) if grad else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -38,6 +85,12 @@ class Instruction:
     ``kind``: ``load`` (``tensor`` loaded in ``form``; ``name`` is ``load`` or ``load_sfb``),
     ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
     ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
+
+    Costs at the plan's ratios, for :mod:`hapnb.simulate` (empty in plans made before them):
+    ``comp_s`` (compute only) the seconds per device of forward + backward (the cost model's step
+    computation, so a stage's sum is ``Stage.comp_s``); ``comm`` the communication terms the cost model
+    charges to this instruction (a load: its gradient all-reduce; a collective: its forward and backward;
+    a compute step with SFB: the sufficient-factor gathers).
     """
 
     kind: str
@@ -51,6 +104,8 @@ class Instruction:
     inputs: tuple[tuple[str, str], ...] = ()
     outputs: tuple[tuple[str, str], ...] = ()
     lengths: tuple[int, ...] = ()  # reshard only: the per-rank lengths after the re-cut
+    comp_s: tuple[float, ...] = ()
+    comm: tuple[CommCost, ...] = ()
 
     def __str__(self) -> str:
         if self.kind == "compute":
@@ -73,6 +128,10 @@ class Instruction:
             d["outputs"] = [list(p) for p in self.outputs]
         if self.lengths:
             d["lengths"] = list(self.lengths)
+        if self.comp_s:
+            d["comp_s"] = list(self.comp_s)
+        if self.comm:
+            d["comm"] = [c.to_json() for c in self.comm]
         return d
 
     @staticmethod
@@ -89,6 +148,8 @@ class Instruction:
             inputs=tuple((str(a), str(b)) for a, b in d.get("inputs", ())),
             outputs=tuple((str(a), str(b)) for a, b in d.get("outputs", ())),
             lengths=tuple(int(x) for x in d.get("lengths", ())),
+            comp_s=tuple(float(x) for x in d.get("comp_s", ())),
+            comm=tuple(CommCost.from_json(c) for c in d.get("comm", ())),
         )
 
     @property
@@ -149,6 +210,14 @@ class Plan:
     #: HiDup's duplex schedule: the batch runs as two micro-batches, one computing while the other
     #: communicates, gradients accumulated before the update (``cost_s`` is then the duplex cost)
     duplex: bool = False
+    #: seconds of the optimizer step per device at the plan's ratios (the cost model charges it to the
+    #: last stage; zeros on flops-only clusters; empty in plans made before it)
+    optimizer_s: tuple[float, ...] = ()
+
+    @property
+    def costed(self) -> bool:
+        """Whether the plan carries per-instruction costs (what :mod:`hapnb.simulate` overlaps)."""
+        return bool(self.optimizer_s) and all(i.comp_s for i in self.program if i.kind == "compute")
 
     # ------------------------------------------------------------------ views
     @property
@@ -293,6 +362,7 @@ class Plan:
             "options": _jsonable(dict(self.options)),
             "synthesis_s": self.synthesis_s,
             "duplex": self.duplex,
+            **({"optimizer_s": list(self.optimizer_s)} if self.optimizer_s else {}),
         }
 
     @staticmethod
@@ -345,6 +415,7 @@ class Plan:
                 options=tuple(sorted((str(k), _freeze(v)) for k, v in d.get("options", {}).items())),
                 synthesis_s=float(d.get("synthesis_s", 0.0)),
                 duplex=bool(d.get("duplex", False)),
+                optimizer_s=tuple(float(x) for x in d.get("optimizer_s", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ValueError) and str(e).startswith(source):
@@ -429,13 +500,30 @@ def make_plan(
     def name(t: int) -> str:
         return g.tensors[t].name
 
+    def priced(terms: Sequence[Any], nbytes: int = 0) -> tuple[CommCost, ...]:
+        """The cost model's terms at the plan's ratios (none on one device: nothing to talk to)."""
+        if cm.n == 1:
+            return ()
+        out = []
+        for tm in terms:
+            total, bwd = tm.time(ratios), tm.backward_time(ratios)
+            out.append(
+                CommCost(tm.what, tm.kind, total - bwd, bwd, tm.gradient, nbytes if tm.gradient else 0)
+            )
+        return tuple(out)
+
     for k, st in enumerate(program):
         stage = stage_of_step[k]
         op = g.ops[st.op]
         for ld in st.loads:
             emit(
                 Instruction(
-                    "load", "load_sfb" if ld.sfb else "load", stage, tensor=name(ld.tensor), form=str(ld.form)
+                    "load",
+                    "load_sfb" if ld.sfb else "load",
+                    stage,
+                    tensor=name(ld.tensor),
+                    form=str(ld.form),
+                    comm=priced(cm.load_terms(ld), g.tensors[ld.tensor].nbytes),
                 )
             )
             if ld.form.kind == "G":
@@ -456,6 +544,7 @@ def make_plan(
                         src=str(cv.src),
                         form=dst,
                         lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
+                        comm=priced(cm.conversion_terms(cv)),
                     )
                 )
             else:
@@ -467,6 +556,7 @@ def make_plan(
                         tensor=name(cv.tensor),
                         src=str(cv.src),
                         form=str(cv.dst),
+                        comm=priced(cm.conversion_terms(cv)),
                     )
                 )
             for f in (cv.src, cv.dst):
@@ -492,6 +582,8 @@ def make_plan(
                     for t, f in zip(op.inputs, s.inputs)
                 ),
                 outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
+                comp_s=tuple(float(x) for x in cm.step_comp(st, ratios)),
+                comm=priced(cm.sfb_terms(st)),
             )
         )
     last_stage = ev.stages[-1].index if ev.stages else 0
@@ -538,6 +630,9 @@ def make_plan(
         ),
         synthesis_s=synthesis_s,
         graph=g,
+        optimizer_s=tuple(
+            float(x) for x in (cm.optimizer_comp(program, ratios) if any(cm.models) else (0.0,) * cm.n)
+        ),
     )
     breakdown = cm.memory_breakdown(program, extra, ratios)
     return replace(
