@@ -1,11 +1,13 @@
-"""bokeh Gantt charts of a plan (inline BokehJS: no CDN) with an optional measured overlay."""
+"""bokeh Gantt charts of a plan (inline BokehJS: no CDN) with an optional measured overlay, and of a
+simulated timeline (:func:`timeline_gantt`: a lane per device, a sub-lane per stream) with its memory
+over time (:func:`memory_chart`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from .basics import _COMM_COLOR, _COMP_COLOR, _IDLE_COLOR, _stage_starts, time_unit
+from .basics import _COMM_COLOR, _COMP_COLOR, _DEVICE_COLORS, _IDLE_COLOR, _stage_starts, time_unit
 
 # ============================================================================================ bokeh
 
@@ -24,11 +26,14 @@ def _measured_parts(measured: Any) -> tuple[list[float], list[float]]:
 def gantt(plan: Any, measured: Any = None, *, width: int = 900, height: int | None = None) -> Any:
     """A bokeh Gantt chart of the plan: one row per device; per stage a communication segment (all
     devices, same length), then each device's computation and its idle time until the slowest finishes.
+    Given a simulated timeline (anything with ``spans``) instead, draws it with :func:`timeline_gantt`.
 
     Hover shows the stage, its instructions and what it communicates (with sizes from the cost model).
     ``measured``: per-step times (a list, seconds) or ``{"step_s": [...], "stage_s": [...]}``; adds a
     "measured" row (per-stage segments, or the mean step as one bar) next to the "predicted" row.
     """
+    if hasattr(plan, "spans") and hasattr(plan, "iteration_s"):
+        return timeline_gantt(plan, width=width, height=height)
     from bokeh.models import BasicTickFormatter, ColumnDataSource, HoverTool, Range1d, Span
     from bokeh.plotting import figure
 
@@ -124,3 +129,118 @@ def gantt_html(plan: Any, measured: Any = None, **kw: Any) -> str:
     from bokeh.resources import INLINE
 
     return file_html(gantt(plan, measured, **kw), resources=INLINE, title=f"hapnb Gantt: {plan.name}")
+
+
+#: Fill colours of a simulated span by phase and stream (computation blue, communication orange).
+PHASE_COLORS: Mapping[tuple[str, str], str] = {
+    ("compute", "forward"): "#6baed6",
+    ("compute", "backward"): "#2171b5",
+    ("compute", "optimizer"): "#31a354",
+    ("feature-comm", "forward"): "#fdae6b",
+    ("feature-comm", "backward"): "#e6550d",
+    ("gradient-comm", "backward"): "#a63603",
+}
+_STREAM_ORDER = ("compute", "feature-comm", "gradient-comm")
+
+
+def timeline_lanes(timeline: Any) -> list[str]:
+    """The y factors of :func:`timeline_gantt`, top to bottom: ``"device / stream"`` for every stream a
+    device has spans on (its compute stream always)."""
+    used = {(s.device, s.stream) for s in timeline.spans}
+    lanes = []
+    for d in timeline.devices:
+        for st in _STREAM_ORDER:
+            if st == "compute" or (d, st) in used:
+                lanes.append(f"{d} / {st}")
+    return lanes
+
+
+def timeline_gantt(timeline: Any, *, width: int = 900, height: int | None = None) -> Any:
+    """A bokeh Gantt chart of a simulated timeline (duck-typed: ``devices``, ``spans`` with ``device,
+    stream, start_s, end_s, instruction, phase, micro_batch, what``, ``iteration_s``, ``plan_name``):
+    one lane per device with a sub-lane per stream, one bar per span coloured by stream and phase
+    (:data:`PHASE_COLORS`); hover shows the instruction, what runs, the phase and the micro-batch."""
+    from bokeh.models import BasicTickFormatter, ColumnDataSource, HoverTool, Range1d
+    from bokeh.plotting import figure
+
+    unit, k = time_unit(timeline.iteration_s)
+    lanes = timeline_lanes(timeline)
+    cols = ("lane", "left", "right", "color", "phase", "stream", "mb", "instruction", "what", "dur", "label")
+    data: dict[str, list[Any]] = {c: [] for c in cols}
+    for s in timeline.spans:
+        data["lane"].append(f"{s.device} / {s.stream}")
+        data["left"].append(s.start_s * k)
+        data["right"].append(s.end_s * k)
+        data["color"].append(PHASE_COLORS.get((s.stream, s.phase), _IDLE_COLOR))
+        data["phase"].append(s.phase)
+        data["stream"].append(s.stream)
+        data["mb"].append(s.micro_batch)
+        data["instruction"].append(s.instruction)
+        data["what"].append(s.what if len(s.what) <= 200 else s.what[:200] + " ...")
+        data["dur"].append((s.end_s - s.start_s) * k)
+        data["label"].append(f"{s.phase} ({'computation' if s.stream == 'compute' else s.stream})")
+    mode = "overlap" if getattr(timeline, "overlap", False) else "stage-synchronous"
+    fig = figure(
+        y_range=list(reversed(lanes)),
+        width=width,
+        height=height or (70 + 22 * len(lanes)),
+        title=f"{timeline.plan_name}, simulated ({mode}): {timeline.iteration_s * k:.4g} {unit} per iteration",
+        x_axis_label=f"time ({unit})",
+        tools="xpan,xwheel_zoom,reset,save",
+        toolbar_location="above",
+    )
+    fig.hbar(
+        y="lane", left="left", right="right", height=0.8, fill_color="color", line_color="white",
+        line_width=0.5, source=ColumnDataSource(data), legend_field="label", name="spans",
+    )  # fmt: skip
+    fig.add_tools(
+        HoverTool(
+            tooltips=[
+                ("lane", "@lane"), ("phase", "@phase"), ("micro-batch", "@mb"), ("instruction", "@instruction"),
+                ("what", "@what"), ("duration", f"@dur{{0.000}} {unit}"),
+            ]
+        )
+    )  # fmt: skip
+    end = timeline.iteration_s * k
+    fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
+    fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
+    fig.legend.location = "bottom_right"
+    fig.legend.label_text_font_size = "9pt"
+    fig.ygrid.grid_line_color = None
+    return fig
+
+
+def memory_chart(timeline: Any, *, width: int = 900, height: int = 300) -> Any:
+    """A bokeh step chart of each device's memory over the simulated iteration (``timeline.memory``:
+    per device (time, bytes) points), in MiB, with each device's capacity as a dashed line when it is
+    within twice the peak."""
+    from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.plotting import figure
+
+    unit, k = time_unit(timeline.iteration_s)
+    fig = figure(
+        width=width,
+        height=height,
+        title=f"{timeline.plan_name}: memory per device (simulated)",
+        x_axis_label=f"time ({unit})",
+        y_axis_label="MiB",
+        tools="xpan,xwheel_zoom,reset,save",
+        toolbar_location="above",
+    )
+    caps = getattr(timeline, "memory_capacity_bytes", ())
+    peaks = getattr(timeline, "peak_memory_bytes", ())
+    for j, (d, pts) in enumerate(zip(timeline.devices, timeline.memory)):
+        pts = list(pts)
+        if pts and pts[-1][0] < timeline.iteration_s:
+            pts.append((timeline.iteration_s, pts[-1][1]))
+        color = _DEVICE_COLORS[j % len(_DEVICE_COLORS)]
+        src = ColumnDataSource({"t": [t * k for t, _ in pts], "mib": [b / 2**20 for _, b in pts], "device": [d] * len(pts)})  # fmt: skip
+        fig.step(x="t", y="mib", mode="after", source=src, line_color=color, line_width=2, legend_label=d, name=f"memory {d}")  # fmt: skip
+        if j < len(caps) and j < len(peaks) and caps[j] <= 2 * max(1, peaks[j]):
+            fig.line(
+                [0, timeline.iteration_s * k], [caps[j] / 2**20] * 2, line_color=color, line_dash="dashed"
+            )
+    fig.add_tools(HoverTool(tooltips=[("device", "@device"), ("time", f"@t{{0.000}} {unit}"), ("memory", "@mib{0.0} MiB")]))  # fmt: skip
+    fig.legend.location = "top_left"
+    fig.legend.label_text_font_size = "9pt"
+    return fig
