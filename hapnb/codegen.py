@@ -116,6 +116,10 @@ class RankProgram:
     loss: str
     fingerprint: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: local names of the replicated parameters whose gradients stay partial in the program and must be
+    #: all-reduced by the runtime (``grad_sync="buckets"``, :class:`hapnb.run.buckets.GradBuckets`), in
+    #: order of first use in the forward; empty with ``grad_sync="sync"`` (the program all-reduces them)
+    grad_sync: tuple[str, ...] = ()
 
     @property
     def code(self) -> str:
@@ -293,6 +297,7 @@ def generate(
     weights: Mapping[str, torch.Tensor] | None = None,
     strategies: Callable[[Graph, Op], Sequence[Any]] | None = None,
     localize: Callable[..., Any] | None = None,
+    grad_sync: str = "sync",
 ) -> RankProgram:
     """Build rank ``rank``'s program for ``plan`` on ``graph`` (default ``plan.graph``).
 
@@ -302,7 +307,10 @@ def generate(
     weights and float32 dtype constants in op arguments. ``weights`` overrides the weights taken from
     ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
     A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.expand.expand_virtual`):
-    ``rank`` then counts physical GPUs.
+    ``rank`` then counts physical GPUs. ``grad_sync="sync"``: a replicated parameter is wrapped in
+    :func:`hapnb.collectives.replicate` (its gradient is all-reduced inside autograd); ``"buckets"``: it is
+    used as it is and listed in :attr:`RankProgram.grad_sync` for the runtime to all-reduce (DDP-like
+    async buckets, :mod:`hapnb.run.buckets`). A parameter also loaded ``load_sfb`` always syncs in-graph.
     """
     from . import rules
 
@@ -319,6 +327,8 @@ def generate(
         )
     if inputs not in ("full", "local"):
         raise ValueError(f"inputs must be 'full' or 'local', got {inputs!r}")
+    if grad_sync not in ("sync", "buckets"):
+        raise ValueError(f"grad_sync must be 'sync' or 'buckets', got {grad_sync!r}")
     from .expand import expand_virtual, has_virtual
 
     if has_virtual(plan):  # virtual devices: rank = one physical GPU of the expanded plan
@@ -429,10 +439,22 @@ def generate(
             nd = attr_nodes[name] = fxg.get_attr(records[name].local_name)
         return nd
 
+    # tied names share one local parameter: it syncs in-graph if any of its names is loaded load_sfb
+    sfb_loaded = {
+        records[m].local_name for m, fs in load_forms.items() if m in records and any(b for _, b in fs)
+    }
+    bucketed: list[str] = []
+
     def replicated(name: str) -> fx.Node:
         nd = repl_nodes.get(name)
         if nd is None:
-            nd = repl_nodes[name] = emit(C.replicate, (attr(name),), name=f"{records[name].local_name}_I")
+            local = records[name].local_name
+            if grad_sync == "buckets" and local not in sfb_loaded:
+                nd = repl_nodes[name] = attr(name)
+                if local not in bucketed:
+                    bucketed.append(local)
+            else:
+                nd = repl_nodes[name] = emit(C.replicate, (attr(name),), name=f"{local}_I")
         return nd
 
     def emit(target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
@@ -659,6 +681,7 @@ def generate(
         loss=loss.name,
         fingerprint=g.fingerprint,
         notes=tuple(notes),
+        grad_sync=tuple(bucketed),
     )
 
 

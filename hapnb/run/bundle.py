@@ -30,6 +30,7 @@ __all__ = [
     "BUNDLE_FORMAT",
     "Bundle",
     "BundleError",
+    "half_graph",
     "load_bundle",
     "program_inputs",
     "resolve_graph",
@@ -53,6 +54,8 @@ class Bundle:
     program: Any
     inputs: tuple[torch.Tensor, ...]
     graph: Graph
+    #: duplex plans: the model traced at half the batch (``program_half.pt2``), else None
+    half_graph: Graph | None = None
 
 
 def program_inputs(g: Graph) -> tuple[torch.Tensor, ...] | None:
@@ -121,6 +124,7 @@ def write_bundle(
     The graph comes from :func:`resolve_graph` (``plan.graph``, else ``model``, else the plan's spec).
     """
     g, inputs = resolve_graph(plan, model, example_inputs)
+    half = half_graph(plan, g, inputs, model) if plan.duplex else None
     if not isinstance(g.program, torch.export.ExportedProgram):
         raise BundleError(
             f"{plan.name} was traced with the torch.fx fallback, which cannot be saved; bundles need a "
@@ -142,6 +146,9 @@ def write_bundle(
         "inputs": [g.tensors[t].name for t in g.inputs],
         "torch": torch.__version__,
     }
+    if half is not None:
+        torch.export.save(half.program, d / "program_half.pt2")
+        meta["half_graph_fingerprint"] = half.fingerprint
     (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return d
 
@@ -166,4 +173,42 @@ def load_bundle(directory: str | os.PathLike[str]) -> Bundle:
     g = from_export(ep, list(meta["inputs"]), str(meta.get("name", plan.name)))
     _check_fingerprint(plan, g)
     plan = dataclasses.replace(plan, graph=g)
-    return Bundle(d, plan, ep, inputs, g)
+    half = None
+    if (d / "program_half.pt2").is_file():
+        half = from_export(torch.export.load(d / "program_half.pt2"), list(meta["inputs"]), g.name)
+        if half.fingerprint != meta.get("half_graph_fingerprint"):
+            raise BundleError(f"{d}: program_half.pt2 does not trace to the graph the bundle was made with")
+    elif plan.duplex:
+        raise BundleError(
+            f"{d}: plan {plan.name} is a duplex plan but the bundle has no half-batch program "
+            "(program_half.pt2); write the bundle again with this hapnb"
+        )
+    return Bundle(d, plan, ep, inputs, g, half)
+
+
+def half_graph(plan: Plan, graph: Graph, inputs: Sequence[torch.Tensor], model: Any = None) -> Graph:
+    """The model traced at half the batch (for duplex plans, :mod:`hapnb.run.duplex`): ``model`` when
+    given, else rebuilt from the plan's zoo/factory spec, else the traced program itself re-exported."""
+    from ..tracing import TraceError, trace
+    from .duplex import DuplexError, half_inputs
+
+    names = [graph.tensors[t].name for t in graph.inputs]
+    try:
+        half = half_inputs(inputs, names)
+    except DuplexError as e:
+        raise BundleError(str(e)) from None
+    if model is None and plan.model_spec:
+        from .. import zoo
+
+        model = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec))[0]
+    if model is None and isinstance(graph.program, torch.export.ExportedProgram):
+        model = graph.program.module()
+    if model is None:
+        raise BundleError(f"plan {plan.name} is duplex: pass model=... to trace it at half the batch")
+    try:
+        return trace(model, half, name=graph.name)
+    except (TraceError, RuntimeError, ValueError) as e:
+        raise BundleError(
+            f"plan {plan.name} is duplex but the model does not trace at half the batch "
+            f"({type(e).__name__}: {e}); pass the model (model=...) if its spec cannot rebuild it"
+        ) from e

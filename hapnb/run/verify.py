@@ -33,7 +33,7 @@ from ..graph import Graph
 from ..plan import Plan
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
-from .worker import WORKER_ARGV, make_optimizer
+from .worker import WORKER_ARGV, duplex_program, make_optimizer
 
 __all__ = ["TensorCheck", "VerifyError", "VerifyReport", "run_reference", "verify"]
 
@@ -301,6 +301,10 @@ def verify(
     keep: str | os.PathLike[str] | None = None,
     progress: ProgressFn | None = None,
     worker: Sequence[str] = WORKER_ARGV,
+    grad_sync: str = "buckets",
+    bucket_cap: int | None = None,
+    first_bucket_cap: int | None = None,
+    interleave: bool = True,
 ) -> VerifyReport:
     """Run ``plan`` on ``nproc`` local ranks and compare with the single-device program.
 
@@ -315,7 +319,10 @@ def verify(
     event (see :data:`ProgressFn`). Raises :class:`VerifyError` when a rank crashes (with its traceback),
     the ranks are stuck, or slow past ``timeout``; every rank process is gone by then. ``keep``: a folder
     to keep the bundle and the rank logs in (default: a temporary folder, removed). ``worker``: how to
-    start a rank (``python *worker BUNDLE ...``).
+    start a rank (``python *worker BUNDLE ...``). ``grad_sync``, ``bucket_cap``, ``first_bucket_cap``
+    and ``interleave`` go to the workers (:func:`hapnb.run.worker.run_worker`): replicated gradients are
+    all-reduced in async buckets by default (``"sync"``: inside autograd), and the gradients are read
+    after the buckets are waited for. A duplex plan (``plan.duplex``) runs as two micro-batches per rank.
     """
     t0 = time.perf_counter()
     n = plan.cluster.gpus
@@ -341,7 +348,10 @@ def verify(
         # bundle keeps the plan as given and every worker expands it the same way
         physical = expand_virtual(bundle.plan, bundle.graph)
         for r in range(n):  # codegen errors surface here, clearly, before any process starts
-            generate(physical, bundle.graph, r, dropout=False)
+            if physical.duplex:
+                duplex_program(physical, bundle, r, dropout=False)
+            else:
+                generate(physical, bundle.graph, r, dropout=False)
         out = work / "ranks"
         # the supervisor judges stalls; the collectives' own timeout is only a backstop behind it
         backstop = (timeout if timeout is not None else 10 * stall_timeout) + 60
@@ -355,6 +365,13 @@ def verify(
             "--verify-out", str(out),
             "--timeout", f"{backstop:g}",
         ]  # fmt: skip
+        args += ["--grad-sync", grad_sync]
+        if bucket_cap is not None:
+            args += ["--bucket-cap-bytes", str(int(bucket_cap))]
+        if first_bucket_cap is not None:
+            args += ["--first-bucket-cap-bytes", str(int(first_bucket_cap))]
+        if not interleave:
+            args += ["--no-interleave"]
         if dtype:
             args += ["--dtype", dtype]
         if lr is not None:

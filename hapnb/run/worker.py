@@ -4,6 +4,7 @@ Command line (under ``torchrun``, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 
     torchrun --nproc-per-node 4 -m hapnb.run.worker BUNDLE [--steps N] [--backend gloo|nccl] [--lr LR]
         [--optimizer adam|sgd] [--inputs local|full] [--metrics FILE | --metrics-fd FD] [--no-dropout]
+        [--grad-sync buckets|sync] [--bucket-cap-bytes N] [--first-bucket-cap-bytes N] [--no-interleave]
 
 Every rank prints one JSON line per step (to stdout, or appended to ``--metrics FILE`` — ``{rank}`` in the
 name is replaced by the rank — or written to the inherited file descriptor ``--metrics-fd``)::
@@ -51,7 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["WORKER_ARGV", "run_worker", "make_optimizer", "main"]
+__all__ = ["WORKER_ARGV", "duplex_program", "run_worker", "make_optimizer", "main"]
 
 #: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
 WORKER_ARGV: tuple[str, ...] = ("-m", "hapnb.run.worker")
@@ -138,8 +139,18 @@ def run_worker(
     verify_out: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
     heartbeat: Callable[[dict[str, Any]], None] | None = None,
+    grad_sync: str = "buckets",
+    bucket_cap: int | None = None,
+    first_bucket_cap: int | None = None,
+    interleave: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc)."""
+    """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc).
+
+    ``grad_sync``: ``"buckets"`` (default) all-reduces replicated gradients in DDP-like buckets started
+    asynchronously by gradient hooks during the backward (:mod:`hapnb.run.buckets`; caps in bytes,
+    default 25 MiB and 1 MiB for the first) and waits before the gradients are read or the optimizer
+    steps; ``"sync"`` all-reduces each inside autograd. A duplex plan runs as two micro-batches
+    (:mod:`hapnb.run.duplex`; ``interleave=False`` runs them one after the other)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     t_start = time.perf_counter()
 
@@ -158,6 +169,7 @@ def run_worker(
     from .. import collectives as C
     from ..codegen import generate
     from ..expand import physical_plan
+    from .buckets import GradBuckets
     from .bundle import load_bundle
 
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
@@ -197,14 +209,29 @@ def run_worker(
         if tdtype is not None:
             torch.set_default_dtype(tdtype)
         phase("compile")
-        prog = generate(plan, bundle.graph, rank, inputs=inputs, dropout=dropout, dtype=tdtype)
-        module = prog.module.to(device)
         full = tuple(
             x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs
         )
-        batch = tuple(x.to(device) for x in prog.local_inputs(*full))
+        gen = dict(inputs=inputs, dropout=dropout, dtype=tdtype, grad_sync=grad_sync)
+        runner = None
+        if plan.duplex:
+            prog, runner, scale, micro = duplex_program(plan, bundle, rank, interleave=interleave, **gen)
+            module = prog.module.to(device)
+            batches = [tuple(x.to(device) for x in prog.local_inputs(*mb)) for mb in micro]
+        else:
+            prog = generate(plan, bundle.graph, rank, **gen)
+            module = prog.module.to(device)
+            batch = tuple(x.to(device) for x in prog.local_inputs(*full))
         params = [p for p in module.parameters() if p.requires_grad]
         opt = make_optimizer(optimizer, params, lr)
+        buckets = None
+        if grad_sync == "buckets":
+            # a process group of its own: the buckets' all-reduces never interleave with the feature
+            # collectives the backward runs on the default group
+            group = dist.new_group(list(range(world_size))) if world_size > 1 else None
+            caps = {k: v for k, v in (("cap", bucket_cap), ("first_cap", first_bucket_cap)) if v is not None}
+            named = [(nm, module.get_parameter(nm)) for nm in prog.grad_sync]
+            buckets = GradBuckets(named, group=group, **caps)
         out: list[dict[str, Any]] = []
         losses: list[float] = []
         global_losses: list[float] = []
@@ -213,9 +240,15 @@ def run_worker(
             t0 = time.perf_counter()
             phase("forward", step)
             opt.zero_grad(set_to_none=True)
-            loss = module(*batch)
+            if runner is not None:
+                loss0, loss1 = runner(*batches)
+                loss = (loss0 + loss1) * scale
+            else:
+                loss = module(*batch)
             phase("backward", step)
             loss.backward()
+            if buckets is not None:
+                buckets.wait()  # every replicated gradient is complete from here on
             if step == 0 and verify_out is not None:
                 for p in prog.params:
                     gr = module.get_parameter(p.local_name).grad if p.kind == "param" else None
@@ -268,6 +301,25 @@ def run_worker(
             dist.destroy_process_group()
 
 
+def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True, **gen: Any) -> Any:
+    """Rank ``rank``'s half-batch program of the duplex ``plan`` (physical) from ``bundle``:
+    ``(program, runner, loss_scale, (micro_batch0, micro_batch1))`` with the micro-batches as full
+    global inputs (cut them with ``program.local_inputs``); ``gen`` goes to
+    :func:`hapnb.codegen.generate` (``dtype`` also casts the inputs)."""
+    from ..codegen import generate, program_weights
+    from .duplex import DuplexRunner, half_plan, loss_scale, split_batch
+
+    if bundle.half_graph is None:
+        raise ValueError(f"plan {plan.name} is duplex but its bundle has no half-batch program")
+    dtype = gen.get("dtype")
+    full = tuple(x.to(dtype) if dtype is not None and x.is_floating_point() else x for x in bundle.inputs)
+    _, micro = split_batch(plan, bundle.graph, full)
+    half = half_plan(plan, bundle.graph, bundle.half_graph)
+    weights = program_weights(bundle.graph)  # the model's weights (the half trace gives only shapes)
+    prog = generate(half, bundle.half_graph, rank, weights=weights, **gen)
+    return prog, DuplexRunner(prog.module, interleave=interleave), loss_scale(bundle.graph), micro
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hapnb.run.worker",
@@ -286,6 +338,19 @@ def _parser() -> argparse.ArgumentParser:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
     g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
+    ap.add_argument(
+        "--grad-sync",
+        default="buckets",
+        choices=("buckets", "sync"),
+        help="replicated gradients: async DDP-like buckets during the backward (default) or in-graph sync",
+    )
+    ap.add_argument("--bucket-cap-bytes", type=int, default=None, help="gradient bucket cap (25 MiB)")
+    ap.add_argument(
+        "--first-bucket-cap-bytes", type=int, default=None, help="first gradient bucket cap (1 MiB)"
+    )
+    ap.add_argument(
+        "--no-interleave", action="store_true", help="duplex plans: run the two micro-batches one by one"
+    )
     ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     return ap
@@ -311,6 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             verify_out=args.verify_out,
             timeout_s=args.timeout,
             heartbeat=lambda d: _write_line(sys.stdout, d),  # heartbeats always go to stdout
+            grad_sync=args.grad_sync,
+            bucket_cap=args.bucket_cap_bytes,
+            first_bucket_cap=args.first_bucket_cap_bytes,
+            interleave=not args.no_interleave,
         )
     except Exception:
         rank = os.environ.get("RANK", "?")

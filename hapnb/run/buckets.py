@@ -1,0 +1,161 @@
+"""DDP-style gradient buckets: replicated gradients all-reduced asynchronously during the backward.
+
+A generated rank program (``generate(..., grad_sync="buckets")``) leaves the gradients of its replicated
+(``I``) parameters partial and lists them in :attr:`~hapnb.codegen.RankProgram.grad_sync` in order of
+first use. :class:`GradBuckets` groups them as PyTorch's DDP does (:func:`hapnb.cost.ddp_buckets`: the
+gradients in the order they become ready, i.e. reverse order of first use, 25 MiB buckets after a first
+1 MiB one), registers a post-accumulate-grad hook on each parameter and, as soon as every gradient of a
+bucket is ready, flattens the bucket and starts ``all_reduce(async_op=True)``. :meth:`GradBuckets.wait`
+(call it after ``backward`` and before reading gradients or stepping the optimizer) starts what is still
+unstarted, waits for every bucket and writes the summed values back into ``.grad``.
+
+Buckets start strictly in index order on every rank (a ready bucket waits for its predecessors), and on
+their own process group (``group``), so the all-reduces match up across ranks whatever order autograd
+runs the feature collectives of the backward in. A parameter used several times (tied weights) is ready
+once: PyTorch fires a leaf's post-accumulate hook once per backward, after every use has accumulated. A
+parameter that got no gradient in a step contributes zeros (and receives the sum of the others'). Works
+in one process without torch.distributed (then nothing is communicated):
+
+>>> import torch
+>>> a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+>>> gb = GradBuckets([("a", a), ("b", b)], first_cap=1, cap=1)
+>>> gb.buckets
+(('b',), ('a',))
+>>> (a.sum() * 2 + b.sum()).backward()
+>>> [e for e, _ in gb.events]
+['start', 'start']
+>>> gb.wait()
+2
+>>> a.grad.tolist()
+[2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..cost import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
+
+__all__ = ["GradBuckets"]
+
+
+class GradBuckets:
+    """Async bucketed all-reduce of the gradients of ``params`` (``(name, Parameter)`` in order of first
+    use in the forward). ``group``: the process group for the all-reduces (None: the default group; pass
+    a dedicated one, see the module doc). ``on_event(kind, bucket)`` is called with ``"start"`` when a
+    bucket's all-reduce starts and ``"done"`` when :meth:`wait` has finished it; :attr:`events` keeps the
+    same list of ``(kind, bucket)``."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        group: Any = None,
+        cap: int = BUCKET_CAP_BYTES,
+        first_cap: int = FIRST_BUCKET_CAP_BYTES,
+        on_event: Callable[[str, int], None] | None = None,
+    ) -> None:
+        seen: set[int] = set()
+        uniq: list[tuple[str, torch.nn.Parameter]] = []
+        for name, p in params:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            uniq.append((name, p))
+        self.params = dict(uniq)
+        ready = [(name, p.numel() * p.element_size()) for name, p in reversed(uniq)]
+        self.buckets: tuple[tuple[str, ...], ...] = ddp_buckets(ready, cap=cap, first_cap=first_cap)
+        self._bucket_of = {name: k for k, names in enumerate(self.buckets) for name in names}
+        self.group = group
+        self.on_event = on_event
+        self.events: list[tuple[str, int]] = []
+        self._active = dist.is_available() and dist.is_initialized()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params.items()
+        ]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._missing = [set(names) for names in self.buckets]
+        self._next = 0  # the next bucket to start (buckets start in index order)
+        self._pending: list[tuple[torch.Tensor, Any] | None] = [None] * len(self.buckets)
+        self._late: list[str] = []
+
+    def _emit(self, kind: str, k: int) -> None:
+        self.events.append((kind, k))
+        if self.on_event is not None:
+            self.on_event(kind, k)
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_p: torch.Tensor) -> None:
+            k = self._bucket_of[name]
+            if k < self._next:  # a second backward before wait(): this bucket already went out
+                self._late.append(name)
+                return
+            self._missing[k].discard(name)
+            while self._next < len(self.buckets) and not self._missing[self._next]:
+                self._start(self._next)
+
+        return hook
+
+    def _start(self, k: int) -> None:
+        parts = []
+        for name in self.buckets[k]:
+            p = self.params[name]
+            g = p.grad
+            parts.append(g.detach().reshape(-1) if g is not None else p.detach().new_zeros(p.numel()))
+        flat = torch.cat(parts)  # a fresh buffer: the reduce never aliases a live .grad
+        work = None
+        if self._active:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._pending[k] = (flat, work)
+        self._next = k + 1
+        self._emit("start", k)
+
+    def started(self) -> int:
+        """How many buckets of the current step have started their all-reduce."""
+        return self._next
+
+    def wait(self) -> int:
+        """Start the buckets not started yet (missing gradients count as zeros), wait for every bucket,
+        write the sums into ``.grad`` and reset for the next step. Returns the number of buckets."""
+        while self._next < len(self.buckets):
+            self._start(self._next)
+        for k, names in enumerate(self.buckets):
+            pend = self._pending[k]
+            assert pend is not None
+            flat, work = pend
+            if work is not None:
+                work.wait()
+            off = 0
+            for name in names:
+                p = self.params[name]
+                piece = flat[off : off + p.numel()].view_as(p)
+                off += p.numel()
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.copy_(piece)
+            self._emit("done", k)
+        late = self._late
+        self._reset()
+        if late:
+            raise RuntimeError(
+                f"the gradients of {', '.join(sorted(set(late)))} changed after their bucket's all-reduce "
+                "started (two backward passes before wait()); run one backward per wait(), e.g. on the "
+                "sum of the micro-batch losses"
+            )
+        return len(self.buckets)
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters no longer sync)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return f"GradBuckets({len(self.params)} parameters in {len(self.buckets)} buckets)"

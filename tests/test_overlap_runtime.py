@@ -1,0 +1,273 @@
+"""The runtime does what the overlap simulator assumes: replicated gradients all-reduced in async DDP-like
+buckets during the backward (hapnb.run.buckets), and HiDup's duplex schedule (hapnb.run.duplex): two
+micro-batches per rank, one's collectives in flight while the other computes. Both verify against one
+device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.fx as fx
+
+import hapnb as hap
+from hapnb import collectives as C
+from hapnb import zoo
+from hapnb.codegen import generate
+from hapnb.plan import Plan
+from hapnb.run.buckets import GradBuckets
+from hapnb.run.duplex import DuplexError, DuplexRunner, half_plan, loss_scale, split_batch
+from hapnb.run.verify import verify
+from hapnb.synthesis import synthesize
+from hapnb.tracing import trace
+
+TIED = "examples.factories:tied_lm"
+MIB = 2**20
+
+DP_PINS = {
+    "x": "G0",
+    "y": "G0",
+    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
+}
+
+
+@pytest.fixture(scope="module")
+def dp_plan() -> Plan:
+    """Data parallel on uneven ratios (batch 6/2): every weight replicated, so every gradient syncs."""
+    return synthesize(
+        "mlp", "2xV100", ratios=[0.75, 0.25], pins=DP_PINS, options={"sfb": False}, **zoo.TINY["mlp"]
+    )
+
+
+@pytest.fixture(scope="module")
+def tp_plan() -> Plan:
+    """The searched mlp program on two devices: an all-gather and a reduce-scatter of features."""
+    plan = synthesize("mlp", "2xV100", layers=2, hidden=64, batch=8)
+    assert {i.name for i in plan.program if i.kind == "collective"} & {"all_gather", "grouped_all_gather"}
+    return plan
+
+
+# ============================================================================== buckets, one process
+
+
+def _meta(n: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(n, device="meta"))
+
+
+def test_bucket_formation_follows_ddp_by_hand() -> None:
+    """Forward order a, b, c, d (float32): gradients become ready d, c, b, a. The first bucket closes at
+    >= 1 MiB: d (40 B) + c (28 MB) -> (d, c); then b (400 B) + a (1.2 MB) stay under 25 MiB -> (b, a).
+    A tied parameter listed twice counts once."""
+    a, b, c, d = _meta(300_000), _meta(100), _meta(7_000_000), _meta(10)
+    gb = GradBuckets([("a", a), ("b", b), ("a2", a), ("c", c), ("d", d)])
+    assert gb.buckets == (("d", "c"), ("b", "a"))
+    # caps of one byte: every gradient alone, in ready order
+    assert GradBuckets([("a", a), ("b", b), ("c", c)], cap=1, first_cap=1).buckets == (("c",), ("b",), ("a",))
+    # 30 MiB cap: after the 1 MiB first bucket, everything else fits one
+    e = _meta(262_144)  # exactly 1 MiB: closes the first bucket alone
+    assert GradBuckets([("a", a), ("b", b), ("e", e)], cap=30 * MIB).buckets == (("e",), ("b", "a"))
+
+
+def test_bucket_starts_before_the_backward_ends() -> None:
+    """The last-used weight's bucket starts (its hook fires) before autograd reaches the first layer:
+    the input's gradient hook, the last thing the backward computes, comes after it."""
+    torch.manual_seed(0)
+    w1, w2, w3 = (torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+    x = torch.randn(2, 4, requires_grad=True)
+    log: list[str] = []
+    gb = GradBuckets(
+        [("w1", w1), ("w2", w2), ("w3", w3)], cap=1, first_cap=1, on_event=lambda k, b: log.append(f"{k}{b}")
+    )
+    x.register_hook(lambda g: log.append("input-grad"))
+    (x @ w1 @ w2 @ w3).sum().backward()
+    assert gb.buckets == (("w3",), ("w2",), ("w1",))
+    assert log[:2] == ["start0", "start1"]  # w3 and w2 went out while the backward still ran
+    assert log.index("start0") < log.index("input-grad")
+    assert gb.started() == 3
+    assert gb.wait() == 3
+    assert log[-3:] == ["done0", "done1", "done2"]
+
+
+def test_tied_weight_ready_once_and_missing_gradient_is_zero() -> None:
+    """A weight used twice is ready once, after both uses accumulated (its gradient is the sum); a weight
+    that gets no gradient still lets its bucket finish (zeros); buckets reset every step."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    unused = torch.nn.Parameter(torch.ones(3))
+    v = torch.nn.Parameter(torch.tensor([3.0]))
+    gb = GradBuckets([("w", w), ("unused", unused), ("v", v)], cap=10**9, first_cap=10**9)
+    assert gb.buckets == (("v", "unused", "w"),)
+    for step in range(2):
+        w.grad = v.grad = unused.grad = None
+        ((w * v).sum() + (w * w).sum()).backward()
+        assert gb.started() == 0  # 'unused' never became ready
+        gb.wait()
+        assert w.grad.tolist() == [3.0 + 2.0, 3.0 + 4.0]
+        assert v.grad.tolist() == [3.0]
+        assert unused.grad.tolist() == [0.0, 0.0, 0.0]
+        assert [e for e in gb.events if e[0] == "start"] == [("start", 0)] * (step + 1)
+
+
+def test_two_backwards_before_wait_is_refused() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    gb = GradBuckets([("w", w)])
+    (w * 2).sum().backward()
+    (w * 3).sum().backward()  # accumulates after the bucket went out: the sum would miss it
+    with pytest.raises(RuntimeError, match="two backward passes before wait"):
+        gb.wait()
+
+
+def test_codegen_buckets_leave_replicated_gradients_partial(dp_plan: Plan) -> None:
+    """grad_sync='buckets' uses replicated weights without the in-graph all-reduce and lists them in
+    order of first use; 'sync' keeps the in-graph replicate and lists none."""
+    sync = generate(dp_plan, dp_plan.graph, 0, grad_sync="sync")
+    bucketed = generate(dp_plan, dp_plan.graph, 0, grad_sync="buckets")
+    reps = [n for n in sync.module.graph.nodes if n.target is C.replicate]
+    assert len(reps) == 6 and sync.grad_sync == ()
+    assert not any(n.target is C.replicate for n in bucketed.module.graph.nodes)
+    want = tuple(
+        f"{m}_{k}".replace(".", "_") for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")
+    )
+    assert bucketed.grad_sync == want
+    with pytest.raises(ValueError, match="grad_sync"):
+        generate(dp_plan, dp_plan.graph, 0, grad_sync="later")
+
+
+# ======================================================================== buckets, verified on ranks
+
+
+@pytest.mark.slow
+def test_verify_buckets_data_parallel_every_gradient_its_own_bucket(dp_plan: Plan) -> None:
+    """Six async all-reduces per step (one byte caps), two ranks on uneven batches; and the old in-graph
+    path for comparison."""
+    report = verify(dp_plan, nproc=2, steps=3, bucket_cap=1, first_bucket_cap=1, timeout=120)
+    assert report.ok, report.text()
+    assert report.max_rel < 1e-10
+    assert {c.kind for c in report.checks} == {"loss", "grad", "weight"}
+    sync = verify(dp_plan, nproc=2, steps=3, grad_sync="sync", timeout=120)
+    assert sync.ok, sync.text()
+
+
+@pytest.mark.slow
+def test_verify_buckets_gpt_three_ranks() -> None:
+    """GPT (tiny) on three ranks: layer norms, biases and the head replicated, bucketed during a
+    backward that also runs feature collectives (on the default group)."""
+    plan = synthesize("gpt", "3xV100", **zoo.TINY["gpt"])
+    assert generate(plan, plan.graph, 0, grad_sync="buckets").grad_sync
+    report = verify(plan, nproc=3, steps=2, bucket_cap=4096, first_bucket_cap=1024, timeout=150)
+    assert report.ok, report.text()
+    assert report.max_rel < 1e-10
+
+
+@pytest.mark.slow
+def test_verify_buckets_tied_weights() -> None:
+    """examples.factories:tied_lm: the tied weight's gradient is ready after its last use."""
+    plan = hap.synthesize(TIED, "2xV100")
+    report = verify(plan, nproc=2, steps=3, bucket_cap=1, first_bucket_cap=1, timeout=120)
+    assert report.ok, report.text()
+    checked = {(c.kind, c.name) for c in report.checks}
+    assert {("grad", "embed.weight"), ("grad", "head.weight")} <= checked
+    assert report.max_rel < 1e-10
+
+
+# ================================================================================ duplex, one process
+
+
+def test_half_plan_halves_batch_lengths_only(tp_plan: Plan) -> None:
+    model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(tp_plan.model_spec))
+    half = trace(model, tuple(x[:4] for x in inputs))
+    hp = half_plan(tp_plan, tp_plan.graph, half)
+    full = {(t, d): ls for t, d, ls in tp_plan.lengths}
+    for t, d, ls in hp.lengths:
+        if tp_plan.graph.tensor(t).shape[d] == 8:  # the batch dim
+            assert ls == tuple(n // 2 for n in full[(t, d)])
+        else:
+            assert ls == full[(t, d)]
+    assert hp.lengths_of("y", 0) == (2, 2) and hp.graph_fingerprint == half.fingerprint
+
+
+def test_split_batch_keeps_each_ranks_samples(tp_plan: Plan, dp_plan: Plan) -> None:
+    x = torch.arange(8.0)[:, None].expand(8, 1024).contiguous()
+    y = torch.arange(8)
+    cut, (mb0, mb1) = split_batch(tp_plan, tp_plan.graph, (x, y))
+    assert cut == (4, 4)
+    assert mb0[1].tolist() == [0, 1, 4, 5] and mb1[1].tolist() == [2, 3, 6, 7]
+    assert mb0[0][:, 0].tolist() == [0.0, 1.0, 4.0, 5.0]
+    # dp_plan cuts its batch 6/2: rank 0 keeps samples 0-5, rank 1 samples 6-7
+    cut, (mb0, mb1) = split_batch(dp_plan, dp_plan.graph, (torch.zeros(8, 16), torch.arange(8)))
+    assert cut == (6, 2) and mb0[1].tolist() == [0, 1, 2, 6] and mb1[1].tolist() == [3, 4, 5, 7]
+
+
+def test_odd_local_batch_is_a_clear_error() -> None:
+    plan = synthesize(
+        "mlp",
+        "2xV100",
+        ratios=[0.5, 0.5],
+        pins=DP_PINS,
+        options={"sfb": False},
+        **{**zoo.TINY["mlp"], "batch": 6},
+    )
+    xs = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec))[1]
+    with pytest.raises(DuplexError, match=r"input x has rank 0's local batch of length 3, which is odd"):
+        split_batch(plan, plan.graph, xs)
+    with pytest.raises(DuplexError, match="odd"):
+        verify(dataclasses.replace(plan, duplex=True), nproc=2, steps=1)
+
+
+def test_loss_scale_mean_and_sum() -> None:
+    assert loss_scale(synthesize("mlp", "1xV100", **zoo.TINY["mlp"]).graph) == 0.5
+    m, xs, _ = zoo.build("mlp", devices=1, **{**zoo.TINY["mlp"], "reduction": "sum"})
+    assert loss_scale(trace(m, xs)) == 1.0
+
+
+def _two_stage_program() -> fx.GraphModule:
+    """relu -> all_gather -> *2 -> all_reduce -> sum, as a one-rank fx program."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    r = g.call_function(torch.relu, (x,))
+    ag = g.call_function(C.all_gather, (r, 0, (3,)), {"padded": True})
+    m = g.call_function(torch.mul, (ag, 2.0))
+    ar = g.call_function(C.all_reduce, (m,))
+    g.output(g.call_function(torch.sum, (ar,)))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_duplex_runner_interleaves_the_micro_batches() -> None:
+    """Micro-batch 0's all-gather starts, micro-batch 1 computes its first segment, and only then is
+    micro-batch 0's result waited for (at its first use); the losses equal running each alone."""
+    gm = _two_stage_program()
+    a = torch.tensor([-1.0, 2.0, 3.0], requires_grad=True)
+    b = torch.tensor([4.0, -5.0, 6.0], requires_grad=True)
+    run = DuplexRunner(gm)
+    la, lb = run((a,), (b,))
+    assert (la.item(), lb.item()) == (gm(a).item(), gm(b).item()) == (10.0, 20.0)
+    ev = run.events
+    assert ev[:3] == [("compute", 0, "x"), ("start", 0, "all_gather"), ("compute", 1, "x")]
+    assert ev.index(("start", 1, "all_gather")) < ev.index(("wait", 0, "all_gather"))
+    assert ev.index(("start", 0, "all_reduce")) < ev.index(("wait", 1, "all_gather"))
+    (la + lb).backward()  # the async results are attached to autograd
+    assert a.grad.tolist() == [0.0, 2.0, 2.0] and b.grad.tolist() == [2.0, 0.0, 2.0]
+    seq = DuplexRunner(gm, interleave=False)
+    seq((a,), (b,))
+    assert not any(e[0] == "start" for e in seq.events)
+    assert [mb for _, mb, _ in seq.events] == [0, 1]
+
+
+# ============================================================================= duplex, verified on ranks
+
+
+@pytest.mark.slow
+def test_verify_duplex_with_feature_collectives(tp_plan: Plan) -> None:
+    report = verify(dataclasses.replace(tp_plan, duplex=True), nproc=2, steps=3, timeout=120)
+    assert report.ok, report.text()
+    assert report.max_rel < 1e-10
+    assert {c.kind for c in report.checks} == {"loss", "grad", "weight"}
+
+
+@pytest.mark.slow
+def test_verify_duplex_gpt_uneven_and_data_parallel(dp_plan: Plan) -> None:
+    plan = synthesize("gpt", "2xV100", **zoo.TINY["gpt"])
+    report = verify(dataclasses.replace(plan, duplex=True), nproc=2, steps=2, timeout=150)
+    assert report.ok, report.text()
+    dp = verify(dataclasses.replace(dp_plan, duplex=True), nproc=2, steps=2, timeout=120)
+    assert dp.ok, dp.text()  # batch cut 6/2: micro-batches of 3 + 1 samples
