@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -19,6 +20,7 @@ from hapnb.run.profile import (
     profile_collectives,
     profile_device_model,
     profile_devices,
+    profile_overlap_slowdown,
     training_flops,
 )
 
@@ -188,6 +190,10 @@ def test_profile_main_writes_cluster_json(tmp_path: Path, capsys) -> None:
     models = {d.model for d in c.devices}
     assert len(models) == 1 and all(isinstance(m, DeviceModel) for m in models)
     assert next(iter(models)).source.startswith("profile: ") and "1 threads" in next(iter(models)).source
+    # and the overlap slowdown γ measured beside a gloo all-reduce loop (>= 0; the simulator's input)
+    gamma = next(iter(models)).overlap_slowdown
+    assert gamma is not None and 0 <= gamma < math.inf
+    assert json.loads(out.read_text())["devices"][0]["model"]["overlap_slowdown"] == gamma
     assert "wrote" in capsys.readouterr().out
 
 
@@ -197,3 +203,14 @@ def test_a_failing_collective_rank_is_a_profile_error() -> None:
         ProfileError, match=r"(?s)collective profiling on 2 nosuchbackend ranks failed: rank \d exited"
     ):
         profile_collectives(2, "nosuchbackend", sizes=(1024, 4096), repeats=1, warmup=0, timeout_s=60)
+
+
+def test_overlap_slowdown_field_and_arguments() -> None:
+    m = DeviceModel(1e12, 1e11, 5e-6, 0.8, 1e9)
+    assert "overlap_slowdown" not in m.to_json()  # left out at its default: older readers, same bytes
+    g = dataclasses.replace(m, overlap_slowdown=0.2)
+    assert g.to_json()["overlap_slowdown"] == 0.2 and DeviceModel.from_json(g.to_json()) == g
+    with pytest.raises(ValueError, match="overlap_slowdown"):
+        dataclasses.replace(m, overlap_slowdown=-0.1)
+    with pytest.raises(ValueError, match="backend"):
+        profile_overlap_slowdown("mpi")

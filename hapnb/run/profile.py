@@ -31,6 +31,10 @@
   ``reduce``          n ``reduce`` (one per root, grouped)     ``full``            n
   ==================  =======================================  ==================  ==========
 
+* **Overlap slowdown** (:func:`profile_overlap_slowdown`): Proteus' overlap factor γ, the slowdown of
+  a matmul loop while an all-reduce loop runs beside it (a thread of rank 0 and rank 1, gloo on CPU,
+  NCCL on GPUs), ``min time beside / min time alone - 1`` (``DeviceModel.overlap_slowdown``, read by
+  :mod:`hapnb.simulate`).
 * :func:`profile_cluster` combines them into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
   or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
 
@@ -43,6 +47,7 @@ Calibration against a real run is :mod:`hapnb.run.calibrate`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -71,6 +76,7 @@ __all__ = [
     "collective_sizes",
     "device_name",
     "fit_collective",
+    "profile_overlap_slowdown",
     "fit_matmul_curve",
     "measure_step_s",
     "profile_cluster",
@@ -817,6 +823,103 @@ def profile_collectives(
     return fits
 
 
+def _overlap_worker(cfg: Mapping[str, Any]) -> None:
+    """Rank body of :func:`profile_overlap_slowdown` (``--overlap-worker CFG``): rank 0 times a matmul
+    loop alone, then while a thread all-reduces in a loop with rank 1's, and prints one JSON line."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    backend = cfg["backend"]
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg["timeout_s"])))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    m = int(cfg["matmul"])
+    a, b, c = (torch.randn(m, m, device=device) for _ in range(3))
+    buf = torch.ones(int(cfg["nbytes"]) // _FLOAT_BYTES, device=device)
+    stop = threading.Event()
+
+    def timed() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(int(cfg["inner"])):
+            torch.mm(a, b, out=c)
+        sync()
+        return time.perf_counter() - t0
+
+    def communicate() -> None:
+        flag = torch.zeros(1, device=device)
+        while True:
+            dist.all_reduce(buf)
+            flag.fill_(1.0 if stop.is_set() else 0.0)
+            dist.all_reduce(flag)
+            if flag.item() > 0:
+                return
+
+    try:
+        alone = [timed() for _ in range(int(cfg["repeats"]))] if rank == 0 else []
+        dist.barrier()
+        comm = threading.Thread(target=communicate, daemon=True)
+        comm.start()
+        beside = []
+        if rank == 0:
+            time.sleep(0.05)  # let the all-reduce loop get going
+            beside = [timed() for _ in range(int(cfg["repeats"]))]
+            stop.set()
+        comm.join()
+        if rank == 0:
+            alone += [timed() for _ in range(int(cfg["repeats"]))]
+            print(json.dumps({"rank": 0, "alone_s": min(alone), "beside_s": min(beside)}), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_overlap_slowdown(
+    backend: str | None = None, *, quick: bool = False, threads: int | None = None, timeout_s: float = 120.0
+) -> float:
+    """Proteus' overlap factor γ on this machine: how much longer a matmul loop takes while an all-reduce
+    loop (2 local ranks; ``backend``: NCCL when 2 GPUs are visible, else gloo on CPU) runs beside it
+    (``>= 0``). CPU ranks use ``threads`` torch threads (default cores / 2)."""
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    gpu = backend == "nccl"
+    cfg = dict(
+        backend=backend,
+        matmul=(2048 if gpu else 256) if not quick else (1024 if gpu else 128),
+        inner=(50 if gpu else 20) if not quick else 10,
+        nbytes=(64 if gpu else 4) * 2**20 // (4 if quick else 1),
+        repeats=3 if quick else 7,
+        threads=None if gpu else (threads or max(1, (os.cpu_count() or 2) // 2)),
+        timeout_s=timeout_s,
+    )
+    got: list[dict[str, Any]] = []
+    outcome = run_local(
+        2,
+        ["-m", "hapnb.run.profile", "--overlap-worker", json.dumps(cfg)],
+        stall_s=timeout_s,
+        wall_s=timeout_s,
+        on_heartbeat=lambda _rank, rec: got.append(rec),
+        limit_names=("timeout_s (--timeout)", "timeout_s (--timeout)"),
+    )
+    if not outcome.ok or not got:
+        raise ProfileError(
+            f"overlap profiling on 2 {backend} ranks {outcome.status}: {outcome.error or 'no timing'}"
+        )
+    rec = got[-1]
+    return max(0.0, float(rec["beside_s"]) / float(rec["alone_s"]) - 1.0)
+
+
 def profile_cluster(
     nproc: int | None = None,
     backend: str | None = None,
@@ -828,6 +931,7 @@ def profile_cluster(
     timeout_s: float = 300.0,
     threads: int | None = None,
     device_model: bool = True,
+    overlap_slowdown: bool = True,
 ) -> Cluster:
     """Profile ``nproc`` local devices and their collectives into a :class:`Cluster`.
 
@@ -835,6 +939,8 @@ def profile_cluster(
     ``intra_machine_Bps`` is the measured all-reduce bandwidth. With ``device_model`` (default) every
     device carries its measured :class:`~hapnb.devices.DeviceModel` (JSON key ``model``), so the cost
     model prices it as a roofline; ``threads``: torch threads per CPU rank (default cores / nproc).
+    With ``overlap_slowdown`` (and ``device_model``) the models also carry the measured γ
+    (:func:`profile_overlap_slowdown`; on CUDA only with 2 or more GPUs).
     """
     import torch
 
@@ -846,9 +952,13 @@ def profile_cluster(
     devices = profile_devices(nproc, device, quick=quick, threads=threads, device_model=device_model)
     fits = profile_collectives(nproc, backend, sizes, repeats, quick=quick, timeout_s=timeout_s)
     kind = devices[0].kind
+    devs = tuple(d.device() for d in devices)
+    if overlap_slowdown and device_model and (device == "cpu" or nproc >= 2):
+        g = profile_overlap_slowdown(backend, quick=quick, threads=threads, timeout_s=timeout_s)
+        devs = tuple(dataclasses.replace(d, model=dataclasses.replace(d.model, overlap_slowdown=g)) if d.model else d for d in devs)  # fmt: skip
     return Cluster(
         name or f"profiled-{_machine()}-{nproc}x{kind}",
-        tuple(d.device() for d in devices),
+        devs,
         {k: f.collective for k, f in fits.items()},
         intra_machine_Bps=fits["all_reduce"].bandwidth_Bps,
         dtype_bytes=4,
@@ -858,6 +968,8 @@ def profile_cluster(
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--collective-worker":
         _collective_worker(json.loads(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--overlap-worker":
+        _overlap_worker(json.loads(sys.argv[2]))
     else:
         raise SystemExit(
             "usage: python -m hapnb.run.profile --collective-worker CONFIG_JSON (use `hapnb profile`)"
