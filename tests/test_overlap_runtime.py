@@ -271,3 +271,22 @@ def test_verify_duplex_gpt_uneven_and_data_parallel(dp_plan: Plan) -> None:
     assert report.ok, report.text()
     dp = verify(dataclasses.replace(dp_plan, duplex=True), nproc=2, steps=2, timeout=120)
     assert dp.ok, dp.text()  # batch cut 6/2: micro-batches of 3 + 1 samples
+
+
+@pytest.mark.slow
+def test_launch_runs_a_duplex_plan_json(tp_plan: Plan, tmp_path) -> None:
+    """`hapnb launch` path: a duplex plan JSON (no graph in memory) is bundled with its half-batch trace
+    rebuilt from the zoo spec, and the ranks' summed loss follows the single-device training run."""
+    from hapnb.run.bundle import load_bundle
+    from hapnb.run.launch import launch
+    from hapnb.run.verify import run_reference
+
+    path = dataclasses.replace(tp_plan, duplex=True).save(tmp_path / "plan.json")
+    args = ["--no-dropout", "--dtype", "float64", "--optimizer", "sgd", "--grad-sync", "buckets"]
+    res = launch(path, steps=3, extra_args=args, bundle_dir=tmp_path / "bundle").wait(120)
+    assert res.ok, res.error
+    b = load_bundle(tmp_path / "bundle")
+    assert b.half_graph is not None and b.half_graph.tensor("y").shape == (4,)
+    ref = run_reference(b.graph, b.inputs, 3, optimizer="sgd", dtype="float64")
+    got = [m["global_loss"] for m in sorted(res.metrics, key=lambda m: m["step"]) if m["rank"] == 0]
+    assert got == pytest.approx(ref["losses"], rel=1e-12)
