@@ -30,6 +30,16 @@ def plans() -> dict[str, Plan]:
     # data parallel on one machine, large enough that the first DDP bucket closes before the backward ends
     base = baselines("mlp", "2xH100", layers=3, hidden=1024, input=1024, batch=512)
     out["dp_ev mlp"] = base["dp_ev"]
+    # a reshard between ratio segments, and SFB steps (sufficient-factor gathers on compute instructions)
+    out["gpt segments"] = hap.synthesize(
+        "gpt", "2xV100+1xP100", segments="layer", **{**zoo.TINY["gpt"], "layers": 3}
+    )
+    dp = {f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")}
+    out["mlp sfb"] = hap.synthesize(
+        "mlp", "2xV100", ratios=[0.75, 0.25], pins={"x": "G0", **dp}, **zoo.TINY["mlp"]
+    )
+    assert any(i.name == "reshard" and i.comm for i in out["gpt segments"].program)
+    assert any(i.kind == "compute" and i.comm for i in out["mlp sfb"].program)
     return out
 
 
