@@ -514,7 +514,8 @@ class _Overlap:
 
     def add(
         self, stream: tuple[Any, ...], work: float, deps: list[int], i: int, phase: str, mb: int, what: str
-    ):
+    ) -> int:
+        """Queue a task on ``stream`` (streams run their tasks in the order queued); its index."""
         self.tasks.append(_Task(stream, max(0.0, work), list(deps), i, phase, mb, what))
         self.queues.setdefault(stream, []).append(len(self.tasks) - 1)
         return len(self.tasks) - 1
@@ -562,15 +563,16 @@ class _Overlap:
             for s in steps
         }  # fmt: skip
 
-        def done_of(i: int, mb: int, table: dict[tuple[int, int], Any], coll: dict[tuple[int, int], int]):
+        def produced(i: int, mb: int) -> list[int]:
+            """The tasks after which instruction i's output exists on every device (forward)."""
             if prog[i].kind == "compute":
-                return list(table[(i, mb)])
-            return [coll[(i, mb)]] if (i, mb) in coll else []
+                return list(fwd[(i, mb)])
+            return [cf[(i, mb)]] if (i, mb) in cf else []
 
         for s in steps:
             for mb in mbs:
                 for p in comm_of[s]:
-                    deps = done_of(producer[p], mb, fwd, cf) if p in producer else []
+                    deps = produced(producer[p], mb) if p in producer else []
                     cf[(p, mb)] = self.add(("feature-comm",), feature(p, "forward_s"), deps, p, "forward", mb, prog[p].name + " " + prog[p].tensor)  # fmt: skip
                 if feature(s, "forward_s") > 0:  # an SFB step's forward part (the cost model has none)
                     prev = [t for q in steps if q < s for t in fwd.get((q, mb), [])][-n:]
@@ -599,17 +601,9 @@ class _Overlap:
             for mb in mbs:
                 what = str(prog[s])
                 deps = block.get((s, mb), [])
+                work = [k * (1 - FORWARD_FRACTION) * x for x in costs.comp[s]]
                 bwd[(s, mb)] = [
-                    self.add(
-                        ("compute", j),
-                        k * (1 - FORWARD_FRACTION) * costs.comp[s][j],
-                        deps,
-                        s,
-                        "backward",
-                        mb,
-                        what,
-                    )  # fmt: skip
-                    for j in range(n)
+                    self.add(("compute", j), work[j], deps, s, "backward", mb, what) for j in range(n)
                 ]
             for mb in mbs:
                 for p in reversed(comm_of[s]):
@@ -617,7 +611,6 @@ class _Overlap:
                     cb[(p, mb)] = t = self.add(("feature-comm",), feature(p, "backward_s"), deps, p, "backward", mb, prog[p].name + " " + prog[p].tensor)  # fmt: skip
                     if p in producer:
                         block.setdefault((producer[p], mb), []).append(t)
-            # a producer of step s's collectives that is a compute step waits through ``block`` above
         # gradient buckets, in the order the gradients become ready (reverse order of first use)
         grads = [(i, c) for i in range(len(prog)) for c in costs.comm[i] if c.gradient]
         ready = [((i, c), c.nbytes) for i, c in reversed(grads)]
