@@ -343,3 +343,10 @@ def test_a_feature_collective_blocks_only_its_consumer():
     fwd = [s for s in tl.spans_of(plan.devices[0], "compute") if s.phase == "forward"]
     # step 2 runs beside the all-gather of step 1's output; step 3 waits for it
     assert [s.start_s for s in fwd] == pytest.approx([0.0, f, f + 1.5e-3], rel=1e-12)
+
+
+def test_the_module_is_callable_as_hapnb_simulate():
+    import hapnb.simulate as module
+
+    plan = hand_plan()
+    assert module(plan, slowdown=0.0) == simulate(plan, slowdown=0.0)
