@@ -6,6 +6,16 @@ Constraints: ``P_k >= comp_{k,j}(r)`` and ``M_{k,c} >= const_c + slope_c * r[s][
 Objective: ``sum_k P_k + sum M + constant terms`` — exactly :meth:`CostModel.evaluate`, constants kept.
 Solved with PuLP: HiGHS (via highspy) when installed, CBC otherwise.
 
+``duplex=True`` minimises HiDup's duplex time (:mod:`hapnb.duplex`) instead. Expanded, ``ψ_m = sum_k
+[max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m`` (``p_0 = 0``; the ``-comp_{k-1}`` of stage k cancels the
+``+comp_{k-1}`` stage k-1 left): a sum of maxima with coefficients 1. Epigraph variables: ``P_k >= comp_kj(r)
+/ 2`` per device, ``C_k = (constant terms + sum_c M_{k,c}) / 2`` with ``M_{k,c}`` as above, ``A_k >=
+P_{k-1}, C_k`` and ``D_k >= C_k, P_k``; objective ``sum_k (A_k + D_k) + P_m + gradient syncs + T_inner +
+T_opt`` with ``T_inner >= inner_j(r)`` and ``T_opt >= optimizer_j(r)``. Every variable appears with a
+non-negative coefficient in a minimisation, so each epigraph is tight at the optimum: the LP's optimum is
+the duplex time's minimum over the ratios (for the LP's stage grouping: any feature collective but a
+reshard starts a stage, reshards are charged to their stage).
+
 >>> shares = proportional_ratios([2.0, 1.0, 1.0])
 >>> [round(x, 3) for x in shares]
 [0.5, 0.25, 0.25]
@@ -21,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .cost import CostModel, Step
+from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
 
 __all__ = ["RatioPin", "balance", "proportional_ratios", "solver_name", "BalanceResult", "apply_ratio_pins"]
 
@@ -152,8 +163,11 @@ def balance(
     cm: CostModel,
     program: Sequence[Step],
     ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
 ) -> BalanceResult:
-    """Solve for the ratios minimising ``cm.evaluate(program, ratios)``."""
+    """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
+    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found)."""
     import pulp
 
     t0 = time.perf_counter()
@@ -167,6 +181,9 @@ def balance(
     ]
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
+    if duplex:
+        _duplex_objective(prob, cm, program, r)
+        return _solve(prob, cm, r, ratio_pins, t0, lambda rt: duplex_cost(cm, program, rt))
     objective = []
     constant = 0.0
     groups = cm.stages(program)
@@ -215,6 +232,13 @@ def balance(
             for j in range(n):
                 prob += M >= tm.const + tm.slope * r[tm.segment][j], f"comm_{k}_{c}_{j}"
     prob += pulp.lpSum(objective) + constant
+    return _solve(prob, cm, r, ratio_pins, t0, lambda rt: cm.evaluate(program, rt).cost_s)
+
+
+def _solve(prob, cm: CostModel, r, ratio_pins, t0: float, cost_fn) -> BalanceResult:  # noqa: ANN001
+    """Solve the LP, read the ratios (normalised), and cost them with ``cost_fn``."""
+    import pulp
+
     with _quiet_stdout():
         status = prob.solve(_solver())
     if pulp.LpStatus[status] != "Optimal":
@@ -222,10 +246,119 @@ def balance(
             f"the ratio LP is {pulp.LpStatus[status]}: check the ratio pins {', '.join(map(str, ratio_pins))}"
         )
     ratios = []
-    for s in range(S):
+    for s in range(cm.n_segments):
         row = [max(0.0, v.value() or 0.0) for v in r[s]]
         tot = sum(row)
         ratios.append(tuple(x / tot for x in row))
     ratios_t = tuple(ratios)
-    cost = cm.evaluate(program, ratios_t).cost_s
-    return BalanceResult(ratios_t, cost, time.perf_counter() - t0, solver_name())
+    return BalanceResult(ratios_t, cost_fn(ratios_t), time.perf_counter() - t0, solver_name())
+
+
+def _linear(cm: CostModel, fn, segs) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:  # noqa: ANN001
+    """``fn(ratios)`` (per device, linear in the device's own ratio of each segment in ``segs``) as
+    ``(coef per segment, const)``, read off at zero ratios and a unit ratio per segment."""
+    zero = [(0.0,) * cm.n] * cm.n_segments
+    const = tuple(fn(zero))
+    coef = {}
+    for s in segs:
+        unit = list(zero)
+        unit[s] = (1.0,) * cm.n
+        coef[s] = tuple(a - c for a, c in zip(fn(unit), const))
+    return coef, const
+
+
+def _epigraph(prob, name: str, rows, r) -> object:  # noqa: ANN001
+    """A variable ``X >= sum_s coef[s][j] r[s][j] + const[j]`` for every device j; ``rows`` is a list of
+    ``(coef, const, scale)`` summed per device."""
+    import pulp
+
+    X = prob.add_variable(name, 0)
+    n = len(r[0])
+    for j in range(n):
+        expr = []
+        const = 0.0
+        for coef, cst, k in rows:
+            const += k * cst[j]
+            expr += [k * row[j] * r[s][j] for s, row in coef.items() if row[j]]
+        prob += X >= pulp.lpSum(expr) + const, f"{name}_{j}"
+    return X
+
+
+def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa: ANN001
+    """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares)."""
+    import pulp
+
+    n = len(r[0])
+    M = prob.add_variable(name, 0)
+    if tm.segment2 >= 0:
+        a, b2 = tm.segment, tm.segment2
+        u = [None] + [prob.add_variable(f"{name}_u{j}", 0) for j in range(1, n)] + [None]
+        for j in range(1, n):
+            diff = pulp.lpSum(r[a][i] for i in range(j)) - pulp.lpSum(r[b2][i] for i in range(j))
+            prob += u[j] >= diff, f"{name}_ua{j}"
+            prob += u[j] >= -diff, f"{name}_ub{j}"
+        for j in range(n):
+            share = pulp.lpSum(x for x in (u[j], u[j + 1]) if x is not None)
+            prob += M >= unit * tm.const + unit * tm.slope * share, f"{name}_{j}"
+    else:
+        for j in range(n):
+            prob += M >= unit * tm.const + unit * tm.slope * r[tm.segment][j], f"{name}_{j}"
+    return M
+
+
+def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r) -> None:  # noqa: ANN001
+    """Set the duplex LP's objective (see the module docstring), in units of the duplex time at
+    throughput-proportional ratios (so that the solver's absolute tolerances do not swamp programs of
+    nanoseconds)."""
+    import pulp
+
+    ref = duplex_cost(cm, program, [proportional_ratios(cm.flops)] * cm.n_segments)
+    unit = 1.0 / ref if ref > 0 else 1.0
+
+    objective: list = []
+    constant = 0.0
+    inner_rows = []
+    for st in program:
+        for c, tm in enumerate(gradient_terms(cm, st)):  # once per iteration, full size
+            if tm.slope == 0.0:
+                constant += unit * tm.const
+            else:
+                objective.append(_comm_epigraph(prob, f"G_{id(st)}_{c}", tm, r, unit))
+        for ld in st.loads:
+            inner_rows.append(
+                (*_linear(cm, lambda rt, ld=ld: cm.load_comp(ld, rt), [cm.segment_of[ld.tensor]]), unit)
+            )
+    groups = duplex_stages(cm, program)
+    prev = None
+    for k, idx in enumerate(groups):
+        rows = []
+        for i in idx:
+            st = program[i]
+            seg = cm.graph.ops[st.op].segment
+            rows.append((*_linear(cm, lambda rt, st=st: cm.comp(st.op, st.strategy, rt), [seg]), 0.5 * unit))
+        P = _epigraph(prob, f"P_{k}", rows, r)
+        comm: list = []
+        comm_const = 0.0
+        for i in idx:
+            for c, tm in enumerate(feature_terms(cm, program[i])):
+                if tm.slope == 0.0:
+                    comm_const += 0.5 * unit * tm.const
+                else:
+                    comm.append(0.5 * _comm_epigraph(prob, f"M_{k}_{i}_{c}", tm, r, unit))
+        C = pulp.lpSum(comm) + comm_const
+        A = prob.add_variable(f"A_{k}", 0)
+        D = prob.add_variable(f"D_{k}", 0)
+        if prev is not None:
+            prob += A >= prev, f"A_{k}_prev"
+        prob += A >= C, f"A_{k}_comm"
+        prob += D >= C, f"D_{k}_comm"
+        prob += D >= P, f"D_{k}_comp"
+        objective += [A, D]
+        prev = P
+    if prev is not None:
+        objective.append(prev)
+    if inner_rows and any(cm.inner_sync_s_per_byte):
+        objective.append(_epigraph(prob, "T_inner", inner_rows, r))
+    if any(cm.models):
+        objective.append(_epigraph(prob, "T_opt", [(*cm.optimizer_linear(program), unit)], r))
+    prob += pulp.lpSum(objective) + constant

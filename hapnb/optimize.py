@@ -6,6 +6,9 @@ returns the best program paired with the ratios optimised *for it* (an :class:`O
 data-parallel and tensor-parallel programs of :func:`baseline_specs` are also balanced by the LP and used
 as seeds, so the result is never worse than any baseline under the same cost model. Packaging the
 result as a :class:`~hapnb.plan.Plan` is :mod:`hapnb.synthesis`' job (one layer up).
+
+``duplex=True`` optimises HiDup's duplex time (:mod:`hapnb.duplex`) instead: the duplex search (ψ/φ
+labels) alternates with the duplex LP, and the costs in the result and its history are duplex times.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from .balance import RatioPin, apply_ratio_pins, balance, parse_ratio_pins
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
+from .duplex import duplex_cost
 from .forms import Form, G, I, parse_form
 from .graph import Graph
 from .search import NoProgramError, Search, normalize_ratios
@@ -165,12 +169,14 @@ def optimize(
     max_seconds: float | None = None,
     seed_baselines: bool = True,
     progress: bool = False,
+    duplex: bool = False,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
 
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or per-device
     ratios (one list, or one per segment) used as they are (no LP). Each search is bounded by
     ``max_expansions`` / ``max_seconds``; ``stats["optimal"]`` says whether every search finished.
+    ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
     """
     c = cluster
     cm = CostModel(th, c)
@@ -196,12 +202,15 @@ def optimize(
         "search_s": 0.0,
         "balance_s": 0.0,
         "optimal": True,
+        "duplex": bool(duplex),
     }
 
     def search(
         ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None
     ) -> tuple[Any, Search]:
-        s = Search(th, c, ratios=ratios_, pins=pins_, options={**(options or {}), **(opts or {})})
+        s = Search(
+            th, c, ratios=ratios_, pins=pins_, options={**(options or {}), **(opts or {})}, duplex=duplex
+        )
         res = s.run(max_expansions=max_expansions, max_seconds=max_seconds, progress=progress)
         st = s.stats
         for k in ("expansions", "generated", "pruned_dominated", "pruned_bound"):
@@ -214,9 +223,10 @@ def optimize(
         nonlocal best
         prog = res.program
         if fixed is not None:
-            ratios_k, cost_k, b_sec = fixed, cm.evaluate(prog, fixed).cost_s, 0.0
+            cost_f = duplex_cost(cm, prog, fixed) if duplex else cm.evaluate(prog, fixed).cost_s
+            ratios_k, cost_k, b_sec = fixed, cost_f, 0.0
         else:
-            bal = balance(cm, prog, ratio_pins)
+            bal = balance(cm, prog, ratio_pins, duplex=duplex)
             ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)

@@ -141,6 +141,8 @@ class _Node:
     complete: bool = False
     extra: tuple[Conversion, ...] = field(default=())
     expanded: bool = False
+    copen: float = 0.0  # duplex: the open stage's feature communication (full batch)
+    tail: tuple[float, ...] = ()  # duplex: per-device inner gradient sync, charged once at the end
 
 
 class Search:
@@ -159,8 +161,10 @@ class Search:
         pins: Mapping[str, Form] | None = None,
         *,
         options: Mapping[str, bool] | None = None,
+        duplex: bool = False,
     ) -> None:
         t0 = time.perf_counter()
+        self.duplex = bool(duplex)
         self.theory = graph if isinstance(graph, Theory) else build_theory(graph)
         self.graph = g = self.theory.graph
         self.cluster = cluster
@@ -176,8 +180,13 @@ class Search:
         self._seen: dict[tuple[int, int, int], list[tuple[float, tuple[float, ...]]]] = {}
         self._best: int | None = None
         self._counter = itertools.count()
-        root = _Node(-1, None, 0.0, (0.0,) * self.n, 0, 0, 0, self._h(0, (0.0,) * self.n, 0))
-        self._seen[(0, 0, 0)] = [(root.base, root.acc)]
+        zero = (0.0,) * self.n
+        if self.duplex:
+            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h_duplex(0, 0.0, 0.0, zero, zero), tail=zero)
+            self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
+        else:
+            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0))
+            self._seen[(0, 0, 0)] = [(root.base, root.acc)]
         self._push(root)
         self._stats.seconds += time.perf_counter() - t0
         del g
@@ -438,6 +447,67 @@ class Search:
         self._seen[key] = keep
         return False
 
+    def _h_duplex(
+        self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...]
+    ) -> float:
+        """Duplex A* priority: a lower bound of the complete program's duplex time.
+
+        With ``p_k`` the per-micro-batch computation of stage k, ``ψ_m = base + max(c_i/2, p_i) +
+        sum_{k>i} [max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m >= base + max(c_i/2 + p_i, 2 p_i) +
+        2 sum_{k>i} p_k``. Each ``2 p_k`` is at least any device's full-batch computation in stage k,
+        so ``2 sum_{k>=i} p_k >= M = max_j (acc_j + rem_j)`` (``rem``: the remaining computation at
+        infinite bandwidth, as in the plain heuristic) and ``p_i + 2 sum_{k>i} p_k >= M / 2``. Hence
+        ``ψ_m >= base + max(M, c_i/2 + M/2)``; the end's inner syncs only grow (``+ max_j tail_j``).
+        """
+        rem = self._rem[pos]
+        m = max(a + r for a, r in zip(acc, rem))
+        return base + max(m, 0.5 * (copen + m)) + max(tail)
+
+    def _dominated_duplex(
+        self,
+        key: tuple[int, int, int],
+        base: float,
+        copen: float,
+        acc: tuple[float, ...],
+        tail: tuple[float, ...],
+    ) -> bool:
+        """Pareto dominance of duplex labels at one search state (HiDup Theorem 1, with an open stage).
+
+        A label is ``(base, acc, copen, tail)``. Its final duplex time is non-decreasing in ``base``, in
+        each ``acc_j`` and ``tail_j`` and in ``max(base + copen/2, base + p)`` for the open stage's final
+        ``p``; so label A dominates B (same state: same completions) if ``base_A <= base_B``,
+        ``acc_A <= acc_B`` and ``tail_A <= tail_B`` per device, and ``base_A + copen_A/2 <= base_B +
+        max(copen_B, max acc_B)/2``. At a stage boundary this is HiDup's rule: ψ no larger and φ no
+        larger (φ = -p, and more computation in the last stage gives more room to overlap)."""
+
+        def dominates(
+            b0: float,
+            a0: tuple[float, ...],
+            c0: float,
+            t0: tuple[float, ...],
+            b1: float,
+            a1: tuple[float, ...],
+            c1: float,
+            t1: tuple[float, ...],
+        ) -> bool:
+            return (
+                b0 <= b1 + _EPS
+                and b0 + 0.5 * c0 <= b1 + 0.5 * max(c1, max(a1)) + _EPS
+                and all(x <= y + _EPS for x, y in zip(a0, a1))
+                and all(x <= y + _EPS for x, y in zip(t0, t1))
+            )
+
+        entries = self._seen.get(key)
+        if entries is None:
+            self._seen[key] = [(base, acc, copen, tail)]
+            return False
+        if any(dominates(*e, base, acc, copen, tail) for e in entries):
+            return True
+        keep = [e for e in entries if not dominates(base, acc, copen, tail, *e)]
+        keep.append((base, acc, copen, tail))
+        self._seen[key] = keep
+        return False
+
     def _children(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
         node = self._nodes[nid]
         g = self.graph
@@ -503,19 +573,37 @@ class Search:
                     new_comm |= cb
                 new_props &= ~self._dies_at[pos]
                 new_comm &= ~self._dies_comm[pos]
-                comm_t = 0.0
+                comm_t = grad_t = 0.0
                 comp = c.comp
+                tail = node.tail
                 for ld in loads:
-                    comm_t += self._terms_time(("L", ld), lambda ld=ld: self.cost_model.load_terms(ld))
+                    grad_t += self._terms_time(("L", ld), lambda ld=ld: self.cost_model.load_terms(ld))
                     if self._has_inner:
-                        comp = tuple(a + b for a, b in zip(comp, self.cost_model.load_comp(ld, self.ratios)))
+                        inner = self.cost_model.load_comp(ld, self.ratios)
+                        if self.duplex:  # once per iteration, after both micro-batches
+                            tail = tuple(a + b for a, b in zip(tail, inner))
+                        else:
+                            comp = tuple(a + b for a, b in zip(comp, inner))
+                if not self.duplex:
+                    comm_t += grad_t
                 for cv in convs:
                     comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
                 if c.strategy.sfb:
                     comm_t += self._terms_time(
                         ("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st)
                     )
-                if comm_t > 0.0 or node.parent == -1:
+                copen = 0.0
+                if self.duplex:
+                    # base: HiDup's ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i) of the open stage i, plus the
+                    # gradient syncs so far (full size, once); comm_t starts a stage as in the plain model
+                    if comm_t > 0.0 or node.parent == -1:
+                        p = 0.5 * max(node.acc)
+                        base = node.base + max(0.5 * node.copen, p) + max(p, 0.5 * comm_t) + grad_t
+                        copen, acc = comm_t, comp
+                    else:
+                        base, copen = node.base + grad_t, node.copen
+                        acc = tuple(a + b for a, b in zip(node.acc, comp))
+                elif comm_t > 0.0 or node.parent == -1:
                     base = node.base + max(node.acc) + comm_t
                     acc = comp
                 else:
@@ -523,7 +611,10 @@ class Search:
                     acc = tuple(a + b for a, b in zip(node.acc, comp))
                 self._stats.generated += 1
                 npos = pos + 1
-                score = base + self._h(npos, acc, new_props)
+                if self.duplex:
+                    score = self._h_duplex(npos, base, copen, acc, tail)
+                else:
+                    score = base + self._h(npos, acc, new_props)
                 desc = f"{op.name}[{c.strategy.name}]"
                 if score >= best_cost - _EPS and self._best is not None:
                     self._stats.pruned_bound += 1
@@ -535,16 +626,27 @@ class Search:
                 if complete:
                     if not new_props & self._loss_bits_R:
                         extra = (Conversion(g.loss, "to_partial", I, R),)
-                    base = base + max(acc)
+                    if self.duplex:
+                        p = 0.5 * max(acc)
+                        base = base + max(0.5 * copen, p) + p + max(tail)
+                        copen, tail = 0.0, (0.0,) * self.n
+                    else:
+                        base = base + max(acc)
                     acc = (0.0,) * self.n
                     score = base
                 key = (npos, new_props, new_comm)
-                if self._dominated(key, base, acc):
+                if (
+                    self._dominated_duplex(key, base, copen, acc, tail)
+                    if self.duplex
+                    else self._dominated(key, base, acc)
+                ):
                     self._stats.pruned_dominated += 1
                     if record:
                         pruned.append((desc, "dominated: same properties reached at no greater cost"))
                     continue
                 child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
+                if self.duplex:
+                    child.copen, child.tail = copen, tail
                 cid = self._push(child)
                 if complete and (self._best is None or base < self._nodes[self._best].base - _EPS):
                     self._best = cid
@@ -559,7 +661,7 @@ class Search:
             if node.expanded:
                 continue  # already expanded by a dive
             entries = self._seen.get((node.pos, node.props, node.comm), [])
-            if not node.complete and not any(b is node.base and a is node.acc for b, a in entries):
+            if not node.complete and not any(e[0] is node.base and e[1] is node.acc for e in entries):
                 continue  # superseded by a dominating program with the same properties
             return nid
         return None
@@ -703,7 +805,13 @@ class Search:
             low = bits & -bits
             bits ^= low
             props.append(self._forms_of_bit[low])
-        cost = n.base + (max(n.acc) if not n.complete else 0.0)
+        if n.complete:
+            cost = n.base
+        elif self.duplex:
+            p = 0.5 * max(n.acc)
+            cost = n.base + max(0.5 * n.copen, p) + p + max(n.tail)
+        else:
+            cost = n.base + max(n.acc)
         return SearchNode(nid, n.parent, n.step, cost, n.score, n.pos, tuple(props), n.complete)
 
     @property
@@ -713,7 +821,7 @@ class Search:
         for _score, _, nid in sorted(self._heap):
             node = self._nodes[nid]
             entries = self._seen.get((node.pos, node.props, node.comm), [])
-            if node.complete or any(b is node.base and a is node.acc for b, a in entries):
+            if node.complete or any(e[0] is node.base and e[1] is node.acc for e in entries):
                 live.append(self.node(nid))
         return live
 

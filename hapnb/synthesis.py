@@ -13,6 +13,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ def synthesize(
     seed_baselines: bool = True,
     check_memory: bool = True,
     progress: bool = False,
+    duplex: bool = False,
     **zoo_options: Any,
 ) -> Plan:
     """Synthesize a plan: the program Q and ratios B minimising the per-iteration time.
@@ -59,6 +61,9 @@ def synthesize(
     ``segments``: ``None`` (one ratio vector), ``"layer"`` or markers (see :func:`assign_segments`).
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or a list of
     per-device ratios (one list, or one per segment) to use as they are (no LP).
+    ``duplex``: HiDup's duplex schedule (two micro-batches, one computing while the other communicates,
+    :mod:`hapnb.duplex`): search and LP minimise the duplex time; the plan has ``duplex=True``,
+    ``cost_s`` = its duplex time and ``stats["duplex"]`` True (its stages are the plain cost model's).
     """
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, **zoo_options)
@@ -78,6 +83,7 @@ def synthesize(
         max_seconds=max_seconds,
         seed_baselines=seed_baselines,
         progress=progress,
+        duplex=duplex,
     )
     elapsed = time.perf_counter() - t0
     plan = make_plan(
@@ -94,6 +100,8 @@ def synthesize(
         options={**(options or {}), "segments": _segments_label(segments)},
         synthesis_s=elapsed,
     )
+    if duplex:
+        plan = dataclasses.replace(plan, duplex=True, cost_s=best.cost_s)
     if check_memory:
         _check_memory(plan)
     return plan

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tracing",),
     ("triples",),
     ("devices", "cluster", "cost"),
-    ("search", "balance", "optimize"),
+    ("search", "balance", "optimize", "duplex"),
     ("plan", "simulate", "synthesis"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),

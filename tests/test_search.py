@@ -23,19 +23,28 @@ CONV = {
 }
 
 
-def brute_force(th, cluster, ratios, sfb=True):
-    """Enumerate every program in the search space (ops in order; every strategy; every way to get each
-    input form: load once, or at most one collective per tensor) and evaluate each with the cost model."""
-    g = th.graph
+def brute_force(th, cluster, ratios, sfb=True, cost=None):
+    """Evaluate every program of :func:`all_programs` with the cost model (``cost(cm, program, ratios)``,
+    default the plain stage cost) and return the cheapest ``(cost, program)``."""
     cm = CostModel(th, cluster)
+    cost = cost or (lambda cm, p, r: cm.evaluate(p, r).cost_s)
     best = [math.inf, None]
+    for program in all_programs(th, sfb):
+        c = cost(cm, program, ratios)
+        if c < best[0]:
+            best[0], best[1] = c, list(program)
+    return best[0], best[1]
+
+
+def all_programs(th, sfb=True):
+    """Every program in the search space (ops in order; every strategy; every way to get each input form:
+    load once, or at most one collective per tensor)."""
+    g = th.graph
     n_cons = {t.id: len(set(c for c in t.consumers)) for t in g.tensors}
 
     def rec(i, forms, converted, program):
         if i == len(g.ops):
-            cost = cm.evaluate(program, ratios).cost_s
-            if cost < best[0]:
-                best[0], best[1] = cost, list(program)
+            yield list(program)
             return
         op = g.ops[i]
         for s in th.strategies[i]:
@@ -86,12 +95,11 @@ def brute_force(th, cluster, ratios, sfb=True):
                     nf[c.tensor].add(c.dst)
                 for t, f in zip(op.outputs, s.outputs):
                     nf.setdefault(t, set()).add(f)
-                rec(
+                yield from rec(
                     i + 1, nf, converted | {c.tensor for c in convs}, program + [Step(op.id, s, loads, convs)]
                 )
 
-    rec(0, {}, frozenset(), [])
-    return best[0], best[1]
+    yield from rec(0, {}, frozenset(), [])
 
 
 CLUSTERS = ["2xV100+2xP100", "V100+P100", "4xA100", "1x5e12+1x1e12+1x2e12"]

@@ -1,0 +1,155 @@
+"""HiDup's duplex cost (SoCC'22 §4, eqs. 4-5): two micro-batches, one computing while the other communicates.
+
+The batch runs as two micro-batches of half the size on the same program. Per micro-batch, a stage's
+computation on device j is half its full-batch computation (``p_i = max_j comp_ij / 2``) and a feature
+collective takes half its time (``c_i``: the stage's conversions and SFB factors, halved; latencies and
+kernel launches halve too, an optimistic simplification). The stages follow HiDup's recurrence with
+``φ_0 = ψ_0 = 0``::
+
+    φ_i = -p_i
+    ψ_i = ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i) + max(c_i, p_i) - φ_i
+
+(micro-batch 2 computes stage i-1 while micro-batch 1 communicates for stage i, then micro-batch 1
+computes stage i while micro-batch 2 communicates, then micro-batch 2 computes stage i). Expanded,
+``ψ_m = sum_i [max(p_{i-1}, c_i) + max(c_i, p_i)] + p_m``: a sum of maxima with non-negative
+coefficients, which :func:`hapnb.balance.balance` (``duplex=True``) turns into an LP.
+
+Once per iteration, after both micro-batches (the two micro-batches' gradients are accumulated first,
+HiDup §3.2), and not overlapped with any computation:
+
+* the gradient all-reduces of replicated parameters (``Term.gradient``, at their full size, once);
+* a virtual device's inner data-parallel gradient sync (per device), then the optimizer step of
+  device-model devices (per device): ``max_j inner_j + max_j optimizer_j``.
+
+So ``duplex time = ψ_m + gradient syncs + max_j inner_j + max_j optimizer_j``. Stages: a step whose
+feature communication takes time starts a stage (a step that only syncs gradients does not: its sync is
+moved to the end). Without feature communication the duplex time is the plain
+:meth:`~hapnb.cost.CostModel.evaluate` time on flops-only devices; in general ``ψ_m <= sum_i 2 (c_i +
+p_i)``, the plain stage sum.
+
+The forward and backward collectives of a stage are charged together, as the plain model does (HiDup: the
+backward's pairs overlap as the forward's do).
+
+>>> psi_phi([(0.0, 2.0), (3.0, 1.0)])  # stage 1: compute 2; stage 2: comm 3, compute 1 (per micro-batch)
+(((4.0, -2.0), (9.0, -1.0)), 9.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .cost import CostModel, Step, Term
+
+__all__ = [
+    "DuplexStage",
+    "DuplexEvaluation",
+    "duplex_cost",
+    "duplex_evaluate",
+    "duplex_stages",
+    "psi_phi",
+    "next_psi",
+    "feature_terms",
+    "gradient_terms",
+]
+
+
+def next_psi(psi: float, phi: float, comm: float, comp: float) -> tuple[float, float]:
+    """HiDup eq. (4)-(5): ``(ψ_i, φ_i)`` from ``(ψ_{i-1}, φ_{i-1})`` and stage i's per-micro-batch
+    communication and computation."""
+    return psi + phi + max(-phi, comm) + max(comm, comp) + comp, -comp
+
+
+def psi_phi(stages: Sequence[tuple[float, float]]) -> tuple[tuple[tuple[float, float], ...], float]:
+    """``((ψ_i, φ_i) per stage, ψ_m)`` for per-micro-batch ``(comm_i, comp_i)`` pairs."""
+    psi = phi = 0.0
+    out = []
+    for comm, comp in stages:
+        psi, phi = next_psi(psi, phi, comm, comp)
+        out.append((psi, phi))
+    return tuple(out), psi
+
+
+def feature_terms(cm: CostModel, step: Step) -> tuple[Term, ...]:
+    """The step's per-batch communication (conversions, SFB factors): halved per micro-batch."""
+    return tuple(tm for tm in cm.step_terms(step) if not tm.gradient)
+
+
+def gradient_terms(cm: CostModel, step: Step) -> tuple[Term, ...]:
+    """The step's gradient all-reduces: once per iteration, after both micro-batches."""
+    return tuple(tm for tm in cm.step_terms(step) if tm.gradient)
+
+
+def duplex_stages(
+    cm: CostModel, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None
+) -> list[list[int]]:
+    """Group step indices into duplex stages: a step whose feature communication takes time (at
+    ``ratios``; without ratios, the LP's view: any feature term but a reshard) starts a stage."""
+    out: list[list[int]] = []
+    for i, st in enumerate(program):
+        terms = feature_terms(cm, st)
+        if ratios is None:
+            comm = any(tm.segment2 < 0 for tm in terms)
+        else:
+            comm = any(tm.time(ratios) > 0 for tm in terms)
+        if not out or comm:
+            out.append([i])
+        else:
+            out[-1].append(i)
+    return out
+
+
+@dataclass(frozen=True)
+class DuplexStage:
+    """One duplex stage, per micro-batch: ``comm_s`` and per-device ``comp_s``; ``psi``/``phi`` after it."""
+
+    index: int
+    steps: tuple[int, ...]
+    comm_s: float
+    comp_s: tuple[float, ...]
+    psi: float
+    phi: float
+
+
+@dataclass(frozen=True)
+class DuplexEvaluation:
+    """``cost_s = psi + gradient_s + inner_s + optimizer_s`` (see the module docstring)."""
+
+    cost_s: float
+    psi: float
+    gradient_s: float
+    inner_s: float
+    optimizer_s: float
+    stages: tuple[DuplexStage, ...]
+
+
+def duplex_evaluate(
+    cm: CostModel, program: Sequence[Step], ratios: Sequence[Sequence[float]]
+) -> DuplexEvaluation:
+    """The duplex iteration time of ``program`` at ``ratios``, with the per-stage ψ/φ breakdown."""
+    n = cm.n
+    grad = 0.0
+    inner = [0.0] * n
+    for st in program:
+        grad += sum(tm.time(ratios) for tm in gradient_terms(cm, st))
+        for ld in st.loads:
+            for j, x in enumerate(cm.load_comp(ld, ratios)):
+                inner[j] += x
+    psi = phi = 0.0
+    stages = []
+    for k, idx in enumerate(duplex_stages(cm, program, ratios)):
+        comm = 0.5 * sum(tm.time(ratios) for i in idx for tm in feature_terms(cm, program[i]))
+        comp = [0.0] * n
+        for i in idx:
+            for j, x in enumerate(cm.comp(program[i].op, program[i].strategy, ratios)):
+                comp[j] += 0.5 * x
+        psi, phi = next_psi(psi, phi, comm, max(comp))
+        stages.append(DuplexStage(k, tuple(idx), comm, tuple(comp), psi, phi))
+    opt = cm.optimizer_comp(program, ratios) if any(cm.models) else (0.0,) * n
+    inner_s, opt_s = max(inner, default=0.0), max(opt, default=0.0)
+    return DuplexEvaluation(psi + grad + inner_s + opt_s, psi, grad, inner_s, opt_s, tuple(stages))
+
+
+def duplex_cost(cm: CostModel, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> float:
+    """The duplex iteration time (seconds) of ``program`` at ``ratios``."""
+    return duplex_evaluate(cm, program, ratios).cost_s
