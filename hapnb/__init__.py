@@ -34,6 +34,8 @@ _LAZY = {
     "baselines": "synthesis",
     "OutOfMemoryError": "synthesis",
     "Plan": "plan",
+    "simulate": "simulation",
+    "Timeline": "simulation",
     "Session": "session",
     "verify": "run.verify",
     "distribute": "run.distribute",

@@ -85,9 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_args(p)
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("simulate", help="timeline of a plan per device")
+    p = sub.add_parser("simulate", help="timeline of a plan per device (overlap simulator)")
     p.add_argument("plan")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (iteration_s, devices, spans)")
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="stage-synchronous: every collective blocks, stage by stage (reproduces the plan's cost_s)",
+    )
+    p.add_argument("--no-sharing", action="store_true", help="concurrent collectives do not share bandwidth")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        metavar="GAMMA",
+        help="compute runs 1/(1+GAMMA) as fast beside communication (default: the device model's, else 0.1)",
+    )
+    p.add_argument("--gantt", metavar="HTML", help="write the simulated Gantt chart (bokeh) here")
 
     p = sub.add_parser("verify", help="run the plan on local ranks and compare with one device")
     p.add_argument("--plan", help="a plan JSON (the plan records how to rebuild its model)")
@@ -280,9 +294,21 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
     from .plan import Plan
-    from .simulate import simulate
+    from .simulation import simulate
 
-    tl = simulate(Plan.load(ns.plan))
+    tl = simulate(
+        Plan.load(ns.plan),
+        overlap=not ns.no_overlap,
+        bandwidth_sharing=not ns.no_sharing,
+        slowdown=ns.slowdown,
+    )
+    if ns.gantt:
+        from bokeh.embed import file_html
+        from bokeh.resources import INLINE
+
+        Path(ns.gantt).write_text(
+            file_html(tl.gantt(), resources=INLINE, title=f"hapnb simulated: {tl.plan_name}")
+        )
     if ns.json:
         print(json.dumps(tl.to_json()))
     else:

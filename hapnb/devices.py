@@ -56,7 +56,7 @@ class DeviceModel:
     replaces ``vector_flops`` for pooling (a CPU's max-pool with indices runs far below either).
 
     ``overlap_slowdown`` (Proteus' overlap factor γ, optional): a computation runs ``1 + γ`` times
-    longer while a collective runs beside it; only :mod:`hapnb.simulate` reads it (``hapnb profile``
+    longer while a collective runs beside it; only :mod:`hapnb.simulation` reads it (``hapnb profile``
     measures it; None: the simulator's default)."""
 
     peak_flops: float

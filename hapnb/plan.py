@@ -86,7 +86,7 @@ class Instruction:
     ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
     ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
 
-    Costs at the plan's ratios, for :mod:`hapnb.simulate` (empty in plans made before them):
+    Costs at the plan's ratios, for :mod:`hapnb.simulation` (empty in plans made before them):
     ``comp_s`` (compute only) the seconds per device of forward + backward (the cost model's step
     computation, so a stage's sum is ``Stage.comp_s``); ``comm`` the communication terms the cost model
     charges to this instruction (a load: its gradient all-reduce; a collective: its forward and backward;
@@ -216,7 +216,7 @@ class Plan:
 
     @property
     def costed(self) -> bool:
-        """Whether the plan carries per-instruction costs (what :mod:`hapnb.simulate` overlaps)."""
+        """Whether the plan carries per-instruction costs (what :mod:`hapnb.simulation` overlaps)."""
         return bool(self.optimizer_s) and all(i.comp_s for i in self.program if i.kind == "compute")
 
     # ------------------------------------------------------------------ views

@@ -16,11 +16,11 @@ PUBLIC = [
     "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
     "PinError", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
     "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
-    "shard_lengths", "synthesize", "theory", "trace", "verify", "zoo",
+    "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
 ]  # fmt: skip
 
 FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "shard_lengths",
-             "synthesize", "theory", "trace", "verify"]  # fmt: skip
+             "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 
 
@@ -95,7 +95,7 @@ CLI: dict[str, list[str]] = {
              "--pin", "--ratio-pin", "--ratios", "--report", "--seq", "--set"],
     "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",
                 "--threads", "--timeout"],
-    "simulate": ["--help", "--json"],
+    "simulate": ["--gantt", "--help", "--json", "--no-overlap", "--no-sharing", "--slowdown"],
     "theory": ["--check", "--help"],
     "verify": ["--backend", "--batch", "--cluster", "--dtype", "--help", "--layers", "--model", "--nproc",
                "--pin", "--plan", "--quiet", "--ratio-pin", "--ratios", "--seq", "--set", "--stall-timeout",

@@ -38,11 +38,20 @@ def test_plan_json_keys_and_files(capsys, tmp_path):
     html = report.read_text()
     assert "<html" in html.lower() and "cdn.bokeh.org" not in html
 
-    rc, out, _ = run(capsys, "simulate", str(plan_path), "--json")
+    rc, out, _ = run(capsys, "simulate", str(plan_path), "--json", "--no-overlap")
     sim = json.loads(out)
-    assert rc == 0 and sim["iteration_s"] == pytest.approx(d["cost_s"])
+    assert rc == 0 and sim["iteration_s"] == pytest.approx(d["cost_s"], rel=1e-9)
+    assert sim["mode"] == "stage"
     assert [x["name"] for x in sim["devices"]] == d["devices"]
     assert all({"name", "peak_memory_bytes", "oom"} <= set(x) for x in sim["devices"])
+    gantt = tmp_path / "sim.html"
+    rc, out, _ = run(capsys, "simulate", str(plan_path), "--json", "--gantt", str(gantt))
+    over = json.loads(out)
+    assert rc == 0 and over["mode"] == "overlap" and over["iteration_s"] <= d["cost_s"] * (1 + 1e-9)
+    assert over["spans"] and set(over["span_fields"]) >= {"device", "stream", "start_s", "end_s"}
+    assert "cdn.bokeh.org" not in gantt.read_text() and "<html" in gantt.read_text().lower()
+    rc, out, _ = run(capsys, "simulate", str(plan_path), "--json", "--no-sharing", "--slowdown", "0")
+    assert rc == 0 and json.loads(out)["iteration_s"] <= over["iteration_s"] * (1 + 1e-9)
 
 
 def test_plan_with_pins_and_ratios(capsys):

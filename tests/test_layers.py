@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triples",),
     ("devices", "cluster", "cost"),
     ("search", "balance", "optimize", "duplex"),
-    ("plan", "simulate", "synthesis"),
+    ("plan", "simulation", "synthesis"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),
     ("cli",),

@@ -12,7 +12,7 @@ import hapnb as hap
 from hapnb import zoo
 from hapnb.cluster import Cluster, Collective
 from hapnb.plan import CommCost, Instruction, Plan, Stage
-from hapnb.simulate import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
+from hapnb.simulation import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
 from hapnb.synthesis import baselines
 
 BERT = dict(layers=2, hidden=64, heads=4, batch=8)
@@ -345,8 +345,10 @@ def test_a_feature_collective_blocks_only_its_consumer():
     assert [s.start_s for s in fwd] == pytest.approx([0.0, f, f + 1.5e-3], rel=1e-12)
 
 
-def test_the_module_is_callable_as_hapnb_simulate():
-    import hapnb.simulate as module
+def test_hapnb_simulate_is_the_function_even_after_the_module_is_imported():
+    import hapnb
+    import hapnb.simulation  # noqa: F401  (binds the submodule on the package under its own name)
 
     plan = hand_plan()
-    assert module(plan, slowdown=0.0) == simulate(plan, slowdown=0.0)
+    assert hapnb.simulate is simulate and hapnb.Timeline is hapnb.simulation.Timeline
+    assert hapnb.simulate(plan, slowdown=0.0) == simulate(plan, slowdown=0.0)

@@ -47,8 +47,6 @@ transient during every backward and optimizer task. The peak equals the plan's `
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -739,14 +737,3 @@ class _Overlap:
             self.gamma,
             plan.duplex,
         )
-
-
-class _CallableModule(types.ModuleType):
-    """``hapnb.simulate(plan)`` calls :func:`simulate` even where the name resolves to this module (once
-    ``hapnb.simulate`` is imported, Python binds the package attribute to the submodule)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Timeline:
-        return simulate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
