@@ -64,6 +64,8 @@ __all__ = [
     "all_gather_async",
     "reduce_scatter_async",
     "all_reduce_async",
+    "all_to_all_async",
+    "reshard_async",
     "AsyncCollective",
 ]
 
@@ -284,27 +286,36 @@ def _start_all_reduce(x: torch.Tensor, ctx: _Ctx, async_op: bool) -> tuple[list[
     return [work], lambda: buf
 
 
-def _exchange(
-    send: list[torch.Tensor], recv_shapes: list[list[int]], total_numel: int, like: torch.Tensor, ctx: _Ctx
-) -> list[torch.Tensor]:
+def _start_exchange(
+    send: list[torch.Tensor],
+    recv_shapes: list[list[int]],
+    total_numel: int,
+    like: torch.Tensor,
+    ctx: _Ctx,
+    async_op: bool,
+) -> tuple[list[Any], Callable[[], list[torch.Tensor]]]:
     """Send ``send[j]`` to rank j and receive a tensor of ``recv_shapes[i]`` from every rank i.
 
     ``total_numel`` is the number of elements exchanged over the whole group (the same on every rank);
-    when it is 0 no communication happens.
+    when it is 0 no communication happens. One ``all_to_all_single`` with per-peer split sizes.
     """
     if ctx.world == 1:
-        return [s.clone(memory_format=torch.contiguous_format) for s in send]
+        out = [s.clone(memory_format=torch.contiguous_format) for s in send]
+        return [], lambda: out
     if total_numel == 0:  # every rank computes the same total, so all skip together
-        return [like.new_empty(s) for s in recv_shapes]
+        return [], lambda: [like.new_empty(s) for s in recv_shapes]
     flat_in = torch.cat([s.reshape(-1) for s in send])
     in_splits = [s.numel() for s in send]
     out_splits = [_numel(s) for s in recv_shapes]
     flat_out = like.new_empty(sum(out_splits))
-    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=ctx.group)
-    out = []
-    for piece, shape in zip(flat_out.split(out_splits), recv_shapes):
-        out.append(piece.view(shape))
-    return out
+    work = dist.all_to_all_single(
+        flat_out, flat_in, out_splits, in_splits, group=ctx.group, async_op=async_op
+    )
+
+    def finish() -> list[torch.Tensor]:
+        return [piece.view(shape) for piece, shape in zip(flat_out.split(out_splits), recv_shapes)]
+
+    return [work], finish
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -314,14 +325,15 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _raw_all_to_all(
+def _start_all_to_all(
     x: torch.Tensor,
     cat_dim: int,
     split_dim: int,
     cat_lengths: tuple[int, ...],
     split_lengths: tuple[int, ...],
     ctx: _Ctx,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> tuple[list[Any], _Finish]:
     r = ctx.rank
     soffs = shard_offsets(split_lengths)
     send = [x.narrow(split_dim, o, n) for o, n in zip(soffs, split_lengths)]
@@ -333,13 +345,13 @@ def _raw_all_to_all(
         recv_shapes.append(shape)
     other = _numel([s for k, s in enumerate(x.shape) if k not in (cat_dim, split_dim)])
     total = other * sum(cat_lengths) * sum(split_lengths)
-    pieces = _exchange(send, recv_shapes, total, x, ctx)
-    return torch.cat(pieces, dim=cat_dim)
+    works, pieces = _start_exchange(send, recv_shapes, total, x, ctx, async_op)
+    return works, lambda: torch.cat(pieces(), dim=cat_dim)
 
 
-def _raw_reshard(
-    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx
-) -> torch.Tensor:
+def _start_reshard(
+    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx, async_op: bool = False
+) -> tuple[list[Any], _Finish]:
     r = ctx.rank
     ooffs, noffs = shard_offsets(old), shard_offsets(new)
 
@@ -354,12 +366,30 @@ def _raw_reshard(
     moved = other * sum(overlap(i, j)[1] for i in range(n_world) for j in range(n_world) if i != j)
     if moved == 0:  # nothing crosses ranks (the same on every rank): no communication
         if other == 0:
-            return x.new_empty(_sized(x, dim, new[r]))
-        return x.narrow(dim, *overlap(r, r)).clone(memory_format=torch.contiguous_format)
+            return [], lambda: x.new_empty(_sized(x, dim, new[r]))
+        y = x.narrow(dim, *overlap(r, r)).clone(memory_format=torch.contiguous_format)
+        return [], lambda: y
     send = [x.narrow(dim, *overlap(r, j)) for j in range(n_world)]
     recv_shapes = [_sized(x, dim, overlap(i, r)[1]) for i in range(n_world)]
-    pieces = _exchange(send, recv_shapes, moved, x, ctx)
-    return torch.cat(pieces, dim=dim)
+    works, pieces = _start_exchange(send, recv_shapes, moved, x, ctx, async_op)
+    return works, lambda: torch.cat(pieces(), dim=dim)
+
+
+def _raw_all_to_all(
+    x: torch.Tensor,
+    cat_dim: int,
+    split_dim: int,
+    cat_lengths: tuple[int, ...],
+    split_lengths: tuple[int, ...],
+    ctx: _Ctx,
+) -> torch.Tensor:
+    return _run(_start_all_to_all(x, cat_dim, split_dim, cat_lengths, split_lengths, ctx))
+
+
+def _raw_reshard(
+    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx
+) -> torch.Tensor:
+    return _run(_start_reshard(x, dim, old, new, ctx))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,7 +553,21 @@ def all_to_all(
     ``split_dim``; the result has the full size on ``cat_dim`` and ``split_lengths[rank]`` on
     ``split_dim``. One ``all_to_all_single`` with per-peer split sizes. Backward: the reverse all-to-all.
     """
-    op = "all_to_all"
+    g, cd, sd, cl, sl = _prep_all_to_all(
+        "all_to_all", x, cat_dim, split_dim, cat_lengths, split_lengths, group
+    )
+    return _AllToAll.apply(x, cd, sd, cl, sl, g)
+
+
+def _prep_all_to_all(
+    op: str,
+    x: torch.Tensor,
+    cat_dim: int,
+    split_dim: int,
+    cat_lengths: Sequence[int],
+    split_lengths: Sequence[int],
+    group: Group,
+) -> tuple[_Ctx, int, int, tuple[int, ...], tuple[int, ...]]:
     g = _group_ctx(group)
     _check_tensor(op, x, g)
     cd = _norm_dim(op, x, cat_dim, "cat_dim")
@@ -537,7 +581,7 @@ def all_to_all(
     sl = _norm_lengths(op, split_lengths, g, "split_lengths")
     _check_local(op, x, cd, cl, g, "cat_lengths")
     _check_full(op, x, sd, sl, g, "input")
-    return _AllToAll.apply(x, cd, sd, cl, sl, g)
+    return g, cd, sd, cl, sl
 
 
 def reshard(
@@ -549,7 +593,13 @@ def reshard(
     ``all_to_all_single``). Used where segments with different sharding ratios meet. Backward: the
     reverse reshard of the gradient.
     """
-    op = "reshard"
+    g, d, old, new = _prep_reshard("reshard", x, dim, old_lengths, new_lengths, group)
+    return _Reshard.apply(x, d, old, new, g)
+
+
+def _prep_reshard(
+    op: str, x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group
+) -> tuple[_Ctx, int, tuple[int, ...], tuple[int, ...]]:
     g = _group_ctx(group)
     _check_tensor(op, x, g)
     d = _norm_dim(op, x, dim)
@@ -561,7 +611,7 @@ def reshard(
             "both must add up to the full size of the dim"
         )
     _check_local(op, x, d, old, g, "old_lengths")
-    return _Reshard.apply(x, d, old, new, g)
+    return g, d, old, new
 
 
 def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:
@@ -693,3 +743,38 @@ def all_reduce_async(x: torch.Tensor, group: Group = None) -> AsyncCollective:
         return _run(_start_all_reduce(grad, g, async_op=False))
 
     return AsyncCollective("all_reduce", works, finish, _attacher(x, dual))
+
+
+def all_to_all_async(
+    x: torch.Tensor,
+    cat_dim: int,
+    split_dim: int,
+    cat_lengths: Sequence[int],
+    split_lengths: Sequence[int],
+    group: Group = None,
+) -> AsyncCollective:
+    """Start :func:`all_to_all`; ``.wait()`` returns the re-sharded tensor. Backward is synchronous."""
+    g, cd, sd, cl, sl = _prep_all_to_all(
+        "all_to_all_async", x, cat_dim, split_dim, cat_lengths, split_lengths, group
+    )
+    with torch.no_grad():
+        works, finish = _start_all_to_all(x.detach(), cd, sd, cl, sl, g, async_op=True)
+
+    def dual(grad: torch.Tensor) -> torch.Tensor:
+        return _raw_all_to_all(grad, sd, cd, sl, cl, g)
+
+    return AsyncCollective("all_to_all", works, finish, _attacher(x, dual))
+
+
+def reshard_async(
+    x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group = None
+) -> AsyncCollective:
+    """Start :func:`reshard`; ``.wait()`` returns the re-cut slice. Backward is synchronous."""
+    g, d, old, new = _prep_reshard("reshard_async", x, dim, old_lengths, new_lengths, group)
+    with torch.no_grad():
+        works, finish = _start_reshard(x.detach(), d, old, new, g, async_op=True)
+
+    def dual(grad: torch.Tensor) -> torch.Tensor:
+        return _raw_reshard(grad, d, new, old, g)
+
+    return AsyncCollective("reshard", works, finish, _attacher(x, dual))

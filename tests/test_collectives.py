@@ -230,6 +230,22 @@ def check_async(r: int, n: int, lengths, tag) -> None:
     with torch.no_grad():
         y = C.all_gather_async(xg, d, lengths).wait()
     assert y.grad_fn is None and torch.equal(y, full)
+    # all-to-all G(1) -> G(0) and a reshard to the reversed lengths, both started before either waits
+    a2a_shape = full_shape(0, sum(lengths), full_shape(d, sum(lengths)))
+    fa = rand(a2a_shape, "async-a2a", tag)
+    xt = piece(fa, d, lengths, r).clone().requires_grad_()
+    new = tuple(reversed(lengths))
+    fs = rand(shape, "async-reshard", tag)
+    xs = piece(fs, d, lengths, r).clone().requires_grad_()
+    h5 = C.all_to_all_async(xt, d, 0, lengths, lengths)
+    h6 = C.reshard_async(xs, d, lengths, new)
+    y6, y5 = h6.wait(), h5.wait()
+    close(y5, piece(fa, 0, lengths, r), f"all_to_all_async forward {tag}")
+    close(y6, piece(fs, d, new, r), f"reshard_async forward {tag}")
+    ga, gs = rand(a2a_shape, "async-a2a-g", tag), rand(shape, "async-reshard-g", tag)
+    ((y5 * piece(ga, 0, lengths, r)).sum() + (y6 * piece(gs, d, new, r)).sum()).backward()
+    close(xt.grad, piece(ga, d, lengths, r), f"all_to_all_async backward {tag}")
+    close(xs.grad, piece(gs, d, lengths, r), f"reshard_async backward {tag}")
 
 
 def check_megatron_mlp(r: int, n: int, lb, lh, padded: bool) -> None:

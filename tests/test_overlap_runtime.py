@@ -265,6 +265,20 @@ def test_verify_duplex_with_feature_collectives(tp_plan: Plan) -> None:
 
 
 @pytest.mark.slow
+def test_verify_duplex_all_to_all_both_schedules() -> None:
+    """A pinned plan with an all-to-all (started async too): interleaved with buckets, and the two
+    micro-batches one after the other with the in-graph gradient all-reduce."""
+    pins = {"linear": hap.Shard(1), "relu": hap.Shard(0)}
+    plan = dataclasses.replace(synthesize("mlp", "2xV100", pins=pins, **zoo.TINY["mlp"]), duplex=True)
+    assert "all_to_all" in {i.name for i in plan.program if i.kind == "collective"}
+    report = verify(plan, nproc=2, steps=2, timeout=120)
+    assert report.ok, report.text()
+    seq = verify(plan, nproc=2, steps=2, interleave=False, grad_sync="sync", timeout=120)
+    assert seq.ok, seq.text()
+    assert max(report.max_rel, seq.max_rel) < 1e-10
+
+
+@pytest.mark.slow
 def test_verify_duplex_gpt_uneven_and_data_parallel(dp_plan: Plan) -> None:
     plan = synthesize("gpt", "2xV100", **zoo.TINY["gpt"])
     report = verify(dataclasses.replace(plan, duplex=True), nproc=2, steps=2, timeout=150)

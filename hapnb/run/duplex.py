@@ -11,9 +11,9 @@ generated program has static shard lengths, so duplex runs the program of the *h
   rank's local batch slice, the ``k``-th half (so each rank keeps its own samples); an odd local batch is
   a :class:`DuplexError` naming the input and its length;
 * :class:`DuplexRunner` runs the half program on both micro-batches, interleaved node by node through the
-  segments between communicating collectives: micro-batch 0's all-gather / reduce-scatter / all-reduce
-  starts asynchronously (``async_op``), micro-batch 1 computes its segment meanwhile, and the other way
-  round; the result is waited for where it is first used. All-to-all and reshard run synchronously;
+  segments between communicating collectives: micro-batch 0's collective (all-gather, reduce-scatter,
+  all-reduce, all-to-all, reshard) starts asynchronously (``async_op``), micro-batch 1 computes its
+  segment meanwhile, and the other way round; the result is waited for where it is first used;
 * the step's loss is ``loss_scale * (loss0 + loss1)`` (:func:`loss_scale`: 1/2 for a mean-reduced loss,
   1 for a sum) and one ``backward`` over it accumulates both micro-batches' gradients, so replicated
   gradients are all-reduced once (:class:`hapnb.run.buckets.GradBuckets`) and the optimizer steps once.
@@ -58,6 +58,8 @@ ASYNC_OF: dict[Callable[..., Any], Callable[..., Any]] = {
     C.all_gather: C.all_gather_async,
     C.reduce_scatter: C.reduce_scatter_async,
     C.all_reduce: C.all_reduce_async,
+    C.all_to_all: C.all_to_all_async,
+    C.reshard: C.reshard_async,
 }
 
 
