@@ -280,8 +280,9 @@ def test_verify_duplex_all_to_all_both_schedules() -> None:
 
 @pytest.mark.slow
 def test_verify_duplex_gpt_uneven_and_data_parallel(dp_plan: Plan) -> None:
-    plan = synthesize("gpt", "2xV100", **zoo.TINY["gpt"])
-    report = verify(dataclasses.replace(plan, duplex=True), nproc=2, steps=2, timeout=150)
+    plan = synthesize("gpt", "2xV100", duplex=True, **zoo.TINY["gpt"])  # searched for the duplex cost
+    assert plan.duplex
+    report = verify(plan, nproc=2, steps=2, timeout=150)
     assert report.ok, report.text()
     dp = verify(dataclasses.replace(dp_plan, duplex=True), nproc=2, steps=2, timeout=120)
     assert dp.ok, dp.text()  # batch cut 6/2: micro-batches of 3 + 1 samples
