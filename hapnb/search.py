@@ -25,6 +25,15 @@ dropped only if the other is no worse in every component, so the search is exact
 ``max_j (open_j + remaining lower bound_j)``, which never overestimates, so the first complete program
 popped is optimal.
 
+**Duplex** (``Search(..., duplex=True)``, HiDup's two micro-batches, :mod:`hapnb.duplex`): a node's label
+is ``(base, acc, copen, tail)``: ``base`` is HiDup's ``ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i)`` for the
+open stage i plus the gradient syncs so far (whole, once), ``acc`` the open stage's per-device
+computation, ``copen`` its feature communication, ``tail`` the per-device inner syncs of virtual
+devices. Labels at one state are pruned by Pareto dominance (:meth:`Search._dominated_duplex`) and the
+priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first complete program popped
+minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
+and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
+
 >>> import hapnb
 >>> g = hapnb.zoo_graph("mlp", layers=2, hidden=16, batch=8, inputs=16)  # doctest: +SKIP
 """
@@ -150,7 +159,8 @@ class Search:
 
     ``ratios``: one list of per-device ratios per segment (a single flat list is used for every
     segment); default throughput-proportional. ``pins``: tensor name -> form (``hapnb.Shard(d)``,
-    ``hapnb.Replicate()``); names are parameter FQNs, input names or op-output names.
+    ``hapnb.Replicate()``); names are parameter FQNs, input names or op-output names. ``duplex``: minimise
+    HiDup's duplex time (two micro-batches, see the module docstring) instead of the stage sum.
     """
 
     def __init__(
@@ -182,7 +192,7 @@ class Search:
         self._counter = itertools.count()
         zero = (0.0,) * self.n
         if self.duplex:
-            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h_duplex(0, 0.0, 0.0, zero, zero), tail=zero)
+            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h_duplex(0, 0.0, 0.0, zero, zero, 0), tail=zero)
             self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
         else:
             root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0))
@@ -448,7 +458,13 @@ class Search:
         return False
 
     def _h_duplex(
-        self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...]
+        self,
+        pos: int,
+        base: float,
+        copen: float,
+        acc: tuple[float, ...],
+        tail: tuple[float, ...],
+        props: int,
     ) -> float:
         """Duplex A* priority: a lower bound of the complete program's duplex time.
 
@@ -458,10 +474,25 @@ class Search:
         so ``2 sum_{k>=i} p_k >= M = max_j (acc_j + rem_j)`` (``rem``: the remaining computation at
         infinite bandwidth, as in the plain heuristic) and ``p_i + 2 sum_{k>i} p_k >= M / 2``. Hence
         ``ψ_m >= base + max(M, c_i/2 + M/2)``; the end's inner syncs only grow (``+ max_j tail_j``).
+
+        Communication: taking ``c_i`` from the open stage's max, ``p_{k-1}`` from each first max and ``c_k``
+        from each second, then ``p_m``, gives ``ψ_m >= base + c_i/2 + sum_{k>=i} p_k + sum_{k>i} c_k``:
+        half of the full-batch computation (on any one device) and feature communication still to come,
+        which is at least half the plain spine bound (:meth:`_spine_bound`; the gradient syncs it counts
+        are charged whole in the duplex). So ``ψ_m >= base + copen/2 + (acc_j* + spine)/2`` too.
         """
         rem = self._rem[pos]
         m = max(a + r for a, r in zip(acc, rem))
-        return base + max(m, 0.5 * (copen + m)) + max(tail)
+        h = max(m, 0.5 * (copen + m))
+        opts = self._spine_opts[pos]
+        if opts:
+            present = [v for bit, v in opts if props & bit]
+            vb = min(present) if present else min(v for _, v in opts)
+            w = self._w
+            h2 = 0.5 * (copen + sum(w[j] * acc[j] for j in range(self.n)) + vb)
+            if h2 > h:
+                h = h2
+        return base + h + max(tail)
 
     def _dominated_duplex(
         self,
@@ -473,12 +504,17 @@ class Search:
     ) -> bool:
         """Pareto dominance of duplex labels at one search state (HiDup Theorem 1, with an open stage).
 
-        A label is ``(base, acc, copen, tail)``. Its final duplex time is non-decreasing in ``base``, in
-        each ``acc_j`` and ``tail_j`` and in ``max(base + copen/2, base + p)`` for the open stage's final
-        ``p``; so label A dominates B (same state: same completions) if ``base_A <= base_B``,
-        ``acc_A <= acc_B`` and ``tail_A <= tail_B`` per device, and ``base_A + copen_A/2 <= base_B +
-        max(copen_B, max acc_B)/2``. At a stage boundary this is HiDup's rule: ψ no larger and φ no
-        larger (φ = -p, and more computation in the last stage gives more room to overlap)."""
+        A label is ``(base, acc, copen, tail)``; two labels at one state have the same completions. For a
+        completion, the final time is ``base + max(copen/2, q) + G(q) + max_j (tail_j + T_j)`` where ``q``
+        is the open stage's final per-micro-batch computation (``max_j (acc_j + Δ_j) / 2``) and ``G`` is
+        non-decreasing and 1-Lipschitz (``max(q, c_{i+1})`` and the rest, or ``q`` alone). With
+        ``D = max(0, max_j (accA_j - accB_j))`` and ``E`` likewise for ``tail``, ``q_A <= q_B + D/2``,
+        so A is no worse than B for every completion if ``base_A + D + E <= base_B`` and ``base_A +
+        (copen_A + D)/2 + E <= base_B + max(copen_B, max acc_B)/2`` (B's ``q`` is at least ``max acc_B /
+        2``). HiDup's rule (ψ and φ no larger, φ = -p: more computation in the last stage leaves more
+        room to overlap the next stage's communication) is the case of a label that has just opened
+        stage i with the same first step: ``base = ψ + φ + max(-φ, c_i)`` grows with ψ and with φ, and
+        the open stages agree (D = E = 0)."""
 
         def dominates(
             b0: float,
@@ -490,12 +526,9 @@ class Search:
             c1: float,
             t1: tuple[float, ...],
         ) -> bool:
-            return (
-                b0 <= b1 + _EPS
-                and b0 + 0.5 * c0 <= b1 + 0.5 * max(c1, max(a1)) + _EPS
-                and all(x <= y + _EPS for x, y in zip(a0, a1))
-                and all(x <= y + _EPS for x, y in zip(t0, t1))
-            )
+            d = max(0.0, max(x - y for x, y in zip(a0, a1)))
+            e = max(0.0, max(x - y for x, y in zip(t0, t1)))
+            return b0 + d + e <= b1 + _EPS and b0 + 0.5 * (c0 + d) + e <= b1 + 0.5 * max(c1, max(a1)) + _EPS
 
         entries = self._seen.get(key)
         if entries is None:
@@ -612,7 +645,7 @@ class Search:
                 self._stats.generated += 1
                 npos = pos + 1
                 if self.duplex:
-                    score = self._h_duplex(npos, base, copen, acc, tail)
+                    score = self._h_duplex(npos, base, copen, acc, tail, new_props)
                 else:
                     score = base + self._h(npos, acc, new_props)
                 desc = f"{op.name}[{c.strategy.name}]"
