@@ -163,10 +163,17 @@ def test_duplex_search_steps_like_the_plain_one():
     assert e.popped is not None and e.popped.position == 0 and e.children
     for ch in e.children:
         assert ch.parent == e.popped.id and 0.0 <= ch.cost <= ch.score * (1 + 1e-12)
-    while not s.step().done:
-        pass
+    popped = [e.popped.score]
+    while True:
+        e = s.step()
+        if e.popped is not None:
+            popped.append(e.popped.score)
+        if e.done:
+            break
     assert s.best is not None and s.best.complete
     assert s.best.cost == pytest.approx(Search(th, c, duplex=True).run().cost, rel=1e-12)
+    # admissible priority: nothing popped before the optimum scores above it
+    assert max(popped) <= s.best.cost * (1 + 1e-12)
     assert s.best.cost == pytest.approx(duplex_cost(CostModel(th, c), s.program(s.best.id), s.ratios))
 
 

@@ -26,3 +26,25 @@ def test_program_is_paired_with_ratios_optimised_for_it(name):
     assert again.cost >= best.cost_s * (1 - 1e-9)
     assert cm.evaluate(best.program, best.ratios).cost_s == pytest.approx(best.cost_s, rel=1e-12)
     assert make_plan(th, c, best.program, best.extra, best.ratios).cost_s == pytest.approx(best.cost_s)
+
+
+def test_duplex_loop_returns_a_duplex_fixpoint():
+    """optimize(duplex=True): the program is paired with the duplex LP's ratios for it, its cost is the
+    duplex time there, and the duplex time never exceeds the plain loop's optimum."""
+    from hapnb.balance import balance
+    from hapnb.cost import CostModel
+    from hapnb.duplex import duplex_cost
+    from hapnb.optimize import optimize
+
+    model, inputs, _ = zoo.build("mlp", layers=2, hidden=1024, input=16, batch=8, devices=3)
+    th = hap.theory(hap.trace(model, inputs, name="mlp"))
+    c = hap.Cluster.parse("1x5e12+1x1e12+1x2e12")
+    best = optimize(th, c, duplex=True)
+    cm = CostModel(th, c)
+    assert best.stats["duplex"] and best.stats["optimal"]
+    assert duplex_cost(cm, best.program, best.ratios) == pytest.approx(best.cost_s, rel=1e-12)
+    assert balance(cm, best.program, duplex=True).cost >= best.cost_s * (1 - 1e-9)
+    assert min(r.balanced_cost_s for r in best.history) == pytest.approx(best.cost_s)
+    plain = optimize(th, c)
+    assert not plain.stats["duplex"]
+    assert best.cost_s < plain.cost_s

@@ -124,3 +124,18 @@ def test_per_layer_segments_run_exactly():
     assert len({r for r in plan.ratios}) > 1  # the LP gave the segments different ratios
     assert any(i.name == "reshard" for i in plan.program)
     assert hap.verify(plan, nproc=3, steps=2).ok
+
+
+def test_duplex_keeps_pins_and_ratios():
+    """synthesize(duplex=True) honours form pins, fixed ratios (costed by the duplex model) and ratio pins."""
+    opts = {**zoo.TINY["mlp"], "hidden": 256, "batch": 8}
+    plan = hap.synthesize("mlp", "4xA100", pins={"layers.0.weight": hap.Shard(1)}, duplex=True, **opts)
+    assert plan.duplex and plan.form_of("layers.0.weight") == ["G1"]
+    fixed = [0.4, 0.3, 0.2, 0.1]
+    plan = hap.synthesize("mlp", "2xV100+2xP100", ratios=fixed, duplex=True, **zoo.TINY["mlp"])
+    assert plan.ratios[0] == pytest.approx(tuple(fixed)) and plan.history[-1].balance_s == 0.0
+    plain = hap.synthesize("mlp", "2xV100+2xP100", ratios=fixed, **zoo.TINY["mlp"])
+    assert plan.cost_s <= plain.cost_s * (1 + 1e-12)
+    plan = hap.synthesize("mlp", "2xV100+2xP100", ratios={"p100-1": 0.05}, duplex=True, **zoo.TINY["mlp"])
+    assert plan.ratios[0][3] == pytest.approx(0.05, abs=1e-7)
+    assert plan.cost_s == pytest.approx(min(r.balanced_cost_s for r in plan.history))
