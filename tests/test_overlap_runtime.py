@@ -186,6 +186,23 @@ def test_half_plan_halves_batch_lengths_only(tp_plan: Plan) -> None:
     assert hp.lengths_of("y", 0) == (2, 2) and hp.graph_fingerprint == half.fingerprint
 
 
+def test_half_plan_recuts_odd_segment_cuts_in_proportion(dp_plan: Plan) -> None:
+    """An activation re-cut 5/3 (another segment's ratios) on a batch of 8: the half batch of 4 is cut
+    in the same proportions, 2.5/1.5 rounded by largest remainder (tie -> lower rank) = 3/1, and a
+    tensor cut alike gets the same cut; the inputs' even 6/2 cut halves exactly."""
+    model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(dp_plan.model_spec))
+    half = trace(model, tuple(x[:4] for x in inputs))
+    odd = dataclasses.replace(dp_plan, lengths=(*dp_plan.lengths, ("linear", 0, (5, 3)), ("relu", 0, (5, 3))))
+    hp = half_plan(odd, dp_plan.graph, half)
+    assert hp.lengths_of("linear", 0) == hp.lengths_of("relu", 0) == (3, 1)
+    assert hp.lengths_of("y", 0) == (3, 1) and dp_plan.lengths_of("y", 0) == (6, 2)
+    feat = dataclasses.replace(dp_plan, lengths=(*dp_plan.lengths, ("linear", 1, (5, 3))))
+    assert half_plan(feat, dp_plan.graph, half).lengths_of("linear", 1) == (5, 3)  # not a batch dim: kept
+    gone = dataclasses.replace(dp_plan, lengths=(*dp_plan.lengths, ("no_such", 0, (4, 4))))
+    with pytest.raises(DuplexError, match="has no tensor no_such"):
+        half_plan(gone, dp_plan.graph, half)
+
+
 def test_split_batch_keeps_each_ranks_samples(tp_plan: Plan, dp_plan: Plan) -> None:
     x = torch.arange(8.0)[:, None].expand(8, 1024).contiguous()
     y = torch.arange(8)
@@ -305,3 +322,17 @@ def test_launch_runs_a_duplex_plan_json(tp_plan: Plan, tmp_path) -> None:
     ref = run_reference(b.graph, b.inputs, 3, optimizer="sgd", dtype="float64")
     got = [m["global_loss"] for m in sorted(res.metrics, key=lambda m: m["step"]) if m["rank"] == 0]
     assert got == pytest.approx(ref["losses"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_verify_duplex_virtual_plan_with_segment_reshards() -> None:
+    """Two machines of two GPUs (virtual devices, expanded to 4 ranks), per-layer segments: activations
+    re-cut between segments (reshard, started async too) with odd cuts re-cut in proportion."""
+    from hapnb.cluster import Cluster
+
+    c = Cluster.parse("2xV100+2xP100").virtual()
+    plan = synthesize("gpt", c, segments="layer", **{**zoo.TINY["gpt"], "layers": 3, "batch": 16})
+    assert any(i.name == "reshard" for i in plan.program)
+    report = verify(dataclasses.replace(plan, duplex=True), steps=2, timeout=150)
+    assert report.ok, report.text()
+    assert report.nproc == 4 and report.max_rel < 1e-10

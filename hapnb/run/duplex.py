@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from .. import collectives as C
-from ..forms import parse_form, shard_offsets
+from ..forms import parse_form, shard_lengths, shard_offsets
 from ..graph import Graph
 
 __all__ = [
@@ -121,8 +121,10 @@ def _aten(target: str) -> Any:
 
 def half_plan(plan: Any, graph: Graph, half: Graph) -> Any:
     """``plan`` (physical, over ``graph``) for the half-batch graph ``half``: every shard length of a dim
-    whose size halves is halved (also a reshard's new lengths); raises :class:`DuplexError` when one is
-    odd or a tensor's size changes otherwise."""
+    whose size halves is halved (also a reshard's new lengths). A cut with odd lengths (activations
+    re-cut for another segment's ratios) becomes the half batch cut in the same proportions; raises
+    :class:`DuplexError` when that is impossible or a tensor's size changes otherwise. (Inputs must cut
+    evenly: :func:`split_batch` checks them.)"""
 
     def size(g: Graph, name: str, dim: int) -> int:
         try:
@@ -139,15 +141,28 @@ def half_plan(plan: Any, graph: Graph, half: Graph) -> Any:
             return tuple(ls)
         if 2 * h != full:
             raise DuplexError(f"duplex: {name} dim {dim} has size {full} but {h} at half the batch")
+        # a dim of k x batch cut k x a batch cut (whole samples): halve the batch cut -- exactly when it is
+        # even, else (activations re-cut for another segment's ratios) in the same proportions -- so
+        # equal cuts stay equal and the tensors of one op stay proportional
+        k = full // batch if full % batch == 0 else 0
+        if k and all(n % k == 0 for n in ls) and any(ls):
+            base = [n // k for n in ls]
+            if any(n % 2 for n in base):
+                base = list(shard_lengths(batch // 2, base))
+            else:
+                base = [n // 2 for n in base]
+            return tuple(k * n for n in base)
         odd = [r for r, n in enumerate(ls) if n % 2]
-        if odd:
-            r = odd[0]
-            raise DuplexError(
-                f"duplex: {name} dim {dim} is cut {tuple(ls)}: rank {r}'s length {ls[r]} is odd, so it cannot "
-                "be split into two micro-batches; use an even local batch"
-            )
+        if not odd:
+            return tuple(n // 2 for n in ls)
+        r = odd[0]
+        raise DuplexError(
+            f"duplex: {name} dim {dim} is cut {tuple(ls)}: rank {r}'s length {ls[r]} is odd, so it cannot "
+            "be split into two micro-batches; use an even local batch"
+        )
         return tuple(n // 2 for n in ls)
 
+    batch = int(graph.tensors[graph.inputs[0]].shape[0])
     lengths = tuple((t, d, halve(t, d, ls)) for t, d, ls in plan.lengths)
     program = []
     for ins in plan.program:
