@@ -187,7 +187,7 @@ def split_batch(
     >>> ins = types.SimpleNamespace(kind="load", tensor="x", form="G0")
     >>> p = types.SimpleNamespace(program=[ins], lengths_of=lambda t, d: (4, 2))
     >>> g = types.SimpleNamespace(inputs=[0], tensors={0: types.SimpleNamespace(name="x")})
-    >>> cut, (a, b) = split_batch(p, g, [x])
+    >>> cut, ((a,), (b,)) = split_batch(p, g, [x])
     >>> cut, a.tolist(), b.tolist()
     ((4, 2), [0.0, 1.0, 4.0], [2.0, 3.0, 5.0])
     """
