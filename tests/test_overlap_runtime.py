@@ -133,6 +133,16 @@ def test_codegen_buckets_leave_replicated_gradients_partial(dp_plan: Plan) -> No
         generate(dp_plan, dp_plan.graph, 0, grad_sync="later")
 
 
+def test_sfb_loaded_weights_are_not_bucketed() -> None:
+    """load_sfb weights get their full gradient from the SFB op itself: no bucket, no all-reduce."""
+    plan = synthesize("mlp", "2xV100", ratios=[0.75, 0.25], pins=DP_PINS, **zoo.TINY["mlp"])
+    sfb = {i.tensor for i in plan.program if i.name == "load_sfb"}
+    assert sfb == set(DP_PINS) - {"x", "y"}
+    prog = generate(plan, plan.graph, 0, grad_sync="buckets")
+    assert prog.grad_sync == ()
+    assert not any(n.target is C.replicate for n in prog.module.graph.nodes)
+
+
 # ======================================================================== buckets, verified on ranks
 
 
