@@ -213,6 +213,18 @@ def test_half_plan_recuts_odd_segment_cuts_in_proportion(dp_plan: Plan) -> None:
         half_plan(gone, dp_plan.graph, half)
 
 
+def test_duplex_bundle_keeps_the_half_batch_trace(tp_plan: Plan, tmp_path) -> None:
+    from hapnb.run.bundle import BundleError, load_bundle, write_bundle
+
+    d = write_bundle(dataclasses.replace(tp_plan, duplex=True), tmp_path / "b")
+    b = load_bundle(d)
+    assert b.half_graph.tensor("x").shape == (4, 1024) and b.graph.tensor("x").shape == (8, 1024)
+    assert load_bundle(write_bundle(tp_plan, tmp_path / "plain")).half_graph is None
+    (d / "program_half.pt2").unlink()
+    with pytest.raises(BundleError, match="duplex plan but the bundle has no half-batch program"):
+        load_bundle(d)
+
+
 def test_split_batch_keeps_each_ranks_samples(tp_plan: Plan, dp_plan: Plan) -> None:
     x = torch.arange(8.0)[:, None].expand(8, 1024).contiguous()
     y = torch.arange(8)

@@ -64,3 +64,20 @@ def test_worker_cli_reports_bad_bundle(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "is not a hapnb bundle" in r.stderr
     assert json.loads(r.stdout.splitlines()[0])["phase"] == "load"  # a heartbeat before the failure
+
+
+def test_worker_cli_overlap_options() -> None:
+    """--grad-sync takes buckets (default) or sync; the bucket caps are byte counts."""
+    from hapnb.run.worker import _parser, main
+
+    a = _parser().parse_args(["b"])
+    assert (a.grad_sync, a.bucket_cap_bytes, a.first_bucket_cap_bytes, a.no_interleave) == (
+        "buckets",
+        None,
+        None,
+        False,
+    )
+    a = _parser().parse_args(["b", "--grad-sync", "sync", "--bucket-cap-bytes", "4096", "--no-interleave"])
+    assert (a.grad_sync, a.bucket_cap_bytes, a.no_interleave) == ("sync", 4096, True)
+    with pytest.raises(SystemExit):
+        main(["b", "--grad-sync", "later"])

@@ -34,6 +34,14 @@ created it. ``metrics_out``: None (stdout), a path, an int file descriptor, a wr
 callable taking each metrics dict; ``heartbeat``: None or a callable taking each phase dict. Returns the
 list of metrics dicts of this rank.
 
+Replicated gradients are all-reduced by default in DDP-like buckets that gradient hooks start
+asynchronously during the backward, on a process group of their own, and are waited for before the
+gradients are read or the optimizer steps (``--grad-sync buckets``, :mod:`hapnb.run.buckets`);
+``--grad-sync sync`` all-reduces each inside autograd instead. A duplex plan (``"duplex": true``) runs
+each step as two half-batch micro-batches, one's collectives in flight while the other computes
+(:mod:`hapnb.run.duplex`; ``--no-interleave``: one after the other); its ``loss`` is the scaled sum of
+both, so the metrics read as for a plain plan.
+
 Verification mode (``verify_out=DIR`` / ``--verify-out DIR``, used by :func:`hapnb.run.verify.verify`) also
 saves ``DIR/rank<r>.pt``: partial and global losses per step, every local gradient after the first
 backward and every local weight after the last step (plain tensors, readable with ``weights_only=True``).
