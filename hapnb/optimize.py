@@ -208,9 +208,16 @@ def optimize(
     def search(
         ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None
     ) -> tuple[Any, Search]:
-        s = Search(
-            th, c, ratios=ratios_, pins=pins_, options={**(options or {}), **(opts or {})}, duplex=duplex
-        )
+        merged = {**(options or {}), **(opts or {})}
+        s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex)
+        if duplex:
+            # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
+            # from the start, and a duplex search stopped by a limit is never worse than it
+            p = Search(th, c, ratios=ratios_, pins=pins_, options=merged)
+            pres = p.run(max_expansions=max_expansions, max_seconds=max_seconds)
+            s.seed(pres.program)
+            stats["seed_expansions"] = stats.get("seed_expansions", 0) + p.stats["expansions"]
+            stats["search_s"] += pres.seconds
         res = s.run(max_expansions=max_expansions, max_seconds=max_seconds, progress=progress)
         st = s.stats
         for k in ("expansions", "generated", "pruned_dominated", "pruned_bound"):

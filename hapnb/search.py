@@ -786,6 +786,63 @@ class Search:
         self._stats.expansions += 1
         return self._children(nid, record)
 
+    def seed(self, program: Sequence[Step]) -> bool:
+        """Walk a known complete program (e.g. the plain search's optimum, for a duplex search) down the
+        tree, so that its cost bounds the search from the start (a greedy dive runs first, as in
+        :meth:`run`). Returns whether the walk reached a complete node; it stops early (False) where the
+        program leaves the search space or where the best complete program already beats its prefix
+        (the bound pruned it). Where a step's child was dominated, the walk goes on from the cheapest
+        live node with the same properties (no worse, by dominance). Afterwards the best complete
+        program costs at most the seeded one, when that one is in the search space."""
+        nid = 0 if self._nodes and self._nodes[0].parent == -1 else None
+        if nid is None or len(program) != len(self.graph.ops):
+            return False
+        if self._best is None and self.options.get("dive", True):
+            self._dive(0)  # the greedy dive :meth:`run` would start with (the better of the two is kept)
+        for st in program:
+            node = self._nodes[nid]
+            if node.complete:
+                return False
+            kids = self._children(nid, record=False)[0] if not node.expanded else self._kids_of(nid)
+            if not node.expanded:
+                node.expanded = True
+                self._stats.expansions += 1
+            same = [k for k in kids if self._nodes[k].step == st]
+            if not same:  # dominated: go on from the live node that dominates it (maybe off this path)
+                key = self._key_after(node, st)
+                live = self._seen.get(key, [])
+                same = [
+                    k
+                    for k, n in enumerate(self._nodes)
+                    if (n.pos, n.props, n.comm) == key and any(e[0] is n.base and e[1] is n.acc for e in live)
+                ]
+            if not same:
+                return False
+            nid = min(same, key=lambda k: (self._nodes[k].score, k))
+        if not self._nodes[nid].complete:
+            return False
+        if self._best is None or self._nodes[nid].base < self._nodes[self._best].base - _EPS:
+            self._best = nid
+        return True
+
+    def _key_after(self, node: _Node, st: Step) -> tuple[int, int, int]:
+        """The dominance key of ``node`` extended by ``st`` (as :meth:`_children` computes it)."""
+        pos = node.pos
+        props, comm = node.props, node.comm
+        for c in self._ops[pos]:
+            if c.strategy == st.strategy:
+                props |= c.out_bits
+        for ld in st.loads:
+            props |= self._bit[(ld.tensor, ld.form)]
+        for cv in st.conversions:
+            if cv.name != "reshard":
+                props |= self._bit[(cv.tensor, cv.dst)]
+                comm |= 1 << cv.tensor
+        return pos + 1, props & ~self._dies_at[pos], comm & ~self._dies_comm[pos]
+
+    def _kids_of(self, nid: int) -> list[int]:
+        return [i for i, n in enumerate(self._nodes) if n.parent == nid]
+
     def _dive(self, nid: int) -> None:
         """Greedy descent: expand, follow the child with the lowest score, until a complete program."""
         while not self._nodes[nid].complete:

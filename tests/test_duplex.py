@@ -260,3 +260,28 @@ def test_synthesize_duplex_not_faster_without_feature_communication():
     plain = hap.synthesize(g, c, pins=pins)
     dup = hap.synthesize(g, c, pins=pins, duplex=True)
     assert dup.cost_s == pytest.approx(plain.cost_s, rel=1e-3)
+
+
+def test_seeded_duplex_search_never_worse_than_the_plain_program():
+    """Search.seed walks the plain optimum into the duplex tree: a duplex search stopped early returns a
+    program whose duplex time is at most the plain program's; unbounded, it still proves the optimum."""
+    model, inputs, _ = zoo.build("bert", **{**zoo.TINY["bert"], "devices": 4})
+    th = hap.theory(hap.trace(model, inputs, name="bert"))
+    c = Cluster.parse("2xV100+2xP100")
+    assert not any(d.model for d in c.devices)  # flops-only: the search's cost is the duplex cost
+    cm = CostModel(th, c)
+    plain = Search(th, c).run()
+    s = Search(th, c, duplex=True)
+    assert s.seed(plain.program)
+    res = s.run(max_expansions=20, dives=0)
+    r = s.ratios
+    assert res.cost <= duplex_cost(cm, plain.program, r) * (1 + 1e-12)
+    assert duplex_cost(cm, res.program, r) == pytest.approx(res.cost, rel=1e-9)
+    th2 = theory(S.mlp_graph(batch=4096, dims=(128, 128, 128, 128)), S.strategies)
+    c2 = Cluster.parse("4xA100")
+    s2 = Search(th2, c2, duplex=True)
+    p2 = Search(th2, c2).run().program
+    s2.seed(p2)  # the greedy dive already beats it here: the walk stops at the bound
+    assert s2.best is not None and s2.best.cost <= duplex_cost(CostModel(th2, c2), p2, s2.ratios)
+    assert s2.run().cost == pytest.approx(Search(th2, c2, duplex=True).run().cost, rel=1e-12)
+    assert not Search(th2, c2, duplex=True).seed(plain.program[:1])  # not a complete program here
