@@ -270,6 +270,8 @@ class Search:
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
         self._spine_bound()
+        if self.duplex:
+            self._spine_comm_opts = self._spine_bound(comm_only=True)
 
     def _pins_ok(
         self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
@@ -318,7 +320,7 @@ class Search:
                 h = h2
         return h
 
-    def _spine_bound(self) -> None:
+    def _spine_bound(self, comm_only: bool = False) -> list[list[tuple[int, float]]]:
         """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
 
         Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
@@ -334,6 +336,7 @@ class Search:
         # the simplex give a valid bound, and this one is tight when that device is the bottleneck
         jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
         self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
+        w_comp = (0.0,) * self.n if comm_only else self._w  # comm_only: the communication alone
         inf = float("inf")
         # the spine: from the loss backwards, through the input with the longest upstream path
         depth = [0] * len(g.tensors)
@@ -354,7 +357,7 @@ class Search:
         n_cons = [len(set(x.consumers)) for x in g.tensors]
 
         def local(op_id: int, c: _Compiled) -> float:
-            v = sum(self._w[j] * c.comp[j] for j in range(self.n))
+            v = sum(w_comp[j] * c.comp[j] for j in range(self.n))
             op = g.ops[op_id]
             for ti, f in zip(op.inputs, c.strategy.inputs):
                 tr = g.tensors[ti]
@@ -410,12 +413,15 @@ class Search:
                 m = min(local(i, c) for c in comp)
                 V[i] = {f: v + m for f, v in V[i + 1].items()}
             spine_at[i] = cur
-        self._spine_opts: list[list[tuple[int, float]]] = []
+        spine_opts: list[list[tuple[int, float]]] = []
         for i in range(n_ops + 1):
             ti = spine_at[i]
             opts = [(self._bit[(ti, f)], v) for f, v in V[i].items() if v < inf and (ti, f) in self._bit]
             # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
-            self._spine_opts.append(opts)
+            spine_opts.append(opts)
+        if not comm_only:
+            self._spine_opts = spine_opts
+        return spine_opts
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
@@ -479,7 +485,10 @@ class Search:
         from each second, then ``p_m``, gives ``ψ_m >= base + c_i/2 + sum_{k>=i} p_k + sum_{k>i} c_k``:
         half of the full-batch computation (on any one device) and feature communication still to come,
         which is at least half the plain spine bound (:meth:`_spine_bound`; the gradient syncs it counts
-        are charged whole in the duplex). So ``ψ_m >= base + copen/2 + (acc_j* + spine)/2`` too.
+        are charged whole in the duplex). So ``ψ_m >= base + copen/2 + (acc_j* + spine)/2`` too. Taking
+        ``c_k`` from both maxima of every later stage instead, ``ψ_m >= base + c_i/2 + sum_{k>i} 2 c_k``:
+        all the feature communication still to come at full batch (plus the gradient syncs), bounded by
+        the spine's communication alone (``_spine_bound(comm_only=True)``).
         """
         rem = self._rem[pos]
         m = max(a + r for a, r in zip(acc, rem))
@@ -492,6 +501,12 @@ class Search:
             h2 = 0.5 * (copen + sum(w[j] * acc[j] for j in range(self.n)) + vb)
             if h2 > h:
                 h = h2
+        opts = self._spine_comm_opts[pos]
+        if opts:
+            present = [v for bit, v in opts if props & bit]
+            h3 = 0.5 * copen + (min(present) if present else min(v for _, v in opts))
+            if h3 > h:
+                h = h3
         return base + h + max(tail)
 
     def _dominated_duplex(
