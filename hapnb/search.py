@@ -939,6 +939,8 @@ class Search:
         d = self._stats.as_dict()
         d["frontier"] = len(self._heap)
         d["nodes"] = len(self._nodes)
+        if self.duplex:
+            d["duplex"] = True
         return d
 
     def children_of(self, nid: int) -> list[SearchNode]:
@@ -947,7 +949,8 @@ class Search:
     def __repr__(self) -> str:
         b = self.best
         return (
-            f"Search({self.graph.name} on {self.cluster.name}: {self._stats.expansions} expansions, "
+            f"Search({self.graph.name} on {self.cluster.name}{' (duplex)' if self.duplex else ''}: "
+            f"{self._stats.expansions} expansions, "
             f"frontier {len(self._heap)}, best {'none' if b is None else f'{b.cost:.4g} s'}"
             f"{', done' if self.done else ''})"
         )

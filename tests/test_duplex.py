@@ -174,6 +174,7 @@ def test_duplex_search_steps_like_the_plain_one():
     assert s.best.cost == pytest.approx(Search(th, c, duplex=True).run().cost, rel=1e-12)
     # admissible priority: nothing popped before the optimum scores above it
     assert max(popped) <= s.best.cost * (1 + 1e-12)
+    assert s.stats["duplex"] and "duplex" in repr(s) and "duplex" not in Search(th, c).stats
     assert s.best.cost == pytest.approx(duplex_cost(CostModel(th, c), s.program(s.best.id), s.ratios))
 
 
