@@ -63,6 +63,36 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _runtime_args(p: argparse.ArgumentParser) -> None:
+    """How the ranks synchronise gradients and run duplex plans (``hapnb verify`` and ``hapnb launch``)."""
+    p.add_argument(
+        "--grad-sync",
+        choices=["buckets", "sync"],
+        default="buckets",
+        help="replicated gradients: DDP-like async buckets during the backward (default) or one blocking "
+        "all-reduce each inside autograd",
+    )
+    p.add_argument("--bucket-cap-bytes", type=int, default=None, help="gradient bucket size (default 25 MiB)")
+    p.add_argument(
+        "--first-bucket-cap-bytes", type=int, default=None, help="the first bucket's size (default 1 MiB)"
+    )
+    p.add_argument(
+        "--no-interleave",
+        action="store_true",
+        help="duplex plans: run the two micro-batches one after the other instead of interleaved",
+    )
+
+
+def _runtime_argv(ns: argparse.Namespace) -> list[str]:
+    """The worker arguments of :func:`_runtime_args`' flags (only those not at their defaults)."""
+    out = [] if ns.grad_sync == "buckets" else ["--grad-sync", ns.grad_sync]
+    if ns.bucket_cap_bytes is not None:
+        out += ["--bucket-cap-bytes", str(ns.bucket_cap_bytes)]
+    if ns.first_bucket_cap_bytes is not None:
+        out += ["--first-bucket-cap-bytes", str(ns.first_bucket_cap_bytes)]
+    return out + (["--no-interleave"] if ns.no_interleave else [])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hapnb",
@@ -79,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.add_argument("--report", help="write an HTML report (plan, stages, Gantt, search stats)")
     p.add_argument("--no-baselines", action="store_true", help="skip the DP-EV/DP-CP baselines")
+    p.add_argument(
+        "--duplex",
+        action="store_true",
+        help="HiDup's duplex schedule: two micro-batches, one computing while the other communicates",
+    )
 
     p = sub.add_parser("compare", help="one cost model, all strategies")
     _model_args(p)
@@ -122,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the ranks are stuck when none reports progress for this many seconds (default 300)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--duplex", action="store_true", help="with --model: synthesize a duplex plan (HiDup)")
+    _runtime_args(p)
 
     from .run.launch import BACKENDS
 
@@ -140,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wall-timeout", type=float, default=None, help="limit on the whole run (s)")
     p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     p.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
+    _runtime_args(p)
 
     p = sub.add_parser("profile", help="profile devices and collectives -> cluster JSON")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (default: GPUs, else 2)")
@@ -237,7 +275,8 @@ def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
 
     c = Cluster.resolve(ns.cluster)
     pins, ratios = _pins(ns) if hasattr(ns, "pin") else ({}, None)
-    plan = synthesize(ns.model, c, pins=pins, ratios=ratios, **_options(ns))
+    duplex = bool(getattr(ns, "duplex", False))
+    plan = synthesize(ns.model, c, pins=pins, ratios=ratios, duplex=duplex, **_options(ns))
     return plan, c, plan.synthesis_s
 
 
@@ -368,6 +407,10 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             timeout=ns.timeout,
             stall_timeout=ns.stall_timeout,
             progress=None if ns.quiet else _VerifyProgress(nproc, ns.steps),
+            grad_sync=ns.grad_sync,
+            bucket_cap=ns.bucket_cap_bytes,
+            first_bucket_cap=ns.first_bucket_cap_bytes,
+            interleave=not ns.no_interleave,
         )
     except (VerifyError, BundleError, CodegenError) as e:
         print(f"hapnb verify: {e}", file=sys.stderr)
@@ -404,11 +447,28 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
         print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
         return 2
     if ns.slurm:
-        print(slurm_script(bundle, ns.nnodes, per_node, steps=ns.steps, backend=backend, worker=worker))
+        print(
+            slurm_script(
+                bundle,
+                ns.nnodes,
+                per_node,
+                steps=ns.steps,
+                backend=backend,
+                worker=worker,
+                extra_args=_runtime_argv(ns),
+            )
+        )
     else:
         rdzv = ns.rdzv if (ns.rdzv or ns.nnodes == 1) else "NODE0_HOST:29500"
         for cmd in launch_commands(
-            bundle, ns.nnodes, per_node, rdzv, steps=ns.steps, backend=backend, worker=worker
+            bundle,
+            ns.nnodes,
+            per_node,
+            rdzv,
+            steps=ns.steps,
+            backend=backend,
+            worker=worker,
+            extra_args=_runtime_argv(ns),
         ):
             print(cmd)
     return 0
@@ -433,6 +493,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             timeout_s=ns.timeout,
             wall_timeout_s=ns.wall_timeout,
             worker=worker,
+            extra_args=_runtime_argv(ns),
             bundle_dir=ns.bundle_dir,
         )
     except (ValueError, FileNotFoundError, TypeError) as e:

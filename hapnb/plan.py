@@ -213,6 +213,10 @@ class Plan:
     #: seconds of the optimizer step per device at the plan's ratios (the cost model charges it to the
     #: last stage; zeros on flops-only clusters; empty in plans made before it)
     optimizer_s: tuple[float, ...] = ()
+    #: the iteration time the overlap simulator gives (:func:`hapnb.simulate`: DDP-bucketed gradient
+    #: all-reduces behind the backward, feature collectives beside unrelated computation); None when not
+    #: simulated. ``cost_s`` stays the stage model's (or the duplex ψ) cost, the number the search optimises.
+    simulated_s: float | None = None
 
     @property
     def costed(self) -> bool:
@@ -282,8 +286,13 @@ class Plan:
     def summary(self) -> str:
         lines = [
             f"Plan for {self.name} on {self.cluster.name} ({self.cluster.n} devices)",
-            f"  cost {self.cost_s * 1e3:.3f} ms/iteration (lower bound {self.lower_bound_s * 1e3:.3f} ms), "
-            f"{len(self.stages)} stages, {len(self.program)} instructions",
+            f"  cost {self.cost_s * 1e3:.3f} ms/iteration{' (duplex)' if self.duplex else ''} (lower bound "
+            f"{self.lower_bound_s * 1e3:.3f} ms), {len(self.stages)} stages, {len(self.program)} instructions"
+            + (
+                f"; simulated with overlap {self.simulated_s * 1e3:.3f} ms"
+                if self.simulated_s is not None
+                else ""
+            ),
             "  ratios: " + "; ".join(", ".join(f"{x:.3f}" for x in row) for row in self.ratios),
         ]
         if self.history:
@@ -363,6 +372,7 @@ class Plan:
             "synthesis_s": self.synthesis_s,
             "duplex": self.duplex,
             **({"optimizer_s": list(self.optimizer_s)} if self.optimizer_s else {}),
+            "simulated_s": self.simulated_s,
         }
 
     @staticmethod
@@ -416,6 +426,7 @@ class Plan:
                 synthesis_s=float(d.get("synthesis_s", 0.0)),
                 duplex=bool(d.get("duplex", False)),
                 optimizer_s=tuple(float(x) for x in d.get("optimizer_s", ())),
+                simulated_s=None if d.get("simulated_s") is None else float(d["simulated_s"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ValueError) and str(e).startswith(source):

@@ -105,3 +105,30 @@ def test_run_subcommand_flags():
         ap.parse_args(["profile", "--sizes", "4Q"])
     ns = ap.parse_args(["calibrate", "b", "--warmup", "2", "--json"])
     assert ns.warmup == 2 and ns.steps == 10 and ns.json
+
+
+def test_runtime_flags_reach_the_workers(capsys, tmp_path):
+    """--grad-sync/--bucket-cap-bytes/--no-interleave become worker arguments (launch commands, Slurm)."""
+    from hapnb.cli import _runtime_argv, build_parser
+
+    ap = build_parser()
+    assert _runtime_argv(ap.parse_args(["launch", "b"])) == []
+    ns = ap.parse_args(
+        ["launch", "b", "--grad-sync", "sync", "--bucket-cap-bytes", "4096", "--no-interleave"]
+    )
+    assert _runtime_argv(ns) == ["--grad-sync", "sync", "--bucket-cap-bytes", "4096", "--no-interleave"]
+    plan_path = tmp_path / "p.json"
+    assert run(capsys, "plan", *SMALL, "--cluster", "2xV100", "--no-baselines", "-o", str(plan_path))[0] == 0
+    rc, out, _ = run(capsys, "launch", str(plan_path), "--print-commands", "--first-bucket-cap-bytes", "64")
+    assert rc == 0 and "--first-bucket-cap-bytes 64" in out
+    with pytest.raises(SystemExit):
+        ap.parse_args(["verify", "--plan", "p.json", "--grad-sync", "later"])
+
+
+def test_plan_duplex_json_and_verify(capsys, tmp_path):
+    plan_path = tmp_path / "duplex.json"
+    rc, out, _ = run(capsys, "plan", *SMALL, "--cluster", "2xV100", "--json", "--duplex", "--no-baselines",
+                     "-o", str(plan_path))  # fmt: skip
+    assert rc == 0 and json.loads(plan_path.read_text())["duplex"] is True
+    rc, out, _ = run(capsys, "verify", "--plan", str(plan_path), "--nproc", "2", "--steps", "2", "--quiet")
+    assert rc == 0, out
