@@ -51,6 +51,8 @@ __all__ = [
     "next_psi",
     "feature_terms",
     "gradient_terms",
+    "priority",
+    "dominates",
 ]
 
 
@@ -153,3 +155,81 @@ def duplex_evaluate(
 def duplex_cost(cm: CostModel, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> float:
     """The duplex iteration time (seconds) of ``program`` at ``ratios``."""
     return duplex_evaluate(cm, program, ratios).cost_s
+
+
+# ---------------------------------------------------------------------------------- for the search
+#: A search label: ``(base, acc, copen, tail)``. ``base`` is HiDup's ``ψ_{i-1} + φ_{i-1} + max(-φ_{i-1},
+#: c_i)`` of the open stage i plus the gradient syncs so far, ``acc`` the open stage's per-device
+#: computation, ``copen`` its feature communication (both full batch), ``tail`` the per-device inner syncs.
+Label = tuple[float, tuple[float, ...], float, tuple[float, ...]]
+
+
+def priority(
+    base: float,
+    copen: float,
+    acc: Sequence[float],
+    tail: Sequence[float],
+    rem: Sequence[float],
+    w: Sequence[float],
+    spine: float | None = None,
+    spine_comm: float | None = None,
+) -> float:
+    """A lower bound of the complete program's duplex time from a label (the duplex A* priority).
+
+    With ``p_k``/``c_k`` the per-micro-batch computation/communication of stage k (i the open one),
+    ``ψ_m = base + max(c_i, p_i) + sum_{k>i} [max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m``:
+
+    * computation: ``>= base + max(c_i + p_i, 2 p_i) + 2 sum_{k>i} p_k``; each ``2 p_k`` is at least any
+      device's full-batch computation of stage k, so ``2 sum_{k>=i} p_k >= M = max_j (acc_j + rem_j)``
+      (``rem``: the remaining computation at infinite bandwidth) and ``p_i + 2 sum_{k>i} p_k >= M/2``:
+      ``ψ_m >= base + max(M, copen/2 + M/2)``;
+    * half of everything: taking ``c_i``, then ``p_{k-1}`` and ``c_k`` from the later maxima, and
+      ``p_m``: ``ψ_m >= base + c_i + sum_{k>=i} p_k + sum_{k>i} c_k``, half the full-batch computation
+      (on any one device, weights ``w``) and communication still to come, at least half the plain spine
+      bound ``spine`` (whose gradient syncs the duplex charges whole): ``base + (copen + w.acc +
+      spine)/2``;
+    * communication: ``c_k`` from both maxima of every later stage: ``ψ_m >= base + c_i + sum_{k>i} 2
+      c_k``, all feature communication still to come at full batch, at least the spine's communication
+      alone ``spine_comm``: ``base + copen/2 + spine_comm``.
+
+    The inner syncs at the end only grow: ``+ max_j tail_j``.
+
+    >>> priority(1.0, 2.0, (3.0, 1.0), (0.0, 0.0), (1.0, 5.0), (1.0, 0.0))  # 1 + max_j(acc_j + rem_j)
+    7.0
+    >>> priority(1.0, 2.0, (3.0, 1.0), (0.0, 0.0), (1.0, 5.0), (1.0, 0.0), None, 8.0)  # 1 + 2/2 + 8
+    10.0
+    """
+    m = max(a + r for a, r in zip(acc, rem))
+    h = max(m, 0.5 * (copen + m))
+    if spine is not None:
+        h = max(h, 0.5 * (copen + sum(x * a for x, a in zip(w, acc)) + spine))
+    if spine_comm is not None:
+        h = max(h, 0.5 * copen + spine_comm)
+    return base + h + max(tail, default=0.0)
+
+
+def dominates(a: Label, b: Label, eps: float = 0.0) -> bool:
+    """Whether label ``a`` is no worse than ``b`` at the same search state (HiDup Theorem 1, generalised
+    to a stage still open).
+
+    Two labels at one state have the same completions. For a completion, the final time is ``base +
+    max(copen/2, q) + G(q) + max_j (tail_j + T_j)`` where ``q`` is the open stage's final per-micro-batch
+    computation (``max_j (acc_j + Δ_j) / 2``) and ``G`` is non-decreasing and 1-Lipschitz (``max(q,
+    c_{i+1})`` and the rest, or ``q`` alone). With ``D = max(0, max_j (acc_a,j - acc_b,j))`` and ``E``
+    likewise for ``tail``, ``q_a <= q_b + D/2``, so ``a`` is no worse for every completion if ``base_a +
+    D + E <= base_b`` and ``base_a + (copen_a + D)/2 + E <= base_b + max(copen_b, max acc_b)/2`` (``q_b``
+    is at least ``max acc_b / 2``). HiDup's rule (ψ and φ no larger; φ = -p: more computation in the
+    last stage leaves more room to overlap the next communication) is the case of labels that have just
+    opened a stage with the same step: ``base = ψ + φ + max(-φ, c_i)`` grows with ψ and with φ, and D = E
+    = 0.
+
+    >>> dominates((1.0, (2.0, 2.0), 0.0, (0.0,)), (1.5, (1.8, 2.0), 0.0, (0.0,)))
+    True
+    >>> dominates((1.0, (2.0, 2.0), 4.0, (0.0,)), (1.0, (2.0, 2.0), 0.0, (0.0,)))
+    False
+    """
+    b0, a0, c0, t0 = a
+    b1, a1, c1, t1 = b
+    d = max(0.0, max(x - y for x, y in zip(a0, a1)))
+    e = max(0.0, max((x - y for x, y in zip(t0, t1)), default=0.0))
+    return b0 + d + e <= b1 + eps and b0 + 0.5 * (c0 + d) + e <= b1 + 0.5 * max(c1, max(a1)) + eps

@@ -49,6 +49,7 @@ from typing import Any
 
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Load, Step
+from .duplex import dominates, priority
 from .forms import Form, I, R
 from .graph import Graph
 from .rules import Strategy
@@ -464,50 +465,12 @@ class Search:
         return False
 
     def _h_duplex(
-        self,
-        pos: int,
-        base: float,
-        copen: float,
-        acc: tuple[float, ...],
-        tail: tuple[float, ...],
-        props: int,
+        self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...], props: int
     ) -> float:
-        """Duplex A* priority: a lower bound of the complete program's duplex time.
-
-        With ``p_k`` the per-micro-batch computation of stage k, ``ψ_m = base + max(c_i/2, p_i) +
-        sum_{k>i} [max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m >= base + max(c_i/2 + p_i, 2 p_i) +
-        2 sum_{k>i} p_k``. Each ``2 p_k`` is at least any device's full-batch computation in stage k,
-        so ``2 sum_{k>=i} p_k >= M = max_j (acc_j + rem_j)`` (``rem``: the remaining computation at
-        infinite bandwidth, as in the plain heuristic) and ``p_i + 2 sum_{k>i} p_k >= M / 2``. Hence
-        ``ψ_m >= base + max(M, c_i/2 + M/2)``; the end's inner syncs only grow (``+ max_j tail_j``).
-
-        Communication: taking ``c_i`` from the open stage's max, ``p_{k-1}`` from each first max and ``c_k``
-        from each second, then ``p_m``, gives ``ψ_m >= base + c_i/2 + sum_{k>=i} p_k + sum_{k>i} c_k``:
-        half of the full-batch computation (on any one device) and feature communication still to come,
-        which is at least half the plain spine bound (:meth:`_spine_bound`; the gradient syncs it counts
-        are charged whole in the duplex). So ``ψ_m >= base + copen/2 + (acc_j* + spine)/2`` too. Taking
-        ``c_k`` from both maxima of every later stage instead, ``ψ_m >= base + c_i/2 + sum_{k>i} 2 c_k``:
-        all the feature communication still to come at full batch (plus the gradient syncs), bounded by
-        the spine's communication alone (``_spine_bound(comm_only=True)``).
-        """
-        rem = self._rem[pos]
-        m = max(a + r for a, r in zip(acc, rem))
-        h = max(m, 0.5 * (copen + m))
-        opts = self._spine_opts[pos]
-        if opts:
-            present = [v for bit, v in opts if props & bit]
-            vb = min(present) if present else min(v for _, v in opts)
-            w = self._w
-            h2 = 0.5 * (copen + sum(w[j] * acc[j] for j in range(self.n)) + vb)
-            if h2 > h:
-                h = h2
-        opts = self._spine_comm_opts[pos]
-        if opts:
-            present = [v for bit, v in opts if props & bit]
-            h3 = 0.5 * copen + (min(present) if present else min(v for _, v in opts))
-            if h3 > h:
-                h = h3
-        return base + h + max(tail)
+        """Duplex A* priority: an admissible bound of the duplex time (:func:`~hapnb.duplex.priority`)."""
+        spine = _spine_value(self._spine_opts[pos], props)
+        comm = _spine_value(self._spine_comm_opts[pos], props)
+        return priority(base, copen, acc, tail, self._rem[pos], self._w, spine, comm)
 
     def _dominated_duplex(
         self,
@@ -517,43 +480,15 @@ class Search:
         acc: tuple[float, ...],
         tail: tuple[float, ...],
     ) -> bool:
-        """Pareto dominance of duplex labels at one search state (HiDup Theorem 1, with an open stage).
-
-        A label is ``(base, acc, copen, tail)``; two labels at one state have the same completions. For a
-        completion, the final time is ``base + max(copen/2, q) + G(q) + max_j (tail_j + T_j)`` where ``q``
-        is the open stage's final per-micro-batch computation (``max_j (acc_j + Δ_j) / 2``) and ``G`` is
-        non-decreasing and 1-Lipschitz (``max(q, c_{i+1})`` and the rest, or ``q`` alone). With
-        ``D = max(0, max_j (accA_j - accB_j))`` and ``E`` likewise for ``tail``, ``q_A <= q_B + D/2``,
-        so A is no worse than B for every completion if ``base_A + D + E <= base_B`` and ``base_A +
-        (copen_A + D)/2 + E <= base_B + max(copen_B, max acc_B)/2`` (B's ``q`` is at least ``max acc_B /
-        2``). HiDup's rule (ψ and φ no larger, φ = -p: more computation in the last stage leaves more
-        room to overlap the next stage's communication) is the case of a label that has just opened
-        stage i with the same first step: ``base = ψ + φ + max(-φ, c_i)`` grows with ψ and with φ, and
-        the open stages agree (D = E = 0)."""
-
-        def dominates(
-            b0: float,
-            a0: tuple[float, ...],
-            c0: float,
-            t0: tuple[float, ...],
-            b1: float,
-            a1: tuple[float, ...],
-            c1: float,
-            t1: tuple[float, ...],
-        ) -> bool:
-            d = max(0.0, max(x - y for x, y in zip(a0, a1)))
-            e = max(0.0, max(x - y for x, y in zip(t0, t1)))
-            return b0 + d + e <= b1 + _EPS and b0 + 0.5 * (c0 + d) + e <= b1 + 0.5 * max(c1, max(a1)) + _EPS
-
+        """Pareto dominance of duplex labels at one state (:func:`~hapnb.duplex.dominates`)."""
+        label = (base, acc, copen, tail)
         entries = self._seen.get(key)
         if entries is None:
-            self._seen[key] = [(base, acc, copen, tail)]
+            self._seen[key] = [label]
             return False
-        if any(dominates(*e, base, acc, copen, tail) for e in entries):
+        if any(dominates(e, label, _EPS) for e in entries):
             return True
-        keep = [e for e in entries if not dominates(base, acc, copen, tail, *e)]
-        keep.append((base, acc, copen, tail))
-        self._seen[key] = keep
+        self._seen[key] = [e for e in entries if not dominates(label, e, _EPS)] + [label]
         return False
 
     def _children(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
@@ -959,6 +894,14 @@ class Search:
         from . import display
 
         return display.safe_html(display.search_html, self)
+
+
+def _spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:
+    """The spine bound for the spine tensor's present form (any form if none is present yet)."""
+    if not opts:
+        return None
+    present = [v for bit, v in opts if props & bit]
+    return min(present) if present else min(v for _, v in opts)
 
 
 def normalize_ratios(
