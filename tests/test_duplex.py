@@ -286,3 +286,54 @@ def test_seeded_duplex_search_never_worse_than_the_plain_program():
     assert s2.best is not None and s2.best.cost <= duplex_cost(CostModel(th2, c2), p2, s2.ratios)
     assert s2.run().cost == pytest.approx(Search(th2, c2, duplex=True).run().cost, rel=1e-12)
     assert not Search(th2, c2, duplex=True).seed(plain.program[:1])  # not a complete program here
+
+
+def _complete(label, delta, stages, grad, inner):
+    """The final duplex time of a label completed by: ``delta`` more computation in the open stage, then
+    ``stages`` (full-batch comm, per-device comp), ``grad`` more gradient syncs, ``inner`` more inner syncs."""
+    base, acc, copen, tail = label
+    p = 0.5 * max(a + d for a, d in zip(acc, delta))
+    psi, phi = base + max(0.5 * copen, p) + p + grad, -p  # ψ of the open stage once closed
+    for comm, comp in stages:
+        psi, phi = next_psi(psi, phi, 0.5 * comm, 0.5 * max(comp))
+    return psi + max(t + x for t, x in zip(tail, inner))
+
+
+def test_dominance_and_priority_hold_for_random_completions():
+    """dominates(a, b) implies a completes no worse than b under every completion; priority() never
+    exceeds the completed time when its bounds are the true remaining computation and communication."""
+    import random
+
+    from hapnb.duplex import dominates, priority
+
+    rnd = random.Random(7)
+    n = 3
+
+    def vec(k=1.0):
+        return tuple(rnd.choice([0.0, rnd.uniform(0, k)]) for _ in range(n))
+
+    def label():
+        return (rnd.uniform(0, 3), vec(), rnd.choice([0.0, rnd.uniform(0, 3)]), vec(0.5))
+
+    seen_dominated = 0
+    for _ in range(3000):
+        a, b = label(), label()
+        if rnd.random() < 0.5:  # make near-dominance likely
+            b = (a[0] + rnd.uniform(0, 0.5), tuple(x + rnd.uniform(-0.1, 0.3) for x in a[1]), a[2], a[3])
+        comps = []
+        for _ in range(5):
+            delta = vec()
+            stages = [(rnd.uniform(0, 4), vec(2.0)) for _ in range(rnd.randint(0, 3))]
+            grad, inner = rnd.uniform(0, 1), vec(0.5)
+            fa, fb = _complete(a, delta, stages, grad, inner), _complete(b, delta, stages, grad, inner)
+            comps.append((fa, fb))
+            # admissible priority at b with its true remainders
+            rem = tuple(d + sum(c[j] for _, c in stages) for j, d in enumerate(delta))
+            comm = sum(c for c, _ in stages) + grad
+            w = (0.0, 1.0, 0.0)
+            spine = sum(x * r for x, r in zip(w, rem)) + comm
+            assert priority(b[0], b[2], b[1], b[3], rem, w, spine, comm) <= fb + 1e-12
+        if dominates(a, b):
+            seen_dominated += 1
+            assert all(fa <= fb + 1e-12 for fa, fb in comps)
+    assert seen_dominated > 100
