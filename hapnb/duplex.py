@@ -23,12 +23,19 @@ HiDup §3.2), and not overlapped with any computation:
 
 So ``duplex time = ψ_m + gradient syncs + max_j inner_j + max_j optimizer_j``. Stages: a step whose
 feature communication takes time starts a stage (a step that only syncs gradients does not: its sync is
-moved to the end). Without feature communication the duplex time is the plain
-:meth:`~hapnb.cost.CostModel.evaluate` time on flops-only devices; in general ``ψ_m <= sum_i 2 (c_i +
-p_i)``, the plain stage sum.
+moved to the end). On flops-only devices the duplex time never exceeds the plain
+:meth:`~hapnb.cost.CostModel.evaluate` time of the same program: ``ψ_m <= sum_i 2 (c_i + p_i)``, the
+plain stage sum, and the gradient syncs cost the same; without feature communication they are equal
+when the same device is the slowest in every plain stage (e.g. on one device). With device models or
+virtual devices the duplex can cost more: the plain model lets a device's optimizer step or inner sync
+fill its idle time in the last stage, the duplex charges them after both micro-batches.
 
 The forward and backward collectives of a stage are charged together, as the plain model does (HiDup: the
 backward's pairs overlap as the forward's do).
+
+For the search (:class:`~hapnb.search.Search` with ``duplex=True``): :func:`priority`, an admissible
+bound of the duplex time from a partial program's label, and :func:`dominates`, HiDup's Pareto
+dominance generalised to a stage that is still open (proofs in their docstrings).
 
 >>> psi_phi([(0.0, 2.0), (3.0, 1.0)])  # stage 1: compute 2; stage 2: comm 3, compute 1 (per micro-batch)
 (((4.0, -2.0), (9.0, -1.0)), 9.0)

@@ -79,7 +79,8 @@ def test_duplex_cost_by_hand():
 @pytest.mark.parametrize("seed", [1, 3, 5, 12])
 def test_duplex_never_above_plain_and_equal_without_feature_communication(seed):
     """ψ_m = sum [max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m <= sum 2 (c_k + p_k) on flops-only devices,
-    with equality when no step sends features (then ψ_m = 2 sum p_k and gradient syncs cost the same)."""
+    with equality when no step sends features: then ψ_m = 2 sum p_k, the gradient syncs cost the same,
+    and here (one ratio vector, two devices) the same device is the slowest in every plain stage."""
     g = S.random_graph(seed)
     th = theory(g, S.strategies)
     c = Cluster.parse("V100+P100")
