@@ -62,11 +62,21 @@ PLANS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )  # fmt: skip
 
 
-def measure(plan: Any, nproc: int, steps: int, warmup: int) -> dict[str, Any]:
+def measure(
+    plan: Any, nproc: int, steps: int, warmup: int, extra_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """One launch of ``plan`` on ``nproc`` gloo ranks: median slowest-rank step after ``warmup``, and
-    the 1-minute load average before and after (how busy the shared machine was)."""
+    the 1-minute load average before and after (how busy the shared machine was). ``extra_args`` go to
+    the worker (e.g. ``--grad-sync sync``)."""
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    job = hapnb.launch(plan, nproc=nproc, steps=warmup + steps, env={"OMP_NUM_THREADS": "1"}, timeout_s=300)
+    job = hapnb.launch(
+        plan,
+        nproc=nproc,
+        steps=warmup + steps,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout_s=300,
+        extra_args=extra_args,
+    )
     with job:
         res = job.wait()
     if not res.ok:

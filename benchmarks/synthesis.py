@@ -64,7 +64,7 @@ def cluster_json(kind: str) -> dict:
 
 def run_once(model: str, layers: int, cluster_path: str) -> dict:
     cmd = [sys.executable, "-m", "hapnb", "plan", "--model", model, "--layers", str(layers), "--cluster",
-           cluster_path, "--json", "--no-baselines"]  # fmt: skip
+           cluster_path, "--json", "--no-baselines", "--pick", "cost"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

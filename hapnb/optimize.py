@@ -26,7 +26,16 @@ from .graph import Graph
 from .search import NoProgramError, Search, normalize_ratios
 from .triples import Theory
 
-__all__ = ["Round", "Optimum", "optimize", "assign_segments", "parse_pins", "baseline_specs", "without_gc"]
+__all__ = [
+    "Round",
+    "Optimum",
+    "Candidate",
+    "optimize",
+    "assign_segments",
+    "parse_pins",
+    "baseline_specs",
+    "without_gc",
+]
 
 
 def assign_segments(graph: Graph, segments: Any) -> Graph:
@@ -155,6 +164,29 @@ class Optimum:
     history: tuple[Round, ...]
     stats: dict[str, Any]
     ratio_pins: tuple[RatioPin, ...] = ()
+    #: every distinct (program, ratios) the loop balanced, best cost first: what a final choice by another
+    #: measure (the overlap simulator, :func:`hapnb.synthesize`) picks among
+    candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A program the Q/B loop balanced, with its ratios and cost (``round``: its :class:`Round`'s index)."""
+
+    cost_s: float
+    program: tuple[Step, ...]
+    extra: tuple[Conversion, ...]
+    ratios: tuple[tuple[float, ...], ...]
+    round: int
+    #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev" (a baseline's
+    #: program at the baseline's own ratios, as :func:`hapnb.baselines` packages it)
+    source: str = "search"
+
+
+def _within(ratios: Sequence[Sequence[float]], pins: Sequence[RatioPin], names: Sequence[str]) -> bool:
+    """Whether every segment's ratios keep the ratio pins' bounds."""
+    col = {n: j for j, n in enumerate(names)}
+    return all(p.lo - 1e-9 <= row[col[p.device]] <= p.hi + 1e-9 for p in pins for row in ratios)
 
 
 def optimize(
@@ -193,6 +225,8 @@ def optimize(
     else:
         B = fixed
     history: list[Round] = []
+    candidates: list[Candidate] = []
+    seen: set[Any] = set()
     best: tuple[float, tuple[Step, ...], tuple[Conversion, ...], tuple[tuple[float, ...], ...]] | None = None
     stats: dict[str, Any] = {
         "expansions": 0,
@@ -226,6 +260,11 @@ def optimize(
         stats["optimal"] = stats["optimal"] and res.optimal
         return res, s
 
+    def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
+        if (prog, ratios_) not in seen:
+            seen.add((prog, ratios_))
+            candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
+
     def consider(res: Any, s: Search, it: int, source: str = "search") -> bool:
         nonlocal best
         prog = res.program
@@ -237,6 +276,7 @@ def optimize(
             ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)
+        add_candidate(cost_k, prog, s.final_conversions(), ratios_k)
         history.append(
             Round(
                 it,
@@ -276,6 +316,13 @@ def optimize(
                 res, s = search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
                 continue
+            if _within(bratios, ratio_pins, c.names):  # a candidate only where it keeps the ratio pins
+                at_own = (
+                    duplex_cost(cm, res.program, bratios)
+                    if duplex
+                    else cm.evaluate(res.program, bratios).cost_s
+                )
+                add_candidate(at_own, res.program, s.final_conversions(), bratios, f"baseline {name}")
             if res.program in tried:
                 continue  # the same program was balanced already
             tried.add(res.program)
@@ -284,4 +331,5 @@ def optimize(
                 it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
     assert best is not None
     cost, prog, extra, ratios_best = best
-    return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins)
+    ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
+    return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)

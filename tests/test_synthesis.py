@@ -28,7 +28,7 @@ def graphs():
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_plan_between_lower_bound_and_baselines(graphs, name, cluster):
     g = graphs[(name, cluster)]
-    plan = hap.synthesize(g, cluster)
+    plan = hap.synthesize(g, cluster, pick="cost")
     assert plan.cost_s >= plan.lower_bound_s * (1 - 1e-9)
     base = hap.baselines(g, cluster)
     assert {"dp_ev", "dp_cp"} <= set(base)
@@ -39,6 +39,13 @@ def test_plan_between_lower_bound_and_baselines(graphs, name, cluster):
     # the plan is the best round of the Q/B history, and it is costed at the ratios balanced for it
     assert plan.history and min(r.balanced_cost_s for r in plan.history) == pytest.approx(plan.cost_s)
     assert all(abs(sum(r) - 1) < 1e-9 for r in plan.ratios)
+    # the default picks by simulated time among the loop's candidates and the baselines' programs
+    fast = hap.synthesize(g, cluster)
+    assert fast.cost_s >= fast.lower_bound_s * (1 - 1e-9)
+    assert fast.simulated_s <= plan.simulated_s * (1 + 1e-9)
+    for k, b in base.items():
+        assert fast.simulated_s <= b.simulated_s * (1 + 1e-9), k
+    assert fast.stats["pick"] == "simulated" and fast.stats["candidates_simulated"] >= 1 + len(base) - 1
 
 
 def test_form_pins_are_honoured():
@@ -136,6 +143,19 @@ def test_duplex_keeps_pins_and_ratios():
     assert plan.ratios[0] == pytest.approx(tuple(fixed)) and plan.history[-1].balance_s == 0.0
     plain = hap.synthesize("mlp", "2xV100+2xP100", ratios=fixed, **zoo.TINY["mlp"])
     assert plan.cost_s <= plain.cost_s * (1 + 1e-12)
-    plan = hap.synthesize("mlp", "2xV100+2xP100", ratios={"p100-1": 0.05}, duplex=True, **zoo.TINY["mlp"])
+    plan = hap.synthesize(
+        "mlp", "2xV100+2xP100", ratios={"p100-1": 0.05}, duplex=True, pick="cost", **zoo.TINY["mlp"]
+    )
     assert plan.ratios[0][3] == pytest.approx(0.05, abs=1e-7)
     assert plan.cost_s == pytest.approx(min(r.balanced_cost_s for r in plan.history))
+
+
+def test_pick_is_checked_and_the_simulated_pick_is_the_fastest_candidate():
+    with pytest.raises(ValueError, match="pick"):
+        hap.synthesize("mlp", "2xV100", pick="fastest", **zoo.TINY["mlp"])
+    g = hap.trace(*zoo.build("mlp", **{**zoo.TINY["mlp"], "devices": 4})[:2], name="mlp")
+    plan = hap.synthesize(g, "paper-hetero-8")
+    by_cost = hap.synthesize(g, "paper-hetero-8", pick="cost")
+    assert plan.simulated_s == pytest.approx(hap.simulate(plan).iteration_s)
+    assert plan.simulated_s <= by_cost.simulated_s * (1 + 1e-9)
+    assert by_cost.stats["chosen"] == "search" and by_cost.stats["candidates_simulated"] == 1
