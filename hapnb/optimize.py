@@ -183,7 +183,9 @@ class Candidate:
     source: str = "search"
 
 
-def _within(ratios: Sequence[Sequence[float]], pins: Sequence[RatioPin], names: Sequence[str]) -> bool:
+def keeps_ratio_pins(
+    ratios: Sequence[Sequence[float]], pins: Sequence[RatioPin], names: Sequence[str]
+) -> bool:
     """Whether every segment's ratios keep the ratio pins' bounds."""
     col = {n: j for j, n in enumerate(names)}
     return all(p.lo - 1e-9 <= row[col[p.device]] <= p.hi + 1e-9 for p in pins for row in ratios)
@@ -316,7 +318,9 @@ def optimize(
                 res, s = search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
                 continue
-            if _within(bratios, ratio_pins, c.names):  # a candidate only where it keeps the ratio pins
+            if keeps_ratio_pins(
+                bratios, ratio_pins, c.names
+            ):  # a candidate only where it keeps the ratio pins
                 at_own = (
                     duplex_cost(cm, res.program, bratios)
                     if duplex

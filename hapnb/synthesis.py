@@ -19,8 +19,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .cluster import Cluster
+from .cost import CostModel
+from .duplex import duplex_cost
 from .graph import Graph
-from .optimize import Candidate, assign_segments, baseline_specs, optimize, parse_pins, without_gc
+from .optimize import (
+    Candidate,
+    assign_segments,
+    baseline_specs,
+    keeps_ratio_pins,
+    optimize,
+    parse_pins,
+    without_gc,
+)
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
 from .simulation import simulate
@@ -133,10 +143,43 @@ def synthesize(
     # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
     stats = {**best.stats, "candidates_simulated": len(plans), "chosen": top[i].source, "cost_rank": i,
              "pick": pick}  # fmt: skip
+    if duplex and not isinstance(ratios, Sequence):
+        # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
+        k = top[i]
+        even = even_batch_ratios(
+            k.ratios, th.graph.tensors[th.graph.inputs[0]].shape[0] if th.graph.inputs else 0
+        )
+        if even != k.ratios and keeps_ratio_pins(even, best.ratio_pins, c.names):
+            cost = duplex_cost(CostModel(th, c), k.program, even)
+            plans[i] = package(dataclasses.replace(k, ratios=even, cost_s=cost), best.stats)
+            stats["ratios_even_batch"] = True
     plan = dataclasses.replace(plans[i], search=freeze_mapping(stats), synthesis_s=time.perf_counter() - t0)
     if check_memory:
         _check_memory(plan)
     return plan
+
+
+def even_batch_ratios(ratios: tuple[tuple[float, ...], ...], batch: int) -> tuple[tuple[float, ...], ...]:
+    """``ratios`` moved to the nearest multiples of ``2 / batch`` (largest remainder; each row still sums to
+    1), so a batch of ``batch`` samples cuts into even local batches (a duplex plan's two micro-batches);
+    unchanged when ``batch`` is odd or too small to matter.
+
+    >>> even_batch_ratios(((0.62, 0.38),), 8)
+    ((0.5, 0.5),)
+    >>> even_batch_ratios(((0.7, 0.2, 0.1),), 20)
+    ((0.7, 0.2, 0.1),)
+    """
+    if batch < 2 or batch % 2:
+        return ratios
+    pairs = batch // 2
+    out = []
+    for row in ratios:
+        want = [r * pairs for r in row]
+        got = [int(w) for w in want]
+        for j in sorted(range(len(row)), key=lambda j: (got[j] - want[j], j))[: pairs - sum(got)]:
+            got[j] += 1
+        out.append(tuple(g / pairs for g in got))
+    return tuple(out)
 
 
 def _segments_label(segments: Any) -> str:

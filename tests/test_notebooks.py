@@ -30,6 +30,7 @@ EXPECTED = [
     "03_transformer_mixed_cluster.ipynb",
     "04_moe_uneven_experts.ipynb",
     "05_verify_and_launch.ipynb",
+    "06_simulator_and_duplex.ipynb",
 ]
 BUDGET_S = float(os.environ.get("HAPNB_NOTEBOOK_BUDGET_S", "90"))
 
