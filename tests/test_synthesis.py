@@ -159,3 +159,15 @@ def test_pick_is_checked_and_the_simulated_pick_is_the_fastest_candidate():
     assert plan.simulated_s == pytest.approx(hap.simulate(plan).iteration_s)
     assert plan.simulated_s <= by_cost.simulated_s * (1 + 1e-9)
     assert by_cost.stats["chosen"] == "search" and by_cost.stats["candidates_simulated"] == 1
+
+
+def test_duplex_plans_cut_the_batch_into_even_local_batches():
+    """The LP's ratios would give 1xV100+1xP100 a batch of 8 as 5 + 3; a duplex plan rounds to pairs."""
+    from hapnb.synthesis import even_batch_ratios
+
+    plain = hap.synthesize("mlp", "1xV100+1xP100", layers=2, hidden=64, input=32, batch=8)
+    duplex = hap.synthesize("mlp", "1xV100+1xP100", duplex=True, layers=2, hidden=64, input=32, batch=8)
+    assert plain.lengths_of("x", 0) == (5, 3)
+    assert all(n % 2 == 0 for n in duplex.lengths_of("x", 0)) and duplex.stats["ratios_even_batch"]
+    assert even_batch_ratios(((0.55, 0.45),), 7) == ((0.55, 0.45),)  # odd batch: nothing to round to
+    assert even_batch_ratios(((0.3, 0.3, 0.4),), 4) == ((0.5, 0.0, 0.5),)
