@@ -44,7 +44,7 @@ def dp_plan() -> Plan:
 @pytest.fixture(scope="module")
 def tp_plan() -> Plan:
     """The searched mlp program on two devices: an all-gather and a reduce-scatter of features."""
-    plan = synthesize("mlp", "2xV100", layers=2, hidden=64, batch=8)
+    plan = synthesize("mlp", "2xV100", layers=2, hidden=64, batch=8, pick="cost")
     assert {i.name for i in plan.program if i.kind == "collective"} & {"all_gather", "grouped_all_gather"}
     return plan
 
@@ -434,7 +434,9 @@ def test_verify_duplex_virtual_plan_with_segment_reshards() -> None:
     from hapnb.cluster import Cluster
 
     c = Cluster.parse("2xV100+2xP100").virtual()
-    plan = synthesize("gpt", c, segments="layer", **{**zoo.TINY["gpt"], "layers": 3, "batch": 16})
+    plan = synthesize(
+        "gpt", c, segments="layer", pick="cost", **{**zoo.TINY["gpt"], "layers": 3, "batch": 16}
+    )
     assert any(i.name == "reshard" for i in plan.program)
     report = verify(dataclasses.replace(plan, duplex=True), steps=2, timeout=150)
     assert report.ok, report.text()

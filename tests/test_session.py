@@ -247,7 +247,9 @@ def test_a_plan_loaded_from_json_is_rebuilt_from_its_zoo_model(tmp_path):
     s2 = Session(loaded)
     assert s2.graph.fingerprint == s.graph.fingerprint and s2.plan is loaded
     s2.run()
-    assert s2.best.cost == pytest.approx(loaded.cost_s, rel=1e-6)
+    # the search at the plan's ratios finds the stage-model optimum; the plan is the candidate the
+    # simulator found fastest, never cheaper than that optimum
+    assert s2.best.cost <= loaded.cost_s * (1 + 1e-6)
     assert dict(s2.use_best().model) == dict(loaded.model)  # the model spec travels with new plans
 
 
