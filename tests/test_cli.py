@@ -40,6 +40,7 @@ def test_plan_json_keys_and_files(capsys, tmp_path):
     assert json.loads(plan_path.read_text())["format"] == 1
     html = report.read_text()
     assert "<html" in html.lower() and "cdn.bokeh.org" not in html
+    assert "Simulated with overlap" in html  # the simulated Gantt (streams as sub-lanes) is in the report
 
     rc, out, _ = run(capsys, "simulate", str(plan_path), "--json", "--no-overlap")
     sim = json.loads(out)

@@ -20,9 +20,11 @@ def report_html(
     *,
     title: str | None = None,
     measured: Any = None,
+    timeline: Any = None,
 ) -> str:
-    """One self-contained HTML page: plan summary, stages, Gantt (BokehJS inline), search stats,
-    baselines (name -> Plan or cost in seconds) and, with ``dot``, the graph and the proof drawing."""
+    """One self-contained HTML page: plan summary, stages, Gantt (BokehJS inline), the simulated
+    ``timeline`` (``hapnb.simulate``'s, streams as sub-lanes) when given, search stats, baselines
+    (name -> Plan or cost in seconds) and, with ``dot``, the graph and the proof drawing."""
     title = title or f"hapnb plan: {plan.name} on {plan.cluster.name}"
     sections = [f"<h1>{esc(title)}</h1>", safe_html(plan_html, plan)]
     resources = ""
@@ -34,6 +36,13 @@ def report_html(
         # only the core BokehJS bundle (the chart needs no widgets, tables, GL or MathJax): ~1.3 MB
         resources = Resources(mode="inline", components=["bokeh"]).render()
         sections.append(f"<h2>Timeline</h2>{div}{script}")
+        if timeline is not None:
+            script, div = components(gantt(timeline))
+            sections.append(
+                f"<h2>Simulated with overlap: {timeline.iteration_s * 1e3:.3f} ms per iteration</h2>"
+                f"<p>Gradient buckets beside the backward, feature collectives beside unrelated computation "
+                f"(stage model: {plan.cost_s * 1e3:.3f} ms).</p>{div}{script}"
+            )
     except Exception as e:  # noqa: BLE001 - no bokeh: the static SVG timeline is in plan_html already
         sections.append(f"<div>(interactive Gantt unavailable: {esc(type(e).__name__)}: {esc(e)})</div>")
     if baselines:
