@@ -215,22 +215,7 @@ def balance(
             if tm.slope == 0.0:
                 constant += tm.const
                 continue
-            M = prob.add_variable(f"M_{k}_{c}", 0)
-            objective.append(M)
-            if tm.segment2 >= 0:
-                # reshard: u_b >= |prefix_a(b) - prefix_b(b)| at every inner boundary b
-                a, b2 = tm.segment, tm.segment2
-                u = [None] + [prob.add_variable(f"U_{k}_{c}_{j}", 0) for j in range(1, n)] + [None]
-                for j in range(1, n):
-                    diff = pulp.lpSum(r[a][i] for i in range(j)) - pulp.lpSum(r[b2][i] for i in range(j))
-                    prob += u[j] >= diff, f"ua_{k}_{c}_{j}"
-                    prob += u[j] >= -diff, f"ub_{k}_{c}_{j}"
-                for j in range(n):
-                    share = pulp.lpSum(x for x in (u[j], u[j + 1]) if x is not None)
-                    prob += M >= tm.const + tm.slope * share, f"comm_{k}_{c}_{j}"
-                continue
-            for j in range(n):
-                prob += M >= tm.const + tm.slope * r[tm.segment][j], f"comm_{k}_{c}_{j}"
+            objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r))
     prob += pulp.lpSum(objective) + constant
     return _solve(prob, cm, r, ratio_pins, t0, lambda rt: cm.evaluate(program, rt).cost_s)
 

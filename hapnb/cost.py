@@ -45,7 +45,7 @@ The search, the LP and :func:`evaluate` all use these same terms.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -577,14 +577,18 @@ class CostModel:
 
     # ------------------------------------------------------------------ programs
     def stages(
-        self, program: Sequence[Step], ratios: Sequence[Sequence[float]] | None = None
+        self,
+        program: Sequence[Step],
+        ratios: Sequence[Sequence[float]] | None = None,
+        terms_of: Callable[[Step], Sequence[Term]] | None = None,
     ) -> list[list[int]]:
         """Group step indices into stages: a step that communicates starts a new stage. A reshard moves
         data only where the segments' ratios differ: with ``ratios`` it counts when it moves data, without
-        (the LP's view) it never starts a stage."""
+        (the LP's view) it never starts a stage. ``terms_of``: which of a step's terms count (default all,
+        :meth:`step_terms`; the duplex model counts its feature terms only)."""
         out: list[list[int]] = []
         for i, st in enumerate(program):
-            terms = self.step_terms(st)
+            terms = (terms_of or self.step_terms)(st)
             if ratios is None:
                 comm = any(tm.segment2 < 0 for tm in terms)
             else:

@@ -94,18 +94,7 @@ def duplex_stages(
 ) -> list[list[int]]:
     """Group step indices into duplex stages: a step whose feature communication takes time (at
     ``ratios``; without ratios, the LP's view: any feature term but a reshard) starts a stage."""
-    out: list[list[int]] = []
-    for i, st in enumerate(program):
-        terms = feature_terms(cm, st)
-        if ratios is None:
-            comm = any(tm.segment2 < 0 for tm in terms)
-        else:
-            comm = any(tm.time(ratios) > 0 for tm in terms)
-        if not out or comm:
-            out.append([i])
-        else:
-            out[-1].append(i)
-    return out
+    return cm.stages(program, ratios, lambda st: feature_terms(cm, st))
 
 
 @dataclass(frozen=True)
