@@ -95,12 +95,9 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
 
 def _runtime_argv(ns: argparse.Namespace) -> list[str]:
     """The worker arguments of :func:`_runtime_args`' flags (only those not at their defaults)."""
-    out = [] if ns.grad_sync == "buckets" else ["--grad-sync", ns.grad_sync]
-    if ns.bucket_cap_bytes is not None:
-        out += ["--bucket-cap-bytes", str(ns.bucket_cap_bytes)]
-    if ns.first_bucket_cap_bytes is not None:
-        out += ["--first-bucket-cap-bytes", str(ns.first_bucket_cap_bytes)]
-    return out + (["--no-interleave"] if ns.no_interleave else [])
+    from .run.worker import runtime_argv
+
+    return runtime_argv(ns.grad_sync, ns.bucket_cap_bytes, ns.first_bucket_cap_bytes, not ns.no_interleave)
 
 
 def build_parser() -> argparse.ArgumentParser:

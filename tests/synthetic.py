@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+from hapnb.cost import Load, Step
 from hapnb.forms import G, I, R
 from hapnb.graph import Graph, Op, TensorArg, TensorRef, fingerprint
 from hapnb.rules import Strategy
@@ -128,3 +129,35 @@ def random_graph(seed: int) -> Graph:
         skip = h
     loss = b.op("sum", [h], (), float(batch * d))
     return b.build(loss, f"random{seed}")
+
+
+def gather_graph() -> Graph:
+    """x -> mm -> sum: data parallel on x with ``w`` replicated, the sum replicated, so the activation is
+    all-gathered between them (two stages)."""
+    b = Builder()
+    x = b.tensor("x", (1024, 256), "input")
+    w = b.tensor("w", (256, 256), "param")
+    h = b.op("mm", [x, w], (1024, 256), 2.0 * 1024 * 256 * 256)
+    loss = b.op("sum", [h], (), 1024 * 256.0)
+    return b.build(loss)
+
+
+def dp_program(th) -> list[Step]:  # noqa: ANN001 - a Theory
+    """Every op data-parallel on the batch dim (strategy ``data`` or ``G0``); inputs and weights loaded."""
+    g = th.graph
+    prog = []
+    for op in g.ops:
+        s = next(s for s in th.strategies[op.id] if s.name in ("data", "G0"))
+        loads = tuple(
+            Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role in ("input", "param")
+        )
+        prog.append(Step(op.id, s, loads))
+    return prog
+
+
+#: zoo.TINY["mlp"]'s inputs batch-sharded and every weight replicated: plain data parallelism
+DP_PINS = {
+    "x": "G0",
+    "y": "G0",
+    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
+}

@@ -13,26 +13,13 @@ from hapnb.rules import Strategy
 from hapnb.triples import theory
 
 
-def _dp_program(th):
-    """Every op data-parallel on the batch dim; weights replicated."""
-    g = th.graph
-    prog = []
-    for op in g.ops:
-        s = next(s for s in th.strategies[op.id] if s.name in ("data", "G0"))
-        loads = tuple(
-            Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role in ("input", "param")
-        )
-        prog.append(Step(op.id, s, loads))
-    return prog
-
-
 def test_compute_only_gives_throughput_proportional_ratios():
     g = S.mlp_graph(batch=1024, dims=(64, 64, 64))
     th = theory(g, S.strategies)
     c = Cluster.parse("1x4e12+1x2e12+1x1e12+1x1e12")
     # drop the gradient all-reduce: load weights sharded (a compute-only program)
     prog = []
-    for st in _dp_program(th):
+    for st in S.dp_program(th):
         loads = tuple(
             Load(ld.tensor, ld.form if g.tensors[ld.tensor].role == "input" else G(0)) for ld in st.loads
         )
@@ -44,7 +31,7 @@ def test_compute_only_gives_throughput_proportional_ratios():
 def test_identical_devices_give_even_ratios():
     g = S.mlp_graph(batch=1024, dims=(64, 64, 64))
     th = theory(g, S.strategies)
-    res = balance(CostModel(th, Cluster.parse("4xA100")), _dp_program(th))
+    res = balance(CostModel(th, Cluster.parse("4xA100")), S.dp_program(th))
     assert res.ratios[0] == pytest.approx((0.25,) * 4, abs=1e-6)
 
 
@@ -69,7 +56,7 @@ def test_lp_cost_equals_evaluate_and_keeps_constants():
     g = S.mlp_graph(batch=256, dims=(512, 512, 512))
     th = theory(g, S.strategies)
     cm = CostModel(th, Cluster.parse("2xV100+2xP100"))
-    prog = _dp_program(th)
+    prog = S.dp_program(th)
     res = balance(cm, prog)
     assert res.cost == pytest.approx(cm.evaluate(prog, res.ratios).cost_s, rel=1e-6)
     # the replicated weights' gradient all-reduce is a constant and is part of the cost
@@ -83,7 +70,7 @@ def test_ratio_pins_fixed_and_bounds():
     c = Cluster.parse("1x4e12+1x2e12+1x1e12+1x1e12")
     cm = CostModel(th, c)
     pins = parse_ratio_pins({c.names[0]: 0.1, c.names[3]: (0.3, 0.4)}, c.names)
-    res = balance(cm, _dp_program(th), pins)
+    res = balance(cm, S.dp_program(th), pins)
     assert res.ratios[0][0] == pytest.approx(0.1, abs=1e-7)
     assert 0.3 - 1e-7 <= res.ratios[0][3] <= 0.4 + 1e-7
     assert sum(res.ratios[0]) == pytest.approx(1.0)

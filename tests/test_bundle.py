@@ -12,21 +12,6 @@ from hapnb import zoo
 from hapnb.codegen import generate, program_weights
 from hapnb.plan import Plan
 from hapnb.run.bundle import BundleError, load_bundle, resolve_graph, write_bundle
-from hapnb.synthesis import synthesize
-
-DP_PINS = {
-    "x": "G0",
-    "y": "G0",
-    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
-}
-
-
-@pytest.fixture(scope="module")
-def dp_plan() -> Plan:
-    """Plain data parallel on uneven ratios: every weight replicated (gradient all-reduce), batch 6/2."""
-    return synthesize(
-        "mlp", "2xV100", ratios=[0.75, 0.25], pins=DP_PINS, options={"sfb": False}, **zoo.TINY["mlp"]
-    )
 
 
 def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:

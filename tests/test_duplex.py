@@ -29,18 +29,8 @@ def test_psi_phi_recurrence_by_hand():
     assert next_psi(0.0, 0.0, 5.0, 1.0) == (11.0, -1.0)  # a first stage that communicates: 5 + 5 + 1
 
 
-def _gather_graph():
-    """x -> mm (data parallel) -> all-gather -> sum (replicated): two stages."""
-    b = S.Builder()
-    x = b.tensor("x", (1024, 256), "input")
-    w = b.tensor("w", (256, 256), "param")
-    h = b.op("mm", [x, w], (1024, 256), 2.0 * 1024 * 256 * 256)
-    loss = b.op("sum", [h], (), 1024 * 256.0)
-    return b.build(loss)
-
-
 def test_duplex_cost_by_hand():
-    g = _gather_graph()
+    g = S.gather_graph()
     th = theory(g, S.strategies)
     bw = 1e9
     c = Cluster.parse("1x4e12+1x2e12").with_collectives(
@@ -193,14 +183,7 @@ def test_duplex_lp_compute_only_is_throughput_proportional():
     """One stage, no feature collective: the duplex time is max_j comp_j + gradient syncs, minimised
     by ratios proportional to the flops."""
     th = theory(S.mlp_graph(batch=1024, dims=(64, 64, 64)), S.strategies)
-    g = th.graph
-    prog = []
-    for op in g.ops:
-        s = next(s for s in th.strategies[op.id] if s.name in ("data", "G0"))
-        loads = tuple(
-            Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role in ("input", "param")
-        )
-        prog.append(Step(op.id, s, loads))
+    prog = S.dp_program(th)
     cm = CostModel(th, Cluster.parse("1x4e12+1x2e12+1x1e12+1x1e12"))
     res = balance(cm, prog, duplex=True)
     assert res.ratios[0] == pytest.approx((0.5, 0.25, 0.125, 0.125), abs=1e-6)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
+from synthetic import DP_PINS
 
 import hapnb as hap
 from hapnb import collectives as C
@@ -25,20 +26,6 @@ from hapnb.tracing import trace
 
 TIED = "examples.factories:tied_lm"
 MIB = 2**20
-
-DP_PINS = {
-    "x": "G0",
-    "y": "G0",
-    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
-}
-
-
-@pytest.fixture(scope="module")
-def dp_plan() -> Plan:
-    """Data parallel on uneven ratios (batch 6/2): every weight replicated, so every gradient syncs."""
-    return synthesize(
-        "mlp", "2xV100", ratios=[0.75, 0.25], pins=DP_PINS, options={"sfb": False}, **zoo.TINY["mlp"]
-    )
 
 
 @pytest.fixture(scope="module")

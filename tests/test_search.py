@@ -189,16 +189,6 @@ def test_sfb_chosen_for_small_batch_large_weight_and_not_otherwise():
     assert "sfb" not in {st.strategy.name for st in res2.program}
 
 
-def _gather_graph():
-    """x -> mm (data parallel, w pinned I) -> sum replicated: the activation must be all-gathered."""
-    b = S.Builder()
-    x = b.tensor("x", (1024, 256), "input")
-    w = b.tensor("w", (256, 256), "param")
-    h = b.op("mm", [x, w], (1024, 256), 2.0 * 1024 * 256 * 256)
-    loss = b.op("sum", [h], (), 1024 * 256.0)
-    return b.build(loss)
-
-
 def _gather_strategies(graph, op):
     out = S.strategies(graph, op)
     if op.target == "sum":  # force the all-gather: only the replicated sum is allowed
@@ -207,7 +197,7 @@ def _gather_strategies(graph, op):
 
 
 def test_grouped_broadcast_wins_on_skewed_ratios_padded_on_even():
-    th = theory(_gather_graph(), _gather_strategies)
+    th = theory(S.gather_graph(), _gather_strategies)
     c = Cluster.parse("8xP100")
 
     def gather_kind(ratios):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from procs import assert_gone
+from synthetic import DP_PINS
 
 import hapnb as hap
 from hapnb import zoo
@@ -25,13 +26,6 @@ TIED = "examples.factories:tied_lm"
 
 def _mlp(cluster: str, ratios, **kw) -> Plan:
     return synthesize("mlp", cluster, ratios=ratios, **{**zoo.TINY["mlp"], **kw})
-
-
-DP_PINS = {
-    "x": "G0",
-    "y": "G0",
-    **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
-}
 
 
 @pytest.fixture(scope="module")

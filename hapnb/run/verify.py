@@ -33,7 +33,7 @@ from ..graph import Graph
 from ..plan import Plan
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
-from .worker import WORKER_ARGV, duplex_program, make_optimizer
+from .worker import WORKER_ARGV, duplex_program, make_optimizer, runtime_argv
 
 __all__ = ["TensorCheck", "VerifyError", "VerifyReport", "run_reference", "verify"]
 
@@ -365,13 +365,7 @@ def verify(
             "--verify-out", str(out),
             "--timeout", f"{backstop:g}",
         ]  # fmt: skip
-        args += ["--grad-sync", grad_sync]
-        if bucket_cap is not None:
-            args += ["--bucket-cap-bytes", str(int(bucket_cap))]
-        if first_bucket_cap is not None:
-            args += ["--first-bucket-cap-bytes", str(int(first_bucket_cap))]
-        if not interleave:
-            args += ["--no-interleave"]
+        args += runtime_argv(grad_sync, bucket_cap, first_bucket_cap, interleave)
         if dtype:
             args += ["--dtype", dtype]
         if lr is not None:

@@ -60,10 +60,29 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["WORKER_ARGV", "duplex_program", "run_worker", "make_optimizer", "main"]
+__all__ = ["WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main"]
 
 #: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
 WORKER_ARGV: tuple[str, ...] = ("-m", "hapnb.run.worker")
+
+
+def runtime_argv(
+    grad_sync: str = "buckets",
+    bucket_cap: int | None = None,
+    first_bucket_cap: int | None = None,
+    interleave: bool = True,
+) -> list[str]:
+    """The worker arguments for how ranks sync gradients and run duplex plans (only non-defaults).
+
+    >>> runtime_argv("sync", 4096, interleave=False)
+    ['--grad-sync', 'sync', '--bucket-cap-bytes', '4096', '--no-interleave']
+    """
+    out = [] if grad_sync == "buckets" else ["--grad-sync", grad_sync]
+    if bucket_cap is not None:
+        out += ["--bucket-cap-bytes", str(int(bucket_cap))]
+    if first_bucket_cap is not None:
+        out += ["--first-bucket-cap-bytes", str(int(first_bucket_cap))]
+    return out + ([] if interleave else ["--no-interleave"])
 
 
 def make_optimizer(name: str, params: Sequence[Any], lr: float | None = None) -> Any:
