@@ -34,6 +34,7 @@ _LAZY = {
     "baselines": "synthesis",
     "OutOfMemoryError": "synthesis",
     "Plan": "plan",
+    "PipelinePlan": "pipelines",
     "simulate": "simulation",
     "Timeline": "simulation",
     "Session": "session",

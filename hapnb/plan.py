@@ -379,6 +379,11 @@ class Plan:
     def from_json(d: Mapping[str, Any], source: str = "<plan JSON>") -> Plan:
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
+        if d.get("kind") == "pipeline":
+            raise ValueError(
+                f'{source}: this is a pipeline plan ("kind": "pipeline"), not an SPMD plan; load it with '
+                "hapnb.PipelinePlan.load"
+            )
         fmt = d.get("format")
         if fmt != PLAN_FORMAT:
             raise ValueError(

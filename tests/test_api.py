@@ -14,7 +14,7 @@ import hapnb
 
 PUBLIC = [
     "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
-    "PinError", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
+    "PinError", "PipelinePlan", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
     "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
 ]  # fmt: skip

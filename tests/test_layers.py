@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triples",),
     ("devices", "cluster", "cost"),
     ("search", "balance", "optimize", "duplex"),
-    ("plan", "simulation", "synthesis"),
+    ("plan", "simulation", "synthesis", "pipelines"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),
     ("cli",),
