@@ -27,13 +27,25 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .cost import CostModel, Step
 from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
+from .memory import MemoryLinear, lean_linear, memory_linear
 
-__all__ = ["RatioPin", "balance", "proportional_ratios", "solver_name", "BalanceResult", "apply_ratio_pins"]
+__all__ = [
+    "RatioPin",
+    "balance",
+    "balance_in_memory",
+    "memory_start_ratios",
+    "MemoryCapError",
+    "proportional_ratios",
+    "solver_name",
+    "BalanceResult",
+    "apply_ratio_pins",
+]
 
 
 @dataclass(frozen=True)
@@ -165,9 +177,12 @@ def balance(
     ratio_pins: Sequence[RatioPin] = (),
     *,
     duplex: bool = False,
+    constraints: Callable[[Any, Any], None] | None = None,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
-    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found)."""
+    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found).
+    ``constraints(prob, r)`` adds more constraints on the ratio variables ``r[segment][device]`` (e.g.
+    the memory caps of :func:`balance_in_memory`)."""
     import pulp
 
     t0 = time.perf_counter()
@@ -181,6 +196,8 @@ def balance(
     ]
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
+    if constraints is not None:
+        constraints(prob, r)
     if duplex:
         _duplex_objective(prob, cm, program, r)
         return _solve(prob, cm, r, ratio_pins, t0, lambda rt: duplex_cost(cm, program, rt))
@@ -347,3 +364,109 @@ def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r) -> None: 
     if any(cm.models):
         objective.append(_epigraph(prob, "T_opt", [(*cm.optimizer_linear(program), unit)], r))
     prob += pulp.lpSum(objective) + constant
+
+
+class MemoryCapError(RuntimeError):
+    """No ratios fit a program in every device's memory (within the ratio pins)."""
+
+
+def balance_in_memory(
+    cm: CostModel,
+    program: Sequence[Step],
+    extra: Sequence[Any] = (),
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
+    rounds: int = 4,
+) -> BalanceResult:
+    """:func:`balance` with every device's memory capped: the two phases of :mod:`hapnb.memory` (backward
+    and optimizer step) as linear constraints on the ratios (a G-form tensor's local bytes are its bytes
+    times the device's ratio; the largest output through one epigraph variable per device). Integer shard
+    lengths can round a shard up, so a device whose exact peak (:meth:`CostModel.memory`) still exceeds
+    its memory gets its cap lowered by that excess and the LP is solved again (up to ``rounds`` times).
+    Raises :class:`MemoryCapError` when no ratios fit."""
+    t0 = time.perf_counter()
+    ml = memory_linear(cm, program, extra)
+    devs = cm.cluster.devices
+    slack = [0.0] * cm.n
+    for _ in range(rounds):
+        try:
+            res = balance(
+                cm,
+                program,
+                ratio_pins,
+                duplex=duplex,
+                constraints=lambda p, r, sl=slack: _memory_caps(p, cm, ml, r, sl),
+            )
+        except RuntimeError as e:
+            raise MemoryCapError(f"no ratios fit this program in device memory ({e})") from None
+        peak = cm.memory(program, extra, res.ratios)
+        over = [m * d.gpus - d.memory_bytes for m, d in zip(peak, devs)]
+        if max(over) <= 0:
+            return BalanceResult(res.ratios, res.cost, time.perf_counter() - t0, res.solver)
+        slack = [s + (1.25 * o + 4096 if o > 0 else 0.0) for s, o in zip(slack, over)]
+    raise MemoryCapError(f"no ratios fit this program in device memory after {rounds} rounds of rounding")
+
+
+def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float]) -> None:  # noqa: ANN001
+    """Each device's peak (both phases, :func:`hapnb.memory.peak_raw`) at most its memory, in GiB."""
+    import pulp
+
+    gib = 2.0**30
+
+    def part(p: tuple[float, dict[int, float]], j: int) -> Any:
+        return p[0] / gib + pulp.lpSum(c / gib * r[s][j] for s, c in p[1].items() if c)
+
+    for j, d in enumerate(cm.cluster.devices):
+        m = d.model
+        sc = 1.0 + (m.memory_overhead if m is not None else 0.0)
+        c0 = (m.memory_const_bytes * d.gpus if m is not None else 0.0) / gib
+        cap = (d.memory_bytes - slack[j]) / gib
+        L = prob.add_variable(f"mem_L_{j}", ml.L_const / gib)
+        for s, c in ml.L_coef.items():
+            prob += L >= c / gib * r[s][j], f"mem_L_{j}_{s}"
+        P, In, A, X = (part(x, j) for x in (ml.P, ml.In, ml.A, ml.X))
+        prob += sc * (5.0 * P + In) + c0 <= cap, f"mem_opt_{j}"
+        prob += sc * (3.0 * P + In + A + 2.0 * L + ml.F / gib + X) + c0 <= cap, f"mem_bwd_{j}"
+
+
+def memory_start_ratios(
+    cm: CostModel,
+    pins: Mapping[int, Any],
+    ratio_pins: Sequence[RatioPin] = (),
+    margin: float = 0.8,
+    start: Sequence[float] | None = None,
+) -> tuple[float, ...] | None:
+    """Ratios ``start`` (default throughput-proportional) moved so that a lean program
+    (:func:`hapnb.memory.lean_linear`) takes at most ``margin`` of every device's memory: each device's
+    ratio is capped where its lean peak reaches that, the rest spread in proportion to ``start``
+    (:func:`apply_ratio_pins`); unchanged where no cap binds. The memory-aware search starts there (a
+    search at ratios where not even a lean program fits would only prove that slowly). None when even the
+    caps leave less than the whole batch (no ratios give the lean program room)."""
+    ml = lean_linear(cm, pins)
+    names = [d.name for d in cm.cluster.devices]
+    (p0, p1), (i0, i1), (a0, a1) = ((p[0], sum(p[1].values())) for p in (ml.P, ml.In, ml.A))  # one row
+    l0, l1 = ml.L_const, max(ml.L_coef.values(), default=0.0)
+    hi = []
+    for d in cm.cluster.devices:
+        m = d.model
+        sc = 1.0 + (m.memory_overhead if m is not None else 0.0)
+        room = (margin * d.memory_bytes - (m.memory_const_bytes * d.gpus if m is not None else 0.0)) / sc
+        r = 1.0
+        for c0, c1 in ((5 * p0 + i0, 5 * p1 + i1), (3 * p0 + i0 + a0 + 2 * l0, 3 * p1 + i1 + a1 + 2 * l1)):
+            if c0 > room:
+                return None
+            if c1 > 0:
+                r = min(r, (room - c0) / c1)
+        hi.append(max(0.0, r))
+    if sum(hi) < 1.0:
+        return None
+    bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
+    caps = [
+        RatioPin(n, min(bounds.get(n, (0.0, 1.0))[0], h), min(bounds.get(n, (0.0, 1.0))[1], h))
+        for n, h in zip(names, hi)
+    ]
+    row = tuple(start) if start is not None else proportional_ratios(cm.flops)
+    if all(r <= h + 1e-12 for r, h in zip(row, hi)):
+        return row
+    return apply_ratio_pins(row, caps, names, [max(r, 1e-9) for r in row])

@@ -17,13 +17,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .balance import RatioPin, apply_ratio_pins, balance, parse_ratio_pins
+from .balance import (
+    MemoryCapError,
+    RatioPin,
+    apply_ratio_pins,
+    balance,
+    balance_in_memory,
+    memory_start_ratios,
+    parse_ratio_pins,
+)
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
-from .forms import Form, G, I, parse_form
+from .forms import Form, G, I, parse_pin
 from .graph import Graph
-from .search import NoProgramError, Search, normalize_ratios
+from .memory import overflow
+from .search import NoProgramError, Search, normalize_ratios, resolve_pins
 from .triples import Theory
 
 __all__ = [
@@ -82,10 +91,11 @@ def assign_segments(graph: Graph, segments: Any) -> Graph:
 
 
 def parse_pins(pins: Mapping[str, Any] | None) -> dict[str, Form]:
-    """Form pins from ``{"fc1.weight": Shard(1)}`` or ``{"fc1.weight": "G1"}``."""
+    """Form pins from ``{"fc1.weight": Shard(1)}`` or ``{"fc1.weight": "G1"}`` (a parameter storage pin
+    such as ``FullShard(0)`` / ``"zero3(0)"`` is kept as a :class:`~hapnb.forms.Storage`)."""
     out = {}
     for k, v in (pins or {}).items():
-        out[k] = parse_form(v) if isinstance(v, str) else v
+        out[k] = parse_pin(v) if isinstance(v, str) else v
     return out
 
 
@@ -204,6 +214,7 @@ def optimize(
     seed_baselines: bool = True,
     progress: bool = False,
     duplex: bool = False,
+    memory: bool = False,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
 
@@ -211,6 +222,12 @@ def optimize(
     ratios (one list, or one per segment) used as they are (no LP). Each search is bounded by
     ``max_expansions`` / ``max_seconds``; ``stats["optimal"]`` says whether every search finished.
     ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
+    ``memory``: keep to every device's memory, lazily: a search whose program does not fit at its
+    ratios is run again with memory (:mod:`hapnb.memsearch`: pruning, ZeRO storage) and so is every later
+    search; an LP whose ratios do not fit is solved again with memory caps
+    (:func:`hapnb.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
+    at the starting ratios, the loop starts again from :func:`hapnb.balance.memory_start_ratios`. Plans
+    that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
     """
     c = cluster
     cm = CostModel(th, c)
@@ -241,11 +258,24 @@ def optimize(
         "duplex": bool(duplex),
     }
 
+    mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
+
+    def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
+        return not memory or max(overflow(cm, prog, extra, ratios_)) <= 0
+
     def search(
-        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None
+        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None, move: bool = False
     ) -> tuple[Any, Search]:
         merged = {**(options or {}), **(opts or {})}
-        s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex)
+        if mem_on[0] and move and fixed is None and len({tuple(r) for r in ratios_}) == 1:
+            # keeping to memory: start where a lean program has room (proportional ratios can leave none)
+            row = memory_start_ratios(cm, resolve_pins(th, pins_), ratio_pins, start=ratios_[0])
+            if row is None:
+                raise NoProgramError("no program fits in device memory: not even a lean one at any ratios")
+            if row != tuple(ratios_[0]):
+                stats["memory_start"] = True
+                ratios_ = tuple(row for _ in ratios_)
+        s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, memory=mem_on[0])
         if duplex:
             # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
             # from the start, and a duplex search stopped by a limit is never worse than it
@@ -260,10 +290,13 @@ def optimize(
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
+        if not duplex and not mem_on[0] and not fits(res.program, s.final_conversions(), s.ratios):
+            mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
+            return search(ratios_, pins_, opts, move)
         return res, s
 
     def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
-        if (prog, ratios_) not in seen:
+        if (prog, ratios_) not in seen and fits(prog, extra, ratios_):
             seen.add((prog, ratios_))
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
@@ -271,10 +304,18 @@ def optimize(
         nonlocal best
         prog = res.program
         if fixed is not None:
+            if not fits(prog, s.final_conversions(), fixed):
+                return False
             cost_f = duplex_cost(cm, prog, fixed) if duplex else cm.evaluate(prog, fixed).cost_s
             ratios_k, cost_k, b_sec = fixed, cost_f, 0.0
         else:
-            bal = balance(cm, prog, ratio_pins, duplex=duplex)
+            bal = None if mem_on[0] else balance(cm, prog, ratio_pins, duplex=duplex)
+            if bal is None or not fits(prog, s.final_conversions(), bal.ratios):
+                try:  # the LP's ratios overflow a device: balance again with memory caps
+                    bal = balance_in_memory(cm, prog, s.final_conversions(), ratio_pins, duplex=duplex)
+                except MemoryCapError:
+                    stats["memory_rejected"] = stats.get("memory_rejected", 0) + 1
+                    return False
             ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)
@@ -301,7 +342,12 @@ def optimize(
         """Q/B rounds from ratios B while the cost strictly improves; returns the iteration count."""
         while it < limit:
             it += 1
-            res, s = search(B, form_pins)
+            try:
+                res, s = search(B, form_pins, move=True)
+            except NoProgramError:
+                if best is None:
+                    raise
+                break  # nothing fits at these ratios: keep the best so far
             improved = consider(res, s, it)
             if fixed is not None or not improved:
                 break
@@ -333,7 +379,11 @@ def optimize(
             it += 1
             if consider(res, s, it, f"seed {name}"):
                 it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
-    assert best is not None
+    if best is None:
+        raise NoProgramError(
+            "no program fits in device memory at any ratios the loop tried"
+            + (f" (fixed ratios {list(fixed[0])})" if fixed is not None else "")
+        )
     cost, prog, extra, ratios_best = best
     ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
     return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)

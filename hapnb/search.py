@@ -44,15 +44,17 @@ import heapq
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import dominates, priority
-from .forms import Form, I, R
+from .forms import Form, I, R, Storage
 from .graph import Graph
+from .memsearch import MemoryTracker
 from .rules import Strategy
+from .searchspec import PinError, normalize_ratios, resolve_pins
 from .triples import LOADABLE_ROLES, Theory
 from .triples import theory as build_theory
 
@@ -68,10 +70,6 @@ _CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("G", "G"): ("all_to_all",),
     ("I", "G"): ("slice",),
 }
-
-
-class PinError(ValueError):
-    """A pin names an unknown tensor, a form the tensor cannot take, or cannot be satisfied."""
 
 
 class NoProgramError(RuntimeError):
@@ -153,6 +151,8 @@ class _Node:
     expanded: bool = False
     copen: float = 0.0  # duplex: the open stage's feature communication (full batch)
     tail: tuple[float, ...] = ()  # duplex: per-device inner gradient sync, charged once at the end
+    ms: Any = None  # memory=True: the MemState (hapnb.memsearch)
+    real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
 
 
 class Search:
@@ -173,6 +173,7 @@ class Search:
         *,
         options: Mapping[str, bool] | None = None,
         duplex: bool = False,
+        memory: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         self.duplex = bool(duplex)
@@ -181,8 +182,14 @@ class Search:
         self.cluster = cluster
         self.cost_model = cm = CostModel(self.theory, cluster)
         self.ratios = normalize_ratios(ratios, cluster, cm.n_segments)
-        self.pins = resolve_pins(self.theory, pins or {})
+        resolved = resolve_pins(self.theory, pins or {})
+        #: parameters pinned to ZeRO storage (hapnb.FullShard / ShardGradOp): loaded I through a gather
+        self.storage = {t: p for t, p in resolved.items() if isinstance(p, Storage)}
+        self.pins = {t: (I if isinstance(p, Storage) else p) for t, p in resolved.items()}
         self.options = {"grouped": True, "sfb": True, **(options or {})}
+        #: memory=True: prune programs that cannot fit, realize replicated parameters' storage at the end
+        self.memory = bool(memory) and not self.duplex
+        self._mem: MemoryTracker | None = None
         self.n = cluster.n
         self._compile()
         self._stats = _Stats()
@@ -197,7 +204,8 @@ class Search:
             self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
         else:
             root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0))
-            self._seen[(0, 0, 0)] = [(root.base, root.acc)]
+            root.ms = self._mem.root() if self._mem is not None else None
+            self._seen[(0, 0, 0)] = [(root.base, root.acc, root.ms)]
         self._push(root)
         self._stats.seconds += time.perf_counter() - t0
         del g
@@ -239,7 +247,9 @@ class Search:
                 if not self._pins_ok(op.inputs, s.inputs, op.outputs, s.outputs):
                     continue
                 if s.sfb and any(
-                    g.tensors[t].role == "param" and f.kind == "I" and n_consumers[t] > 1
+                    g.tensors[t].role == "param"
+                    and f.kind == "I"
+                    and (n_consumers[t] > 1 or t in self.storage)
                     for t, f in zip(op.inputs, s.inputs)
                 ):
                     continue  # SFB replaces the weight's gradient sync: only for weights with one consumer
@@ -260,6 +270,8 @@ class Search:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
             lb.append(tuple(min(c.comp[j] for c in comp_list) for j in range(self.n)))
+        if self.memory:
+            self._mem = MemoryTracker(self)
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * self.n]
         for v in reversed(lb):
@@ -363,8 +375,7 @@ class Search:
             for ti, f in zip(op.inputs, c.strategy.inputs):
                 tr = g.tensors[ti]
                 if tr.role == "param" and n_cons[ti] == 1:
-                    ld = Load(ti, f, c.strategy.sfb and f.kind == "I")
-                    v += sum(tm.time(self.ratios) for tm in cm.load_terms(ld))
+                    v += self._load_time(self._load(ti, f, c.strategy.sfb and f.kind == "I"))
             if c.strategy.sfb:
                 v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
             return v
@@ -424,6 +435,20 @@ class Search:
             self._spine_opts = spine_opts
         return spine_opts
 
+    def _load(self, t: int, f: Form, sfb: bool) -> Load:
+        """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
+        (memory=True, :mod:`hapnb.memsearch`) or the plain load."""
+        st = self.storage.get(t)
+        if st is not None:
+            return Load(t, f, False, st.zero, st.form)
+        return self._mem.load(t, f, sfb) if self._mem is not None else Load(t, f, sfb)
+
+    def _load_time(self, ld: Load) -> float:
+        """Communication seconds of a load (a deferred one: its cheapest storage)."""
+        if self._mem is not None:
+            return self._mem.time(ld)
+        return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
+
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
         if v is None:
@@ -440,27 +465,36 @@ class Search:
             self._stats.max_frontier = len(self._heap)
         return nid
 
-    def _dominated(self, key: tuple[int, int, int], base: float, acc: tuple[float, ...]) -> bool:
+    def _dominated(
+        self, key: tuple[int, int, int], base: float, acc: tuple[float, ...], ms: Any = None
+    ) -> bool:
+        """Whether a program with ``key`` at (``base``, ``acc``) is dominated; else record it (and drop the
+        entries it dominates). With memory (``ms``), dominance also needs memory no worse
+        (:meth:`hapnb.memsearch.MemoryTracker.dominates`)."""
         entries = self._seen.get(key)
         mx = max(acc)
         if entries is None:
-            self._seen[key] = [(base, acc)]
+            self._seen[key] = [(base, acc, ms)]
             return False
         mn = min(acc)
-        for b0, a0 in entries:
-            if b0 <= base + _EPS and (
-                b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc))
+        mem_ok = self._mem.dominates if ms is not None and self._mem is not None else None
+        for b0, a0, m0 in entries:
+            if (
+                b0 <= base + _EPS
+                and (b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc)))
+                and (mem_ok is None or mem_ok(m0, ms))
             ):
                 return True
         keep = [
-            (b0, a0)
-            for b0, a0 in entries
+            (b0, a0, m0)
+            for b0, a0, m0 in entries
             if not (
                 base <= b0 + _EPS
                 and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0)))
+                and (mem_ok is None or mem_ok(ms, m0))
             )
         ]
-        keep.append((base, acc))
+        keep.append((base, acc, ms))
         self._seen[key] = keep
         return False
 
@@ -516,7 +550,7 @@ class Search:
                         fail = f"{g.tensors[t].name} is already loaded in another form"
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
-                    per_need.append([(Load(t, f, sfb), bit, 0)])
+                    per_need.append([(self._load(t, f, sfb), bit, 0)])
                     continue
                 if comm >> t & 1:
                     fail = f"{g.tensors[t].name} was already communicated once"
@@ -560,7 +594,7 @@ class Search:
                 comp = c.comp
                 tail = node.tail
                 for ld in loads:
-                    grad_t += self._terms_time(("L", ld), lambda ld=ld: self.cost_model.load_terms(ld))
+                    grad_t += self._load_time(ld)
                     if self._has_inner:
                         inner = self.cost_model.load_comp(ld, self.ratios)
                         if self.duplex:  # once per iteration, after both micro-batches
@@ -599,6 +633,15 @@ class Search:
                 else:
                     score = base + self._h(npos, acc, new_props)
                 desc = f"{op.name}[{c.strategy.name}]"
+                ms, real = None, ()
+                if self._mem is not None and score < best_cost - _EPS:
+                    ms = self._mem.advance(node.ms, pos, c, loads)
+                    why = self._mem.exceeds(ms, npos)
+                    if why:
+                        if record:
+                            pruned.append((desc, why))
+                        continue
+                    score += self._mem.storage_bound(ms, npos)  # storage the memory will force
                 if score >= best_cost - _EPS and self._best is not None:
                     self._stats.pruned_bound += 1
                     if record:
@@ -615,13 +658,28 @@ class Search:
                         copen, tail = 0.0, (0.0,) * self.n
                     else:
                         base = base + max(acc)
+                    if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
+                        deferred = [
+                            ld for st in (*self.program(nid), step) for ld in st.loads if ld.zero == -1
+                        ]
+                        done = self._mem.realize(self._mem.finish(ms, extra), deferred)
+                        why = "memory: no storage of the replicated parameters fits" if done is None else ""
+                        if done is not None and base + done[0] >= best_cost - _EPS:
+                            why = (
+                                f"cost {base + done[0]:.4g} with its storage >= best complete {best_cost:.4g}"
+                            )
+                        if why:
+                            if record:
+                                pruned.append((desc, why))
+                            continue
+                        base, real, ms = base + done[0], done[1], None  # type: ignore[index]
                     acc = (0.0,) * self.n
                     score = base
                 key = (npos, new_props, new_comm)
                 if (
                     self._dominated_duplex(key, base, copen, acc, tail)
                     if self.duplex
-                    else self._dominated(key, base, acc)
+                    else self._dominated(key, base, acc, ms)
                 ):
                     self._stats.pruned_dominated += 1
                     if record:
@@ -630,6 +688,7 @@ class Search:
                 child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
                 if self.duplex:
                     child.copen, child.tail = copen, tail
+                child.ms, child.real = ms, real
                 cid = self._push(child)
                 if complete and (self._best is None or base < self._nodes[self._best].base - _EPS):
                     self._best = cid
@@ -803,9 +862,13 @@ class Search:
 
     def _improve_by_dives(self, count: int) -> None:
         """A limit stopped A*: dive from the most promising open programs (lowest score first) to
-        complete them greedily, keeping the best complete program found (not proven optimal)."""
+        complete them greedily, keeping the best complete program found (not proven optimal). Without
+        memory a dive always completes, so it goes on until one did; with memory (where a dive can end in
+        pruned children) at most ``4 * count`` dives are tried."""
         tried = 0
-        while (tried < count or self._best is None) and self._heap:
+        while (
+            tried < count or (self._best is None and (self._mem is None or tried < 4 * count))
+        ) and self._heap:
             nid = self._pop()
             if nid is None:
                 break
@@ -817,6 +880,12 @@ class Search:
 
     def _explain_no_program(self) -> str:
         pins = ", ".join(f"{self.graph.tensors[t].name}={f}" for t, f in self.pins.items())
+        if self._mem is not None and self._mem.stats["pruned_memory"]:
+            return (
+                "no complete distributed program fits in device memory at these ratios "
+                f"({self._mem.stats['pruned_memory']} partial programs were pruned by memory)"
+                + (f" under the pins {pins}" if pins else "")
+            )
         return (
             "no complete distributed program exists"
             + (f" under the pins {pins}; remove or change a pin" if pins else "")
@@ -825,13 +894,23 @@ class Search:
 
     # ------------------------------------------------------------------ views
     def program(self, nid: int) -> tuple[Step, ...]:
+        """The steps from the root to node ``nid`` (a complete node's deferred storage as realized)."""
+        real = list(self._nodes[nid].real) if nid >= 0 else []
         steps = []
         while nid > 0:
             node = self._nodes[nid]
             if node.step is not None:
                 steps.append(node.step)
             nid = node.parent
-        return tuple(reversed(steps))
+        steps.reverse()
+        if real:
+            real.reverse()
+            steps = [
+                st if not any(ld.zero == -1 for ld in st.loads)
+                else replace(st, loads=tuple(real.pop() if ld.zero == -1 else ld for ld in st.loads))
+                for st in steps
+            ]  # fmt: skip
+        return tuple(steps)
 
     def final_conversions(self, nid: int | None = None) -> tuple[Conversion, ...]:
         nid = self._best if nid is None else nid
@@ -874,6 +953,8 @@ class Search:
         d = self._stats.as_dict()
         d["frontier"] = len(self._heap)
         d["nodes"] = len(self._nodes)
+        if self._mem is not None:
+            d.update(self._mem.stats)
         if self.duplex:
             d["duplex"] = True
         return d
@@ -902,68 +983,3 @@ def _spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:
         return None
     present = [v for bit, v in opts if props & bit]
     return min(present) if present else min(v for _, v in opts)
-
-
-def normalize_ratios(
-    ratios: Sequence[float] | Sequence[Sequence[float]] | None, cluster: Cluster, n_segments: int
-) -> tuple[tuple[float, ...], ...]:
-    """Ratios per segment; default throughput-proportional; a flat list applies to every segment."""
-    n = cluster.n
-    if ratios is None:
-        tot = sum(d.flops for d in cluster.devices)
-        row = tuple(d.flops / tot for d in cluster.devices)
-        return (row,) * n_segments
-    rows = list(ratios)
-    if rows and not isinstance(rows[0], (list, tuple)):
-        rows = [rows] * n_segments  # type: ignore[list-item]
-    if len(rows) != n_segments:
-        raise ValueError(f"ratios: expected {n_segments} segment(s), got {len(rows)}")
-    out = []
-    for k, row in enumerate(rows):
-        row = [float(x) for x in row]  # type: ignore[union-attr]
-        if len(row) != n:
-            raise ValueError(f"ratios for segment {k}: expected {n} values (one per device), got {len(row)}")
-        if any(x < 0 for x in row) or sum(row) <= 0:
-            raise ValueError(f"ratios for segment {k} must be non-negative and not all zero: {row}")
-        s = sum(row)
-        out.append(tuple(x / s for x in row))
-    return tuple(out)
-
-
-def resolve_pins(th: Theory, pins: Mapping[str, Form]) -> dict[int, Form]:
-    """Map pin names to tensor ids and check each form is one the tensor can take."""
-    g = th.graph
-    out: dict[int, Form] = {}
-    for name, form in pins.items():
-        if isinstance(form, str):
-            from .forms import parse_form
-
-            form = parse_form(form)
-        try:
-            t = g.tensor(name)
-        except KeyError:
-            t = _module_output(g, name)
-            if t is None:
-                params = [x.name for x in g.tensors if x.role in ("param", "input")][:12]
-                raise PinError(
-                    f"pin {name}={form}: no tensor of that name. Pins name parameters (e.g. {params[:6]}), "
-                    "inputs, op outputs (fx node names) or '<module>.out' for a module's output."
-                ) from None
-        if form not in th.forms[t.id]:
-            raise PinError(
-                f"pin {name}={form}: tensor {t.name} has shape {tuple(t.shape)} and can take only "
-                f"{', '.join(map(str, th.forms[t.id]))} (G(d) needs a dim of size >= 2; R only for computed "
-                "floating tensors)"
-            )
-        out[t.id] = form
-    return out
-
-
-def _module_output(g: Graph, name: str) -> Any:
-    if not name.endswith(".out"):
-        return None
-    mod = name[: -len(".out")]
-    ops = [op for op in g.ops if op.module == mod or op.module.startswith(mod + ".")]
-    if not ops:
-        return None
-    return g.tensors[ops[-1].outputs[0]]

@@ -21,7 +21,9 @@ from typing import Any
 from .cluster import Cluster
 from .cost import CostModel
 from .duplex import duplex_cost
+from .forms import FullShard
 from .graph import Graph
+from .memory import largest_pieces
 from .optimize import (
     Candidate,
     assign_segments,
@@ -37,7 +39,7 @@ from .simulation import simulate
 from .tracing import resolve_model
 from .triples import Theory, theory
 
-__all__ = ["synthesize", "baselines", "OutOfMemoryError"]
+__all__ = ["synthesize", "baselines", "OutOfMemoryError", "out_of_memory"]
 
 
 #: how many of the Q/B loop's candidates (best cost first) the overlap simulator compares for the final pick
@@ -97,19 +99,25 @@ def synthesize(
         graph = assign_segments(graph, segments)
     th = model_or_graph if isinstance(model_or_graph, Theory) and segments is None else theory(graph)
     form_pins = parse_pins(pins)
-    best = optimize(
-        th,
-        c,
-        form_pins,
-        ratios,
-        options=options,
-        max_iterations=max_iterations,
-        max_expansions=max_expansions,
-        max_seconds=max_seconds,
-        seed_baselines=seed_baselines,
-        progress=progress,
-        duplex=duplex,
-    )
+    try:
+        best = optimize(
+            th,
+            c,
+            form_pins,
+            ratios,
+            options=options,
+            max_iterations=max_iterations,
+            max_expansions=max_expansions,
+            max_seconds=max_seconds,
+            seed_baselines=seed_baselines,
+            progress=progress,
+            duplex=duplex,
+            memory=check_memory,
+        )
+    except NoProgramError as e:
+        if check_memory and "memory" in str(e):
+            raise out_of_memory(th, c, form_pins) from e
+        raise
 
     def package(k: Candidate, stats: Mapping[str, Any]) -> Plan:
         plan = make_plan(
@@ -240,19 +248,81 @@ def _is_param(th: Theory, name: str) -> bool:
     return th.graph.tensor(name).role == "param"
 
 
+_TO_FIT = (
+    "To fit: a smaller batch (--batch) or sequence (--seq), fewer or narrower layers, devices with more memory, "
+    "or more devices; pass check_memory=False to get a plan anyway."
+)
+
+
 def _check_memory(plan: Plan) -> None:
     bad = []
-    for d, m in zip(plan.cluster.devices, plan.memory_bytes):
+    worst = (0.0, -1)
+    for j, (d, m) in enumerate(zip(plan.cluster.devices, plan.memory_bytes)):
         cap = d.memory_bytes / d.gpus
         if m > cap:
             bad.append(f"{d.name} needs {m / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
+            worst = max(worst, (m / cap, j))
     if bad:
+        j = worst[1]
+        fill = ", ".join(
+            f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.memory_breakdown[j], key=lambda kv: -kv[1]) if v
+        ) if plan.memory_breakdown else ""  # fmt: skip
         raise OutOfMemoryError(
             "the best plan does not fit in device memory: "
             + "; ".join(bad)
-            + ". Use a smaller batch or model, more or larger devices, or pin large weights to be sharded "
-            "(e.g. pins={'<weight>': hapnb.Shard(0)}); pass check_memory=False to get the plan anyway."
+            + (f". On {plan.cluster.devices[j].name}: {fill}" if fill else "")
+            + ". Pin parameters to be stored sharded (e.g. pins={'<weight>': hapnb.FullShard(0)}, ZeRO-3). "
+            + _TO_FIT
         )
+
+
+def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None) -> OutOfMemoryError:
+    """The error for "no program fits": what the leanest program hapnb builds needs (data parallel, every
+    parameter stored sharded and gathered before each use: ZeRO-3 / FSDP, at ratios proportional to memory),
+    the smallest uniform capacity that would hold it, and what fills the fullest device."""
+    g = th.graph
+    cm = CostModel(th, c)
+    lean: dict[str, Any] = dict(pins or {})
+    for t in g.tensors:
+        gs = [f for f in th.forms[t.id] if f.kind == "G"]
+        if t.name in lean or not gs:
+            continue
+        if t.role == "param":
+            lean[t.name] = FullShard(gs[0].dim)
+        elif t.role == "input":
+            lean[t.name] = gs[0]
+    caps = [d.memory_bytes for d in c.devices]
+    ratios = [x / sum(caps) for x in caps]
+    head = "no program fits in device memory (the search pruned every candidate that does not fit)"
+    try:
+        s = Search(th, c, ratios=ratios, pins=lean, options={"sfb": False, "grouped": False})
+        res = s.run(max_expansions=20_000)
+    except (NoProgramError, ValueError) as e:
+        return OutOfMemoryError(f"{head}; the leanest program could not be built either ({e}). {_TO_FIT}")
+    extra = s.final_conversions()
+    peak = cm.memory(res.program, extra, s.ratios)
+    per = [m / (d.memory_bytes / d.gpus) for m, d in zip(peak, c.devices)]
+    j = max(range(c.n), key=lambda k: (per[k], -k))
+    d = c.devices[j]
+    fill = ", ".join(
+        f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(cm.memory_breakdown(res.program, extra, s.ratios)[j].items(),
+                                                     key=lambda kv: -kv[1]) if v
+    )  # fmt: skip
+    top = "; ".join(
+        f"{n}: {w} {b / 2**30:.2f} GiB" for n, w, b in largest_pieces(cm, res.program, extra, s.ratios, j)
+    )
+    need = ", ".join(
+        f"{dv.name} {m / 2**30:.2f} GiB" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus
+    )
+    return OutOfMemoryError(
+        f"{head}. The leanest program hapnb builds (data parallel, every parameter stored sharded and "
+        f"gathered before each use: ZeRO-3 / FSDP, ratios proportional to memory) needs {peak[j] / 2**30:.2f} GiB "
+        f"on {d.name}, which has {d.memory_bytes / d.gpus / 2**30:.2f} GiB: every device would need at least "
+        f"{max(per):.2f}x its memory"
+        + (f" (over: {need})" if need else "")
+        + f". What fills {d.name}: {fill}. "
+        f"Largest: {top}. " + _TO_FIT
+    )
 
 
 def _graph_of(

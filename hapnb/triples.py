@@ -133,6 +133,7 @@ class Theory:
     forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
     units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
     requires_grad: tuple[bool, ...] = ()
+    _cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def __iter__(self) -> Iterator[Triple]:
         return iter(self.triples)
@@ -175,7 +176,11 @@ class Theory:
         """Integer shard lengths of ``tensor`` on ``dim`` for one segment's ``ratios``."""
         size = self.graph.tensors[tensor].shape[dim]
         unit, base = self.units.get((tensor, dim), (1, size))
-        return tuple(unit * n for n in shard_lengths(base, ratios))
+        key = (base, tuple(ratios))
+        cut = self._cuts.get(key)
+        if cut is None:  # many tensors share a base: cut each (base, ratios) once
+            cut = self._cuts[key] = shard_lengths(base, ratios)
+        return tuple(unit * n for n in cut)
 
     def format(self, tr: Triple) -> str:
         return tr.format(self.graph)
