@@ -248,6 +248,14 @@ def _is_param(th: Theory, name: str) -> bool:
     return th.graph.tensor(name).role == "param"
 
 
+def _size(n: float) -> str:
+    """Bytes for people: ``_size(3 * 2**30) == '3.00 GiB'``, ``_size(5000) == '4.88 KiB'``."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 2**k:
+            return f"{n / 2**k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 _TO_FIT = (
     "To fit: a smaller batch (--batch) or sequence (--seq), fewer or narrower layers, devices with more memory, "
     "or more devices; pass check_memory=False to get a plan anyway."
@@ -260,12 +268,12 @@ def _check_memory(plan: Plan) -> None:
     for j, (d, m) in enumerate(zip(plan.cluster.devices, plan.memory_bytes)):
         cap = d.memory_bytes / d.gpus
         if m > cap:
-            bad.append(f"{d.name} needs {m / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
+            bad.append(f"{d.name} needs {_size(m)} of {_size(cap)}")
             worst = max(worst, (m / cap, j))
     if bad:
         j = worst[1]
         fill = ", ".join(
-            f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.memory_breakdown[j], key=lambda kv: -kv[1]) if v
+            f"{k} {_size(v)}" for k, v in sorted(plan.memory_breakdown[j], key=lambda kv: -kv[1]) if v
         ) if plan.memory_breakdown else ""  # fmt: skip
         raise OutOfMemoryError(
             "the best plan does not fit in device memory: "
@@ -305,19 +313,16 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     j = max(range(c.n), key=lambda k: (per[k], -k))
     d = c.devices[j]
     fill = ", ".join(
-        f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(cm.memory_breakdown(res.program, extra, s.ratios)[j].items(),
+        f"{k} {_size(v)}" for k, v in sorted(cm.memory_breakdown(res.program, extra, s.ratios)[j].items(),
                                                      key=lambda kv: -kv[1]) if v
     )  # fmt: skip
-    top = "; ".join(
-        f"{n}: {w} {b / 2**30:.2f} GiB" for n, w, b in largest_pieces(cm, res.program, extra, s.ratios, j)
-    )
-    need = ", ".join(
-        f"{dv.name} {m / 2**30:.2f} GiB" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus
-    )
+    top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, res.program, extra, s.ratios, j))
+    over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
+    need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")
     return OutOfMemoryError(
         f"{head}. The leanest program hapnb builds (data parallel, every parameter stored sharded and "
-        f"gathered before each use: ZeRO-3 / FSDP, ratios proportional to memory) needs {peak[j] / 2**30:.2f} GiB "
-        f"on {d.name}, which has {d.memory_bytes / d.gpus / 2**30:.2f} GiB: every device would need at least "
+        f"gathered before each use: ZeRO-3 / FSDP, ratios proportional to memory) needs {_size(peak[j])} "
+        f"on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need at least "
         f"{max(per):.2f}x its memory"
         + (f" (over: {need})" if need else "")
         + f". What fills {d.name}: {fill}. "

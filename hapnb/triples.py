@@ -5,7 +5,9 @@ A *property* ``(t, f)`` says a distributed tensor relates to reference tensor ``
 device when ``pre`` holds establishes ``post`` (paper §4.2). The theory holds three kinds of triples:
 
 * **compute**: one per (op, strategy) from :mod:`hapnb.rules`;
-* **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs;
+* **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs, and
+  for parameters ``{} load_zero2(G(d)) {p:I}`` / ``{} load_zero3(G(d)) {p:I}``: stored sharded on ``d``
+  (parameter, gradient and optimizer state) and all-gathered before use (:class:`hapnb.cost.Load`);
 * **collective**: ``{G(d)} all_gather {I}`` (padded) and ``{G(d)} grouped_all_gather {I}``,
   ``{R} all_reduce {I}``, ``{R} reduce_scatter(d) {G(d)}`` (padded and grouped),
   ``{G(a)} all_to_all(a,b) {G(b)}``, ``{I} slice(d) {G(d)}`` (free), and for the loss ``{I} to_partial {R}``
@@ -86,7 +88,8 @@ class Triple:
         if i.kind == "compute":
             label = f"{graph.ops[i.op].name}[{i.name}]"
         elif i.kind == "load":
-            label = f"load {graph.tensors[i.tensor].name}"
+            stored = f"({i.src})" if i.src is not None else ""
+            label = f"{i.name}{stored} {graph.tensors[i.tensor].name}"
         else:
             label = i.name
         return f"{{{props(self.pre)}}} {label} {{{props(self.post)}}}"
@@ -255,6 +258,11 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
         if t.role in LOADABLE_ROLES:
             for f in forms[t.id]:
                 add((), Instr("load", "load", tensor=t.id, form=f), ((t.id, f),))
+        if t.role == "param":  # stored sharded, all-gathered before use (ZeRO-2 keeps it, ZeRO-3 re-gathers)
+            for f in forms[t.id]:
+                if f.kind == "G":
+                    for z in (2, 3):
+                        add((), Instr("load", f"load_zero{z}", tensor=t.id, src=f, form=I), ((t.id, I),))
     for op, ss in zip(g.ops, per_op):
         for s in ss:
             add(
