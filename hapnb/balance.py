@@ -178,11 +178,15 @@ def balance(
     *,
     duplex: bool = False,
     constraints: Callable[[Any, Any], None] | None = None,
+    symmetric: bool = False,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
     :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found).
     ``constraints(prob, r)`` adds more constraints on the ratio variables ``r[segment][device]`` (e.g.
-    the memory caps of :func:`balance_in_memory`)."""
+    the memory caps of :func:`balance_in_memory`). ``symmetric``: identical devices (:func:`device_classes`)
+    share one ratio variable and one row per constraint (one segment, no duplex, no ratio pins): the LP
+    is convex and symmetric in them, so some optimum is symmetric and the cost is the same, from an LP
+    as large as the number of device kinds."""
     import pulp
 
     t0 = time.perf_counter()
@@ -190,10 +194,17 @@ def balance(
     names = [d.name for d in cm.cluster.devices]
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
     prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
-    r = [
-        [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)]
-        for s in range(S)
-    ]
+    classes = device_classes(cm) if symmetric and S == 1 and not duplex and not ratio_pins else None
+    if classes is not None:
+        shared = [prob.add_variable(f"r_0_{c[0]}", 0.0, 1.0) for c in classes]
+        of = {j: shared[k] for k, c in enumerate(classes) for j in c}
+        r = [[of[j] for j in range(n)]]
+    else:
+        r = [
+            [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)]
+            for s in range(S)
+        ]
+    reps = [c[0] for c in classes] if classes is not None else range(n)
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
     if constraints is not None:
@@ -223,7 +234,7 @@ def balance(
                 const[j] += step_const[j]
         P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
-        for j in range(n):
+        for j in reps:
             prob += (
                 P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j],
                 f"comp_{k}_{j}",
@@ -232,7 +243,7 @@ def balance(
             if tm.slope == 0.0:
                 constant += tm.const
                 continue
-            objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r))
+            objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r, reps=reps))
     prob += pulp.lpSum(objective) + constant
     return _solve(prob, cm, r, ratio_pins, t0, lambda rt: cm.evaluate(program, rt).cost_s)
 
@@ -286,8 +297,9 @@ def _epigraph(prob, name: str, rows, r) -> object:  # noqa: ANN001
     return X
 
 
-def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa: ANN001
-    """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares)."""
+def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0, reps=None) -> object:  # noqa: ANN001
+    """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares);
+    ``reps``: the devices that need a row (one per class of identical devices; default all)."""
     import pulp
 
     n = len(r[0])
@@ -303,9 +315,23 @@ def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa
             share = pulp.lpSum(x for x in (u[j], u[j + 1]) if x is not None)
             prob += M >= unit * tm.const + unit * tm.slope * share, f"{name}_{j}"
     else:
-        for j in range(n):
+        for j in range(n) if reps is None else reps:
             prob += M >= unit * tm.const + unit * tm.slope * r[tm.segment][j], f"{name}_{j}"
     return M
+
+
+def device_classes(cm: CostModel) -> list[list[int]]:
+    """Devices the cost and memory models cannot tell apart (same throughput, device model, GPUs and
+    memory), as lists of indices in device order.
+
+    >>> from hapnb.cluster import Cluster
+    >>> from hapnb.triples import theory
+    >>> import synthetic  # doctest: +SKIP
+    """
+    groups: dict[Any, list[int]] = {}
+    for j, d in enumerate(cm.cluster.devices):
+        groups.setdefault((d.flops, repr(d.model), d.gpus, d.memory_bytes), []).append(j)
+    return list(groups.values())
 
 
 def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r) -> None:  # noqa: ANN001
@@ -397,6 +423,7 @@ def balance_in_memory(
                 ratio_pins,
                 duplex=duplex,
                 constraints=lambda p, r, sl=slack: _memory_caps(p, cm, ml, r, sl),
+                symmetric=True,
             )
         except RuntimeError as e:
             raise MemoryCapError(f"no ratios fit this program in device memory ({e})") from None
@@ -417,7 +444,15 @@ def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float
     def part(p: tuple[float, dict[int, float]], j: int) -> Any:
         return p[0] / gib + pulp.lpSum(c / gib * r[s][j] for s, c in p[1].items() if c)
 
-    for j, d in enumerate(cm.cluster.devices):
+    # devices that share their ratio variables (balance(symmetric=True)) need one row, with the most slack
+    rows: dict[tuple[int, ...], int] = {}
+    for j in range(cm.n):
+        key = tuple(id(r[s][j]) for s in range(len(r)))
+        k = rows.setdefault(key, j)
+        if slack[j] > slack[k]:
+            rows[key] = j
+    for j in sorted(rows.values()):
+        d = cm.cluster.devices[j]
         m = d.model
         sc = 1.0 + (m.memory_overhead if m is not None else 0.0)
         c0 = (m.memory_const_bytes * d.gpus if m is not None else 0.0) / gib

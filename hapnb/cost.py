@@ -641,7 +641,8 @@ class CostModel:
             return [float(t.nbytes)] * self.n
         s = self.segment_of[tensor] if seg < 0 else seg
         lengths = self.theory.lengths(tensor, form.dim, ratios[s])
-        return [t.nbytes / t.shape[form.dim] * x for x in lengths]
+        per = t.nbytes / t.shape[form.dim]
+        return [per * x for x in lengths]
 
     def memory_breakdown(
         self, program: Sequence[Step], extra: Sequence[Conversion], ratios: Sequence[Sequence[float]]

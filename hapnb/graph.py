@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -47,8 +48,8 @@ class TensorRef:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # cached: the cost and memory models read it millions of times
         n = 1
         for s in self.shape:
             n *= s
@@ -58,7 +59,7 @@ class TensorRef:
     def itemsize(self) -> int:
         return _ITEMSIZE.get(self.dtype, 4)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 

@@ -263,19 +263,20 @@ def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> li
     return out
 
 
-def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, list[float]]:
-    """Per device parts ``P, In, A, L, F, X`` of ``pieces`` with ``local(piece) -> bytes per device``."""
-    parts = {k: [0.0] * n for k in ("P", "In", "A", "L", "F", "X")}
+def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, Any]:
+    """Per device parts ``P, In, A, L, F, X`` (numpy rows) of ``pieces`` with ``local(piece) -> bytes per
+    device``."""
+    import numpy as np
+
+    parts = {k: np.zeros(n) for k in ("P", "In", "A", "L", "F", "X")}
+    row_of = {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
     for p in pieces:
-        v = local(p)
+        v = p.scale * np.asarray(local(p), dtype=float)
         if p.kind in ("output", "regather"):
             row = parts["L" if p.kind == "output" else "F"]
-            for j in range(n):
-                row[j] = max(row[j], p.scale * v[j])
-            continue
-        row = parts[{"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}[p.kind]]
-        for j in range(n):
-            row[j] += p.scale * v[j]
+            np.maximum(row, v, out=row)
+        else:
+            parts[row_of[p.kind]] += v
     return parts
 
 
@@ -288,8 +289,8 @@ def memory_breakdown(
     parts = _fold(pieces, lambda p: cm._local(p.tensor, p.form, ratios, p.segment), cm.n)
     out = []
     for j, d in enumerate(cm.cluster.devices):
-        P, In, A = parts["P"][j], parts["In"][j], parts["A"][j]
-        transient = 2.0 * parts["L"][j] + parts["F"][j] + parts["X"][j]
+        P, In, A = float(parts["P"][j]), float(parts["In"][j]), float(parts["A"][j])
+        transient = 2.0 * float(parts["L"][j]) + float(parts["F"][j]) + float(parts["X"][j])
         c = {"parameters": P, "gradients": P, "optimizer": 2.0 * P, "inputs": In}
         if 2.0 * P > A + transient:  # the optimizer step: gradients + one parameter-sized temporary
             c.update(activations=0.0, transient=P)

@@ -60,6 +60,7 @@ __all__ = [
     "Segment",
     "Timeline",
     "simulate",
+    "simulated_time",
     "STREAMS",
     "PHASES",
     "FORWARD_FRACTION",
@@ -387,6 +388,17 @@ def simulate(
     if not overlap:
         return _stage_sync(plan, costs, caps)
     return _Overlap(plan, c, costs, bandwidth_sharing, _slowdowns(c, slowdown)).run(caps)
+
+
+def simulated_time(plan: Plan) -> float:
+    """``simulate(plan).iteration_s`` (with overlap, the plan's cluster) without building the timeline's
+    spans, segments and memory: what :func:`hapnb.synthesize` compares its candidates by."""
+    if not isinstance(plan, Plan) or not plan.costed:
+        return simulate(plan).iteration_s
+    c = plan.cluster
+    sim = _Overlap(plan, c, _costs(plan, c), True, _slowdowns(c, None))
+    sim.build()
+    return sim.loop()
 
 
 def _stage_only(plan: Plan, caps: tuple[int, ...]) -> Timeline:

@@ -35,7 +35,7 @@ from .optimize import (
 )
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
-from .simulation import simulate
+from .simulation import simulated_time
 from .tracing import resolve_model
 from .triples import Theory, theory
 
@@ -135,7 +135,7 @@ def synthesize(
         )
         if duplex:
             plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
-        return dataclasses.replace(plan, simulated_s=simulate(plan).iteration_s)
+        return dataclasses.replace(plan, simulated_s=simulated_time(plan))
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
@@ -236,7 +236,7 @@ def baselines(
             options={**opts, "baseline": name},
             synthesis_s=time.perf_counter() - t0,
         )
-        out[name] = dataclasses.replace(plan, simulated_s=simulate(plan).iteration_s)
+        out[name] = dataclasses.replace(plan, simulated_s=simulated_time(plan))
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
     ):
