@@ -33,6 +33,7 @@ and no virtual devices (whose inner data parallelism the cost model prices for r
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,11 +46,11 @@ from .memory import aliases, load_pieces, op_pieces
 
 __all__ = ["MemoryTracker", "MemState"]
 
-_P, _IN, _A, _L, _F, _X, _R, _Q = range(8)  # _R, _Q: the storage bound's (not compared in dominance)
+_P, _IN, _A, _L, _F, _X = range(6)
 _ROW = {"param": _P, "input": _IN, "saved": _A, "gathered": _A, "extra": _X}
 #: one node's memory: (parts per device, live saved keys, deferred parameters)
 MemState = tuple[np.ndarray, int, int]
-_OPTIONS = ("replicated", "zero2", "zero3")
+_PIECES: weakref.WeakKeyDictionary[Any, dict[Any, list[Any]]] = weakref.WeakKeyDictionary()
 
 
 class MemoryTracker:
@@ -86,6 +87,7 @@ class MemoryTracker:
             for c in comp:
                 self._compile_op(pos, c, last)
         self._future(s)
+        self._groups()
         self.stats = {"realized": 0, "milp": 0, "pruned_memory": 0}
 
     # ------------------------------------------------------------------ pieces as vectors
@@ -97,12 +99,20 @@ class MemoryTracker:
             v = self._vec[key] = np.array(self.cm._local(t, f, self.ratios, seg), dtype=float)
         return v
 
+    def pieces(self, pos: int, strategy: Any) -> list[Any]:
+        """:func:`hapnb.memory.op_pieces` of op ``pos`` under ``strategy`` (they do not depend on the ratios:
+        cached per theory, for every search over it)."""
+        cache = _PIECES.setdefault(self.th, {})
+        key = (pos, strategy)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = op_pieces(self.g, self.g.ops[pos], strategy, self.alias)
+        return hit
+
     def _compile_op(self, pos: int, c: Any, last: Sequence[int]) -> None:
-        g = self.g
-        op = g.ops[pos]
         L: np.ndarray | None = None
         saved = []
-        for p in op_pieces(g, op, c.strategy, self.alias):
+        for p in self.pieces(pos, c.strategy):
             v = self.vec(p.tensor, p.form, p.segment) * p.scale
             if p.kind == "output":
                 L = v if L is None else np.maximum(L, v)
@@ -157,9 +167,7 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------ states
     def root(self) -> MemState:
-        mem = np.zeros((8, self.n))
-        mem[_Q] = np.inf
-        return mem, 0, 0
+        return np.zeros((6, self.n)), 0, 0
 
     def _add(self, mem: np.ndarray, pieces: Sequence[Any]) -> None:
         for p in pieces:
@@ -177,10 +185,6 @@ class MemoryTracker:
             self._add(mem, load_pieces(self.g, ld))
             if ld.zero == -1:
                 dm |= self._dbit[ld.tensor]
-                rq = self._rq(ld)
-                if rq is not None:
-                    mem[_R] += rq[0]
-                    np.minimum(mem[_Q], rq[1], out=mem[_Q])
         L, saved = self._op[id(c)]
         if L is not None:
             np.maximum(mem[_L], L, out=mem[_L])
@@ -211,39 +215,62 @@ class MemoryTracker:
 
     def dominates(self, a: MemState, b: MemState) -> bool:
         """Whether memory state ``a`` is no worse than ``b`` for every completion (module docstring)."""
-        return (a[1] & b[1]) == b[1] and not (a[2] & ~b[2]) and bool((a[0][:_R] <= b[0][:_R]).all())
+        return (a[1] & b[1]) == b[1] and not (a[2] & ~b[2]) and bool((a[0] <= b[0]).all())
 
-    def _rq(self, ld: Load) -> tuple[np.ndarray, np.ndarray] | None:
-        """For a deferred parameter whose only cheapest option is replicated: the extra P that option
-        takes per device, and per device the least extra seconds per byte of peak a ZeRO option saves
-        (it saves at most ``5 * scale * extra P``: the optimizer phase holds the parameter five times)."""
-        key = ("rq", ld.tensor)
-        if key not in self._vec:
+    def _groups(self) -> None:
+        """Deferrable parameters whose one cheapest option is replicated, grouped by (bytes, extra P per
+        device, extra seconds of their cheapest ZeRO option): per group the deferred-bit mask, the extra P
+        per device if replicated, and the extra seconds per parameter if switched to ZeRO."""
+        groups: dict[Any, list[Any]] = {}
+        for t in self.g.tensors:
+            d = self.dstar(t.id) if t.role == "param" else None
+            if d is None:
+                continue
+            ld = Load(t.id, I, False, -1, d)
             opts = self.options(ld)
             rep, zero = opts[0][2], min(x for _, _, x in opts[1:])
             dP = self._deltas(ld, "replicated")[0]
             if zero <= rep or not dP.any():
-                self._vec[key] = None  # type: ignore[assignment]
-            else:
-                with np.errstate(divide="ignore"):
-                    q = np.where(dP > 0, (zero - rep) / (5.0 * self.scale * dP), np.inf)
-                self._vec[key] = (dP, q)  # type: ignore[assignment]
-        return self._vec[key]  # type: ignore[return-value]
+                continue
+            g = groups.setdefault((t.nbytes, dP.tobytes(), zero - rep), [0, dP, zero - rep])
+            g[0] |= self._dbit[t.id]
+        self._gmask = [g[0] for g in groups.values()]
+        self._gdP = np.array([g[1] for g in groups.values()]).reshape(len(groups), self.n)
+        self._gcost = np.array([g[2] for g in groups.values()])
 
     def storage_bound(self, state: MemState, pos: int) -> float:
-        """A lower bound of the extra seconds the deferred parameters' storage will cost: if keeping each
-        replicated (its cheapest option) overflows device j by ``need_j`` bytes even with the least the
-        rest must add, some must switch to ZeRO, each second of which saves at most ``1 / Q_j`` bytes of
-        peak: at least ``need_j * Q_j`` seconds (a fractional knapsack with the best item unlimited)."""
-        mem = state[0]
-        if not np.isfinite(mem[_Q]).any():
+        """A lower bound of the extra seconds the deferred parameters' storage will cost. Keeping every
+        deferred parameter of :meth:`_groups` replicated (its cheapest option) overflows a device's
+        optimizer phase by ``need`` bytes (its backward phase likewise), even with the least the rest must
+        add; switching one parameter to ZeRO saves at most ``5 * scale * extra P`` bytes of the optimizer
+        phase (``3 *`` of the backward) and costs at least its group's extra seconds: the cheapest
+        fractional cover of ``need`` (a fractional knapsack per device and phase) bounds the cost."""
+        counts = np.array([(state[2] & m).bit_count() for m in self._gmask], dtype=float)
+        if not counts.any():
             return 0.0
-        m = mem.copy()
-        m[_P] += m[_R]
-        need = self.peak(m, pos) - self.cap
-        k = need * np.where(need > 0, mem[_Q], 0.0)
-        best = float(np.nanmax(np.where(np.isfinite(k), k, 0.0)))
-        return best if best > 0 else 0.0
+        mem, f = state[0], self._fut[pos]
+        P = mem[_P] + f[0] + counts @ self._gdP
+        In, A = mem[_IN] + f[1], mem[_A] + f[2]
+        T = 2.0 * mem[_L] + mem[_F] + mem[_X]
+        best = 0.0
+        for mult, need in (
+            (5.0, self.scale * (5.0 * P + In) + self.const - self.cap),
+            (3.0, self.scale * (3.0 * P + In + A + T) + self.const - self.cap),
+        ):
+            hot = need > 0
+            if not hot.any():
+                continue
+            save = mult * self.scale[hot] * self._gdP[:, hot]  # bytes of peak one switch saves (G, hot)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.where(save > 0, self._gcost[:, None] / save, np.inf)
+            order = np.argsort(q, axis=0, kind="stable")
+            qs = np.take_along_axis(q, order, 0)
+            supply = np.take_along_axis(counts[:, None] * save, order, 0)
+            before = np.cumsum(supply, axis=0) - supply
+            take = np.clip(need[hot][None, :] - before, 0.0, supply)
+            cost = np.where(take > 0, qs * take, 0.0).sum(axis=0)
+            best = max(best, float(cost.max()))
+        return best
 
     def _future(self, s: Any) -> None:
         """``_fut[pos]``: the least P, In and A per device the ops ``pos..`` must still add."""
@@ -260,14 +287,14 @@ class MemoryTracker:
         first: dict[int, int] = {}  # activation -> the first op that may save it
         for pos, comp in enumerate(s._ops):
             for c in comp:
-                for p in op_pieces(g, g.ops[pos], c.strategy, self.alias):
+                for p in self.pieces(pos, c.strategy):
                     if p.kind == "saved":
                         first.setdefault(p.tensor, pos)
         for pos, comp in enumerate(s._ops):
             least = None
             for c in comp:
                 v = np.zeros(n)
-                for p in op_pieces(g, g.ops[pos], c.strategy, self.alias):
+                for p in self.pieces(pos, c.strategy):
                     if p.kind == "saved" and first[p.tensor] == pos:
                         v += self.vec(p.tensor, p.form, p.segment) * p.scale
                 least = v if least is None else np.minimum(least, v)
