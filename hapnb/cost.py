@@ -33,12 +33,14 @@ step (Adam, foreach) is memory-bound work over the device's parameters, gradient
 per local parameter tensor with ``optimizer_per_tensor``: single-tensor Adam, a CPU), charged once per
 iteration to the last stage.
 
-Memory (:meth:`CostModel.memory_breakdown`): per device, parameters, gradients and Adam's two states by
-each tensor's stored form, inputs, the activations autograd saves for the backward
-(:data:`SAVED_FOR_BACKWARD`), a transient of twice the largest local activation during the backward,
-and the device model's allocator overhead. The peak is the larger of the backward phase (states +
-saved activations + transient, gradients growing as activations are freed) and the optimizer phase
-(parameters, gradients, states and one parameter-sized foreach temporary).
+Memory (:meth:`CostModel.memory_breakdown`, the model in :mod:`hapnb.memory`): per device, parameters,
+gradients and Adam's two states by each parameter's *stored* form, inputs, the activations autograd saves
+for the backward (:data:`SAVED_FOR_BACKWARD`), ZeRO-2's gathered copies, a transient of twice the largest
+local activation (plus the largest re-gathered parameter) during the backward, and the device model's
+allocator overhead. The peak is the larger of the backward phase and the optimizer phase. A parameter
+stored sharded and all-gathered before use (:class:`Load` ``zero`` 2 or 3, ZeRO / FSDP) costs an
+all-gather in the forward and a reduce-scatter of its gradient (ZeRO-3: another all-gather in the
+backward), :meth:`CostModel.zero_terms`.
 
 The search, the LP and :func:`evaluate` all use these same terms.
 """

@@ -61,7 +61,7 @@ class MemoryTracker:
         g, th, cm = s.graph, s.theory, s.cost_model
         self.g, self.th, self.cm, self.n = g, th, cm, s.n
         self.ratios = s.ratios
-        self.pins = s.pins
+        self.pins = {**s.pins, **s.storage}  # a storage pin: stored as its shard, never deferred
         self.alias = aliases(g)
         devs = s.cluster.devices
         self.names = s.cluster.names

@@ -34,6 +34,12 @@ priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first c
 minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
 and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
 
+**Memory** (``Search(..., memory=True)``, :mod:`hapnb.memsearch`): partial programs whose memory lower
+bound exceeds a device's capacity are pruned ("memory: ..." in :attr:`SearchEvent.pruned`); a parameter
+used replicated is loaded with its storage deferred (replicated, ZeRO-2 or ZeRO-3), priced at the cheapest
+and realized when the program completes (the cheapest storage that fits), and dominance also compares
+memory. Exact for fixed ratios among the programs that fit.
+
 >>> import hapnb
 >>> g = hapnb.zoo_graph("mlp", layers=2, hidden=16, batch=8, inputs=16)  # doctest: +SKIP
 """
