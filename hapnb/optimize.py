@@ -48,7 +48,7 @@ __all__ = [
 
 
 #: Expansion budget of a memory-aware search in the Q/B loop: ``MEMORY_EXPANSIONS +
-#: MEMORY_EXPANSIONS_PER_OP * ops`` (and at most ``max_expansions``), then up to 4 greedy dives. Its first
+#: MEMORY_EXPANSIONS_PER_OP * ops`` (and at most ``max_expansions``), then one greedy dive (four while none completed). Its first
 #: greedy dive already gives a program within a fraction of a percent of the optimum at those ratios on the
 #: GPT-48 benchmarks, while proving it can take 25x the expansions of the plain search (the memory-forced
 #: storage costs only show once many parameters are placed); ``stats["optimal"]`` says when a search
@@ -306,7 +306,7 @@ def optimize(
             budget = min(
                 budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
             )
-            dives = 4
+            dives = 1
         res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
         st = s.stats
         for k in ("expansions", "generated", "pruned_dominated", "pruned_bound"):

@@ -285,9 +285,10 @@ def _check_memory(plan: Plan) -> None:
 
 
 def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None) -> OutOfMemoryError:
-    """The error for "no program fits": what the leanest program hapnb builds needs (data parallel, every
-    parameter stored sharded and gathered before each use: ZeRO-3 / FSDP, at ratios proportional to memory),
-    the smallest uniform capacity that would hold it, and what fills the fullest device."""
+    """The error for "no program fits": the leaner of two programs at ratios proportional to memory (data
+    parallel with every parameter stored sharded and gathered before each use, ZeRO-3 / FSDP; and the
+    cheapest program ignoring memory), what it needs per device, the smallest uniform capacity that would
+    hold it, and what fills the fullest device."""
     g = th.graph
     cm = CostModel(th, c)
     lean: dict[str, Any] = dict(pins or {})
@@ -302,31 +303,39 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     caps = [d.memory_bytes for d in c.devices]
     ratios = [x / sum(caps) for x in caps]
     head = "no program fits in device memory (the search pruned every candidate that does not fit)"
-    try:
-        s = Search(th, c, ratios=ratios, pins=lean, options={"sfb": False, "grouped": False})
-        res = s.run(max_expansions=20_000)
-    except (NoProgramError, ValueError) as e:
-        return OutOfMemoryError(f"{head}; the leanest program could not be built either ({e}). {_TO_FIT}")
-    extra = s.final_conversions()
-    peak = cm.memory(res.program, extra, s.ratios)
-    per = [m / (d.memory_bytes / d.gpus) for m, d in zip(peak, c.devices)]
+    tried = []
+    for what, pins_, opts in (
+        ("data parallel, every parameter stored sharded and gathered before each use: ZeRO-3 / FSDP", lean,
+         {"sfb": False, "grouped": False}),
+        ("the cheapest program ignoring memory", dict(pins or {}), {}),
+    ):  # fmt: skip
+        try:
+            s = Search(th, c, ratios=ratios, pins=pins_, options=opts)
+            res = s.run(max_expansions=20_000)
+        except (NoProgramError, ValueError):
+            continue
+        peak = cm.memory(res.program, s.final_conversions(), s.ratios)
+        per = [m / (d.memory_bytes / d.gpus) for m, d in zip(peak, c.devices)]
+        tried.append((max(per), what, res.program, s.final_conversions(), s.ratios, peak, per))
+    if not tried:
+        return OutOfMemoryError(f"{head}; no program could be built to measure what it needs. {_TO_FIT}")
+    worst, what, prog, extra, r, peak, per = min(tried, key=lambda x: x[0])
     j = max(range(c.n), key=lambda k: (per[k], -k))
     d = c.devices[j]
     fill = ", ".join(
-        f"{k} {_size(v)}" for k, v in sorted(cm.memory_breakdown(res.program, extra, s.ratios)[j].items(),
-                                                     key=lambda kv: -kv[1]) if v
+        f"{k} {_size(v)}" for k, v in sorted(cm.memory_breakdown(prog, extra, r)[j].items(), key=lambda kv: -kv[1])
+        if v
     )  # fmt: skip
-    top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, res.program, extra, s.ratios, j))
+    top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, prog, extra, r, j))
     over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
     need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")
     return OutOfMemoryError(
-        f"{head}. The leanest program hapnb builds (data parallel, every parameter stored sharded and "
-        f"gathered before each use: ZeRO-3 / FSDP, ratios proportional to memory) needs {_size(peak[j])} "
-        f"on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need at least "
-        f"{max(per):.2f}x its memory"
+        f"{head}. The leanest program hapnb tried ({what}; ratios proportional to memory) needs "
+        f"{_size(peak[j])} on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need "
+        f"at least {worst:.2f}x its memory"
         + (f" (over: {need})" if need else "")
-        + f". What fills {d.name}: {fill}. "
-        f"Largest: {top}. " + _TO_FIT
+        + f". What fills {d.name}: {fill}. Largest: {top}. "
+        + _TO_FIT
     )
 
 
