@@ -166,8 +166,10 @@ class Search:
 
     ``ratios``: one list of per-device ratios per segment (a single flat list is used for every
     segment); default throughput-proportional. ``pins``: tensor name -> form (``hapnb.Shard(d)``,
-    ``hapnb.Replicate()``); names are parameter FQNs, input names or op-output names. ``duplex``: minimise
-    HiDup's duplex time (two micro-batches, see the module docstring) instead of the stage sum.
+    ``hapnb.Replicate()``, or a parameter storage ``hapnb.FullShard(d)`` / ``hapnb.ShardGradOp(d)``); names are
+    parameter FQNs, input names or op-output names. ``duplex``: minimise HiDup's duplex time (two
+    micro-batches, see the module docstring) instead of the stage sum. ``memory``: keep to every device's
+    memory (module docstring; ``options["zero"]=False`` leaves ZeRO storage out; not with ``duplex``).
     """
 
     def __init__(

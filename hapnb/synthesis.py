@@ -47,7 +47,7 @@ FINAL_CANDIDATES = 8
 
 
 class OutOfMemoryError(RuntimeError):
-    """The best plan does not fit in some device's memory."""
+    """No plan fits every device's memory (the message says what the leanest program needs and what fills it)."""
 
 
 @without_gc
@@ -82,6 +82,11 @@ def synthesize(
     ``duplex``: HiDup's duplex schedule (two micro-batches, one computing while the other communicates,
     :mod:`hapnb.duplex`): search and LP minimise the duplex time; the plan has ``duplex=True``,
     ``cost_s`` = its duplex time and ``stats["duplex"]`` True (its stages are the plain cost model's).
+
+    ``check_memory`` (default True): the plan fits every device's memory. The Q/B loop keeps to memory
+    where it binds (:func:`hapnb.optimize.optimize` ``memory``: memory-aware search with ZeRO-2/3 storage,
+    memory caps in the LP); plans that fit without it are unchanged; when nothing fits,
+    :class:`OutOfMemoryError` says what the leanest program needs. ``False``: memory is ignored.
 
     ``pick``: ``"simulated"`` (default): the loop's candidates (the :data:`FINAL_CANDIDATES` cheapest
     programs it balanced, and each baseline's program at the baseline's own ratios) are simulated with
