@@ -13,34 +13,9 @@ import torch
 
 import hapnb
 from hapnb.cli import main
-from hapnb.cluster import Cluster
-from hapnb.pipelines import PipelinePlan, PipelineStage
-from hapnb.run.pipelined import PipelineError, load_model, prepare, roles
+from hapnb.run.pipelined import PipelineError, load_model, manual_plan, prepare, roles
 
 LIMITS = dict(stall_timeout=120.0, timeout=300.0)  # nothing hangs: a stuck or slow run stops with an error
-
-
-def _plan(
-    model: str, options: dict, units: tuple, stages: list, schedule: str, micro_batches: int
-) -> PipelinePlan:
-    """Stages as ``(start, stop, shares)``: one device per share (V100s named in rank order)."""
-    n = sum(len(sh) for _, _, sh in stages)
-    names = iter(f"v100-{i}" for i in range(n))
-    st = tuple(
-        PipelineStage(k, (a, b), tuple(next(names) for _ in sh), tuple(sh))
-        for k, (a, b, sh) in enumerate(stages)
-    )
-    return PipelinePlan(
-        name=f"{model.split(':')[-1]}-{schedule}",
-        model=(("name", model), ("options", tuple(sorted(options.items())))),
-        cluster=Cluster.parse(f"{n}xV100"),
-        units=units,
-        stages=st,
-        schedule=schedule,
-        micro_batches=micro_batches,
-        batch=options["batch"],
-        method="manual",
-    )
 
 
 GPT = dict(devices=1, layers=3, batch=8, seq=8, hidden=16, heads=2, ff=32, vocab=32)
@@ -53,7 +28,7 @@ LM_UNITS = ("(input)", "blocks.0", "blocks.1", "blocks.2")
 @pytest.mark.slow
 def test_gpt_gpipe_uneven_stages_verify_and_launch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # stages of 2 and 3 units (one block, then two blocks and the head) on two ranks, four micro-batches
-    plan = _plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 5, (1.0,))], "GPipe", 4)
+    plan = manual_plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 5, (1.0,))], "GPipe", 4)
     assert plan.split_points() == ("blocks.1",)
     rep = hapnb.verify(plan, nproc=2, steps=3, optimizer="adam", **LIMITS)
     assert rep.ok, rep.text()
@@ -81,7 +56,7 @@ def test_gpt_gpipe_uneven_stages_verify_and_launch(tmp_path: Path, capsys: pytes
 @pytest.mark.slow
 def test_bert_1f1b_data_parallel_last_stage_verify() -> None:
     # the last stage (one layer, decoder and mean loss) on two devices splitting each micro-batch 3:1
-    plan = _plan(
+    plan = manual_plan(
         "bert", BERT, ("(input)", "layers.0", "layers.1"), [(0, 2, (1.0,)), (2, 3, (0.7, 0.3))], "1F1B", 2
     )
     assert roles(plan)[2].rows == (3, 1)
@@ -93,7 +68,7 @@ def test_bert_1f1b_data_parallel_last_stage_verify() -> None:
 @pytest.mark.slow
 def test_factory_data_parallel_first_stage_cli_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # an example factory; the first stage (embeddings + one block) on two devices, 3:1 rows per micro-batch
-    plan = _plan(
+    plan = manual_plan(
         "examples.factories:prenorm_lm", LM, LM_UNITS, [(0, 2, (0.75, 0.25)), (2, 4, (1.0,))], "GPipe", 2
     )
     assert roles(plan)[0].rows == (3, 1)
@@ -103,14 +78,14 @@ def test_factory_data_parallel_first_stage_cli_verify(tmp_path: Path, capsys: py
 
 
 def test_bad_plans_fail_before_any_rank_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    plan = _plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 5, (0.5, 0.5))], "GPipe", 2)
+    plan = manual_plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 5, (0.5, 0.5))], "GPipe", 2)
     with pytest.raises(PipelineError, match=r"one rank per device, 3 in all .* nproc=3, not 2"):
         hapnb.verify(plan, nproc=2)
     path = plan.save(tmp_path / "p.json")
     assert main(["launch", str(path), "--nproc", "4"]) == 2
     assert "the plan is for 3 devices" in capsys.readouterr().err
 
-    unknown = _plan(
+    unknown = manual_plan(
         "gpt", GPT, ("(input)", "blocks.0", "blocks.9"), [(0, 2, (1.0,)), (2, 3, (1.0,))], "GPipe", 2
     )
     with pytest.raises(
@@ -120,12 +95,12 @@ def test_bad_plans_fail_before_any_rank_starts(tmp_path: Path, capsys: pytest.Ca
     assert main(["verify", "--plan", str(unknown.save(tmp_path / "u.json")), "--quiet"]) == 1
     assert "blocks.9" in capsys.readouterr().err
 
-    few = _plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 4, (1.0,)), (4, 5, (1.0,))], "1F1B", 2)
+    few = manual_plan("gpt", GPT, GPT_UNITS, [(0, 2, (1.0,)), (2, 4, (1.0,)), (4, 5, (1.0,))], "1F1B", 2)
     with pytest.raises(PipelineError, match="1F1B schedule needs at least as many micro-batches as stages"):
         prepare(few, 3, trace=False)
 
     opts = dict(batch=4, seq=8, vocab=32, hidden=16)
-    tied = _plan(
+    tied = manual_plan(
         "examples.factories:tied_lm", opts, ("(input)", "norm"), [(0, 1, (1.0,)), (1, 2, (1.0,))], "GPipe", 1
     )
     with pytest.raises(PipelineError, match=r"shared across stages \[0, 1\]: embed.weight .* head.weight"):
@@ -135,7 +110,7 @@ def test_bad_plans_fail_before_any_rank_starts(tmp_path: Path, capsys: pytest.Ca
 def test_cut_is_checked_and_keeps_only_boundary_values() -> None:
     from hapnb.run.pipestage import StageProgram, split_model
 
-    model, inputs = load_model(_plan("gpt", GPT, GPT_UNITS, [(0, 5, (1.0,))], "GPipe", 1))
+    model, inputs = load_model(manual_plan("gpt", GPT, GPT_UNITS, [(0, 5, (1.0,))], "GPipe", 1))
     split = split_model(model, [x[:4] for x in inputs], ["blocks.1", "ln_f"], 3, dropout=False)
     # the targets go straight to the last stage; only the hidden state crosses each boundary
     assert split.carries == ((), (("out", 0, 0),), (("out", 1, 0),)) and split.root_inputs(2) == ("targets",)

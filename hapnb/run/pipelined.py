@@ -76,6 +76,7 @@ __all__ = [
     "Role",
     "load_model",
     "main",
+    "manual_plan",
     "prepare",
     "roles",
     "run_rank",
@@ -131,6 +132,46 @@ def roles(plan: PipelinePlan) -> tuple[Role, ...]:
         leader = next(i for i, n in enumerate(rows) if n > 0)
         out += [Role(r, st.index, i, ranks, rows, leader) for i, r in enumerate(ranks)]
     return tuple(out)
+
+
+def manual_plan(
+    model: str,
+    options: Mapping[str, Any],
+    units: Sequence[str],
+    stages: Sequence[tuple[int, int, Sequence[float]]],
+    schedule: str = "GPipe",
+    micro_batches: int = 1,
+    kind: str = "V100",
+) -> PipelinePlan:
+    """A pipeline plan written by hand: ``stages`` as ``(first unit, end unit, shares)`` with one device of
+    ``kind`` per share (named in rank order), the batch from ``options["batch"]``.
+
+    >>> p = manual_plan("gpt", {"layers": 2, "batch": 8}, ("(input)", "blocks.0", "blocks.1"),
+    ...                 [(0, 2, (1.0,)), (2, 3, (0.5, 0.5))], "GPipe", 2)
+    >>> p.split_points(), p.devices, p.micro_batch_size
+    (('blocks.1',), ('v100-0', 'v100-1', 'v100-2'), 4)
+    """
+    from ..cluster import Cluster
+    from ..pipelines import PipelineStage
+
+    n = sum(len(sh) for _, _, sh in stages)
+    cluster = Cluster.parse(f"{n}x{kind}")
+    names = iter(cluster.names)
+    built = tuple(
+        PipelineStage(k, (a, b), tuple(next(names) for _ in sh), tuple(float(x) for x in sh))
+        for k, (a, b, sh) in enumerate(stages)
+    )
+    return PipelinePlan(
+        name=f"{model.rpartition(':')[2]}-{schedule}-{'-'.join(str(b - a) for a, b, _ in stages)}",
+        model=(("name", model), ("options", tuple(sorted(options.items())))),
+        cluster=cluster,
+        units=tuple(units),
+        stages=built,
+        schedule=schedule,
+        micro_batches=micro_batches,
+        batch=int(options["batch"]),
+        method="manual",
+    )
 
 
 def load_model(plan: PipelinePlan, dtype: Any = None) -> tuple[Any, tuple[Any, ...]]:
@@ -349,7 +390,8 @@ def _train(
             code = torch.tensor([v for _, d in sharding.dims for v in (d or (-1, 0))], dtype=torch.int64)
         else:
             code = torch.zeros(2 * len(keys), dtype=torch.int64)
-        dist.broadcast(code.to(device), src=role.ranks[role.leader], group=group)
+        code = code.to(device)
+        dist.broadcast(code, src=role.ranks[role.leader], group=group)
         pairs = code.view(-1, 2).tolist()
         dims = tuple((k, None if d < 0 else (d, p)) for k, (d, p) in zip(keys, pairs))
         sharding = sharding or Sharding(role.rows, dims, ())

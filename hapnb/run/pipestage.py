@@ -203,8 +203,11 @@ def _structure(
     for s in range(stages):
         for k, node in zip(produces[s], _output_nodes(pipe.get_stage_module(s))):
             v = node.meta.get("val") if isinstance(node, fx.Node) else None
-            if v is not None:
-                metas[k] = (tuple(int(d) for d in v.shape), v.dtype)
+            if not isinstance(v, torch.Tensor):
+                raise PipelineError(
+                    f"{what}: stage {s} output {k[2]} is not a tensor with a traced shape ({v!r})"
+                )
+            metas[k] = (tuple(int(d) for d in v.shape), v.dtype)
     if metas.get(loss, ((0,), None))[0] != ():
         raise PipelineError(
             f"{what}: the model must return a scalar loss; it returns shape {metas.get(loss)}"
