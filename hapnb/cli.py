@@ -467,6 +467,8 @@ def _worker_argv(worker: str) -> tuple[str, ...]:
 
 def _format_metric(m: dict[str, Any]) -> str:
     parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
+    if "stage" in m:  # a pipeline plan's rank
+        parts.insert(1, f"stage {m['stage']}")
     for key, label in (("loss", "loss"), ("global_loss", "global")):
         if isinstance(m.get(key), (int, float)):
             parts.append(f"{label} {m[key]:.6g}")

@@ -58,7 +58,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -425,7 +424,8 @@ def _train(
 
     params = dict(program.body.named_parameters()) if program is not None else {}
     opt = make_optimizer(optimizer, list(params.values()), lr) if params else None
-    mean = (full or own).reduction == "mean" if (full or own) is not None else False
+    traced = full if full is not None else own
+    mean = traced is not None and traced.reduction == "mean"
     out: list[dict[str, Any]] = []
     losses: list[float] = []
     grads: dict[str, Any] = {}
@@ -476,11 +476,11 @@ def _train(
     if verify_out is not None:
         phase("save")
         named = dict(model.named_parameters(remove_duplicate=False))
-        groups = tied_groups({n: p.detach() for n, p in named.items()}, list(named))
+        tied = tied_groups({n: p.detach() for n, p in named.items()}, list(named))
         weights = {n: p.detach().cpu().clone() for n, p in params.items()}
         for table in (grads, weights):  # a tied parameter under each of its names, as the reference has it
             for n in list(table):
-                for alias in groups.get(n, ()):
+                for alias in tied.get(n, ()):
                     table.setdefault(alias, table[n])
         d = Path(verify_out)
         d.mkdir(parents=True, exist_ok=True)
@@ -568,42 +568,30 @@ def run_ranks(
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .worker import rank_options
+
     ap = argparse.ArgumentParser(
         prog="python -m hapnb.run.pipelined", description="Run one rank of a hapnb pipeline plan."
     )
     ap.add_argument("plan", help="pipeline plan JSON (hapnb pipeline -o)")
-    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
-    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
-    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
-    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
-    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
-    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    rank_options(ap)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hapnb.run.pipelined PLAN.json ...``; exit status 1 on any error (traceback on stderr)."""
-    from .worker import _write_line
+    from .worker import _write_line, rank_main
 
     args = _parser().parse_args(argv)
-    try:
-        run_rank(
+    return rank_main(
+        "hapnb.run.pipelined",
+        lambda: run_rank(
             args.plan, None, None, args.backend, args.steps,
             args.metrics if args.metrics is not None else args.metrics_fd,
             lr=args.lr, optimizer=args.optimizer, dropout=not args.no_dropout, dtype=args.dtype,
             verify_out=args.verify_out, timeout_s=args.timeout, heartbeat=lambda d: _write_line(sys.stdout, d),
-        )  # fmt: skip
-    except Exception:
-        rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"hapnb.run.pipelined rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        return 1
-    return 0
+        ),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ parallel over several devices (used by :mod:`hapnb.run.pipelined`, which documen
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -173,7 +174,7 @@ def _structure(
     for s, n in enumerate(subs):
         if n.kwargs:
             raise PipelineError(f"{what}: stage {s} of the cut takes keyword arguments; not supported")
-        gets = [u for u in n.users if u.op == "call_function" and u.target.__name__ == "getitem"]
+        gets = [u for u in n.users if u.op == "call_function" and u.target is operator.getitem]
         outs = _output_nodes(pipe.get_stage_module(s))
         if gets and len(gets) == len(n.users):
             for u in gets:

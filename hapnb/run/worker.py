@@ -60,7 +60,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main"]
+__all__ = [
+    "WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
+    "rank_options",
+]  # fmt: skip
 
 #: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
 WORKER_ARGV: tuple[str, ...] = ("-m", "hapnb.run.worker")
@@ -347,24 +350,31 @@ def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True
     return prog, DuplexRunner(prog.module, interleave=interleave), loss_scale(bundle.graph), micro
 
 
+def rank_options(ap: argparse.ArgumentParser) -> None:
+    """The options every hapnb rank command takes (this worker and :mod:`hapnb.run.pipelined`)."""
+    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
+    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
+    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
+    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
+    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hapnb.run.worker",
         description="Run one rank of a hapnb plan bundle (start it under torchrun).",
     )
     ap.add_argument("bundle", help="bundle folder (plan.json + program.pt2 + inputs.pt)")
-    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
-    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    rank_options(ap)
     ap.add_argument(
         "--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch"
     )
-    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
-    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
-    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
     ap.add_argument(
         "--grad-sync",
         default="buckets",
@@ -378,17 +388,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-interleave", action="store_true", help="duplex plans: run the two micro-batches one by one"
     )
-    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     return ap
+
+
+def rank_main(entry: str, run: Callable[[], Any]) -> int:
+    """Run a rank command's body: exit status 0, or 1 with ``entry``'s name, the rank and the traceback
+    on stderr (what the process supervisor quotes)."""
+    try:
+        run()
+    except Exception:
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write(f"{entry} rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: ``python -m hapnb.run.worker BUNDLE ...``; exit status 1 on any error."""
     args = _parser().parse_args(argv)
     metrics: Any = args.metrics if args.metrics is not None else args.metrics_fd
-    try:
-        run_worker(
+    return rank_main(
+        "hapnb.run.worker",
+        lambda: run_worker(
             args.bundle,
             None,
             None,
@@ -407,13 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bucket_cap=args.bucket_cap_bytes,
             first_bucket_cap=args.first_bucket_cap_bytes,
             interleave=not args.no_interleave,
-        )
-    except Exception:
-        rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"hapnb.run.worker rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        return 1
-    return 0
+        ),
+    )
 
 
 if __name__ == "__main__":
