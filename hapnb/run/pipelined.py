@@ -60,7 +60,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -277,7 +276,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from .worker import _Sink
+    from .worker import _Sink, init_group
 
     if not isinstance(plan, PipelinePlan):
         plan = PipelinePlan.load(plan)
@@ -303,17 +302,7 @@ def run_rank(
         )
 
     phase("connect")
-    created = False
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            raise RuntimeError(
-                "MASTER_PORT is not set: run the rank under torchrun (or set MASTER_ADDR/PORT)"
-            )
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
-        created = True
+    created = init_group(backend, rank, world_size, timeout_s)
     sink = _Sink(metrics_out, rank)
     try:
         return _train(plan, role, model, inputs, full, own, steps, lr, optimizer, verify_out, sink, phase,

@@ -409,13 +409,20 @@ def verify(
             bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress
         )
         checks = _checks(bundle.graph, recs, ref, steps, rtol, atol)
-        ok = all(c.ok for c in checks)
-        return VerifyReport(
-            ok, plan.name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0, rtol, atol
-        )
+        return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(
+    name: str, n: int, steps: int, dtype: str | None, checks: Sequence[TensorCheck], t0: float, rtol: float,
+    atol: float,
+) -> VerifyReport:  # fmt: skip
+    return VerifyReport(
+        all(c.ok for c in checks), name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0,
+        rtol, atol,
+    )  # fmt: skip
 
 
 def _verify_pipeline(
@@ -470,10 +477,7 @@ def _verify_pipeline(
                             kind, name, float("inf"), float("inf"), False, "missing in the pipeline run"
                         )
                     )
-        ok = all(c.ok for c in checks)
-        return VerifyReport(
-            ok, plan.name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0, rtol, atol
-        )
+        return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)

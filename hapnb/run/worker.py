@@ -62,7 +62,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
-    "rank_options",
+    "rank_options", "init_group",
 ]  # fmt: skip
 
 #: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
@@ -210,23 +210,8 @@ def run_worker(
             f"the plan in {bundle_dir} is for {plan.cluster.n} GPUs ({', '.join(plan.devices)}) "
             f"but the job has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
         )
-    created = False
     phase("connect")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            raise RuntimeError(
-                "MASTER_PORT is not set: run the worker under torchrun (or set MASTER_ADDR/PORT)"
-            )
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
-        created = True
-    elif dist.get_rank() != rank or dist.get_world_size() != world_size:
-        raise ValueError(
-            f"the initialised process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
-            f"not {rank}/{world_size}"
-        )
+    created = init_group(backend, rank, world_size, timeout_s)
     sink = _Sink(metrics_out, rank)
     try:
         if backend == "nccl":
@@ -329,6 +314,25 @@ def run_worker(
         sink.close()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def init_group(backend: str, rank: int, world_size: int, timeout_s: float) -> bool:
+    """Join the default process group from the environment (``env://``, as torchrun sets it) unless one
+    is initialised already (then it must be ``rank`` of ``world_size``); True when this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise ValueError(
+                f"the initialised process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"not {rank}/{world_size}"
+            )
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError("MASTER_PORT is not set: run the rank under torchrun (or set MASTER_ADDR/PORT)")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return True
 
 
 def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True, **gen: Any) -> Any:
