@@ -12,8 +12,9 @@ parallel over several devices (used by :mod:`hapnb.run.pipelined`, which documen
   later stage needs.
 * :class:`ShardedStage` (the stage leader's module) and :func:`serve` (the other devices of the stage)
   run one stage data parallel: the leader keeps its rows of every micro-batch and sends every other
-  device its rows; :class:`_Remote`, an autograd function, brings their outputs back and, in the
-  backward, sends them the output gradients and receives their input gradients. :class:`Sharding` says
+  device its rows; two autograd functions, :class:`_Dispatch` and :class:`_Collect`, send the rows out
+  before the leader computes its own and bring the outputs back after (backward: output gradients out,
+  input gradients back, the other devices' backward overlapping the leader's). :class:`Sharding` says
   which boundary values are batch-sized (split by rows, concatenated back) and which are whole (sent
   whole, gradients summed), found by comparing the traces at two row counts.
 """
@@ -470,10 +471,11 @@ def remote_keys(program: StageProgram, sharding: Sharding) -> tuple[Key, ...]:
 
 
 class ShardedStage(nn.Module):
-    """The leader's module of a data-parallel stage (the library's ``PipelineStage`` runs it): the
-    leader's own rows through ``program`` (traced at that many rows), the other devices' rows through
-    :class:`_Remote`; outputs concatenated in row order, the loss summed by ``sharding.weights``.
-    ``metas``: shape and dtype of every value at the full micro-batch."""
+    """The leader's module of a data-parallel stage (the library's ``PipelineStage`` runs it): it sends
+    the other devices their rows (:class:`_Dispatch`), computes its own rows through ``program`` (traced
+    at that many rows) meanwhile, then gathers their outputs (:class:`_Collect`): outputs concatenated
+    in row order, the loss summed by ``sharding.weights``. In the backward the other devices' backward
+    runs while the leader backpropagates its own rows. ``metas``: every value at the full micro-batch."""
 
     def __init__(
         self, program: StageProgram, sharding: Sharding, peers: Peers, me: int, metas: dict[Key, Any]
@@ -492,11 +494,12 @@ class ShardedStage(nn.Module):
             p.on_forward(mb)
         p.calls += 1
         env = p.bind(args, kwargs)
-        mine = p.compute({k: self.sharding.piece(k, env[k], self.me) for k in self.consumed})
-        # the anchor requires grad, so autograd runs _Remote.backward (the other devices' backward) even
-        # when no input does (the first stage)
+        # the anchor requires grad, so autograd runs the other devices' backward (_Collect, _Dispatch)
+        # even when no input does (the first stage)
         anchor = torch.zeros((), device=self.peers.device, requires_grad=True)
-        theirs = _Remote.apply(self, mb, anchor, *(env[k] for k in self.consumed))
+        token = _Dispatch.apply(self, mb, anchor, *(env[k] for k in self.consumed))
+        mine = p.compute({k: self.sharding.piece(k, env[k], self.me) for k in self.consumed})
+        theirs = _Collect.apply(self, mb, token)
         for k, r in zip(self.remote, theirs):
             d = self.sharding.dim(k)
             if d is None:  # the loss: each device's share weighted
@@ -512,23 +515,53 @@ class ShardedStage(nn.Module):
             self.peers.request(_END, 0, i)
 
 
-class _Remote(torch.autograd.Function):
-    """The other devices' part of a data-parallel stage: forward sends their rows and gathers their
-    outputs; backward sends their output gradients and gathers their input gradients."""
+class _Dispatch(torch.autograd.Function):
+    """Forward: send the other devices of the stage their rows of the values it reads (they compute
+    while the leader does). Backward: receive the gradients of those rows (whole values: summed)."""
 
     @staticmethod
     def forward(ctx: Any, st: ShardedStage, mb: int, anchor: torch.Tensor, *values: torch.Tensor) -> Any:  # type: ignore[override]
-        sh, peers = st.sharding, st.peers
+        ctx.st, ctx.meta = st, [(tuple(v.shape), v.dtype) for v in values]
+        for i in st.others:
+            st.peers.request(_FORWARD, mb, i)
+            for k, v in zip(st.consumed, values):
+                st.peers.send(st.sharding.piece(k, v, i), i)
+        return anchor.detach().clone()  # a token that orders _Collect after this
+
+    @staticmethod
+    def backward(ctx: Any, _token: torch.Tensor) -> Any:  # type: ignore[override]
+        st, sh, peers = ctx.st, ctx.st.sharding, ctx.st.peers
+        ins: list[torch.Tensor | None] = [
+            torch.zeros(s, dtype=t, device=peers.device) if st.grad_in and _floating(t) else None
+            for s, t in ctx.meta
+        ]
+        for i in st.others:
+            for j, (k, (shape, dtype)) in enumerate(zip(st.consumed, ctx.meta)):
+                acc = ins[j]
+                if acc is None:
+                    continue
+                got = peers.recv(sh.piece_shape(k, shape, i), dtype, i)
+                d = sh.dim(k)
+                if d is None:  # a whole value: every device's gradient adds up
+                    acc += got
+                else:
+                    acc.narrow(d[0], sh.offset(i) * d[1], sh.rows[i] * d[1]).copy_(got)
+        return (None, None, None, *ins)
+
+
+class _Collect(torch.autograd.Function):
+    """Forward: gather the other devices' outputs (rows in order; the loss weighted). Backward: send
+    them their output gradients and start their backward."""
+
+    @staticmethod
+    def forward(ctx: Any, st: ShardedStage, mb: int, token: torch.Tensor) -> Any:  # type: ignore[override]
+        sh = st.sharding
         ctx.st, ctx.mb = st, mb
-        ctx.meta = [(tuple(v.shape), v.dtype) for v in values]
         pieces: dict[Key, list[torch.Tensor]] = {k: [] for k in st.remote}
         for i in st.others:
-            peers.request(_FORWARD, mb, i)
-            for k, v in zip(st.consumed, values):
-                peers.send(sh.piece(k, v, i), i)
             for k in st.remote:
                 shape, dtype = st.metas[k]
-                got = peers.recv(sh.piece_shape(k, shape, i), dtype, i)
+                got = st.peers.recv(sh.piece_shape(k, shape, i), dtype, i)
                 pieces[k].append(got * sh.weights[i] if sh.dim(k) is None else got)
         outs = []
         for k in st.remote:
@@ -541,10 +574,6 @@ class _Remote(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         st, sh, peers = ctx.st, ctx.st.sharding, ctx.st.peers
         first = sh.offset(st.others[0])
-        ins: list[torch.Tensor | None] = [
-            torch.zeros(s, dtype=t, device=peers.device) if st.grad_in and _floating(t) else None
-            for s, t in ctx.meta
-        ]
         for i in st.others:
             peers.request(_BACKWARD, ctx.mb, i)
             for k, g in zip(st.remote, grads):
@@ -555,17 +584,7 @@ class _Remote(torch.autograd.Function):
                     peers.send(g * sh.weights[i], i)
                 else:
                     peers.send(g.narrow(d[0], (sh.offset(i) - first) * d[1], sh.rows[i] * d[1]), i)
-            for j, (k, (shape, dtype)) in enumerate(zip(st.consumed, ctx.meta)):
-                acc = ins[j]
-                if acc is None:
-                    continue
-                got = peers.recv(sh.piece_shape(k, shape, i), dtype, i)
-                d = sh.dim(k)
-                if d is None:  # a whole value: every device's gradient adds up
-                    acc += got
-                else:
-                    acc.narrow(d[0], sh.offset(i) * d[1], sh.rows[i] * d[1]).copy_(got)
-        return (None, None, None, *ins)
+        return (None, None, torch.zeros((), device=peers.device))
 
 
 def serve(

@@ -327,8 +327,9 @@ def verify(
     ``optimizer``: ``"sgd"`` (default) or ``"adam"``.
 
     A :class:`~hapnb.pipelines.PipelinePlan` runs one rank per plan device (:mod:`hapnb.run.pipelined`,
-    Adam by default) and is compared by model parameter name, a stage's weights on each of its devices;
-    the grad-sync options are for SPMD plans only.
+    Adam by default, the model rebuilt from the plan's spec) and is compared by model parameter name, a
+    stage's weights on each of its devices; ``model``, ``example_inputs``, ``worker`` and the grad-sync
+    options are for SPMD plans only.
     """
     rtol = (1e-7 if dtype == "float64" else 1e-3) if rtol is None else rtol
     atol = (1e-9 if dtype == "float64" else 1e-5) if atol is None else atol
@@ -336,6 +337,12 @@ def verify(
         if (grad_sync, bucket_cap, first_bucket_cap, interleave) != ("buckets", None, None, True):
             raise ValueError(
                 "grad_sync, bucket caps and interleave apply to SPMD plans, not to pipeline plans"
+            )
+        if model is not None or example_inputs is not None or tuple(worker) != WORKER_ARGV:
+            raise ValueError(
+                f"pipeline plan {plan.name}: its ranks rebuild the model from the plan's spec "
+                f"({plan.model_spec}) and run hapnb.run.pipelined; model, example_inputs and worker are "
+                "for SPMD plans"
             )
         return _verify_pipeline(
             plan, nproc, steps, backend=backend, dtype=dtype, rtol=rtol, atol=atol, timeout=timeout,
