@@ -27,9 +27,11 @@ What hapnb adds (:mod:`hapnb.run.pipestage`)
 * **Data parallelism inside a stage.** The library's schedules drive one rank per stage, so a stage with
   several devices shows the library only its leader (its first device with rows). Each micro-batch's
   samples are cut by the stage's ``shares`` into whole rows (:func:`hapnb.forms.shard_lengths`: floor,
-  then +1 to the largest deficit); the leader computes its rows and, inside an autograd function, sends
-  every other device its rows and receives their outputs (backward: their output gradients out, their
-  input gradients back), concatenating rows in device order; the other devices serve those requests.
+  then +1 to the largest deficit); through two autograd functions the leader sends every other device
+  its rows, computes its own meanwhile and gathers their outputs in device order (backward: their
+  output gradients out, their input gradients back, their backward beside the leader's); the other
+  devices serve those requests (:func:`hapnb.run.pipestage.serve`). Activations between stages pass
+  through the leaders only.
   After the schedule's step the stage's devices all-reduce their gradients (sum) and every one of them
   steps its optimizer, so the replicas stay equal. torch.export bakes the row count into shapes, so each
   device traces its stage at its own row count and the leader also at the full micro-batch, to tell
