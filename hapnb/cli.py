@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", metavar="HTML", help="write the simulated Gantt chart (bokeh) here")
 
     p = sub.add_parser("verify", help="run the plan on local ranks and compare with one device")
-    p.add_argument("--plan", help="a plan JSON (the plan records how to rebuild its model)")
+    p.add_argument("--plan", help="a plan JSON, SPMD or pipeline (the plan records how to rebuild its model)")
     _model_args(p, required=False)
     _cluster_args(p, required=False)
     _pin_args(p)
@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .run.launch import BACKENDS
 
     p = sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
-    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    p.add_argument(
+        "plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file (SPMD or pipeline) or a bundle directory"
+    )
     p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default: the plan's)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
@@ -414,17 +416,20 @@ class _VerifyProgress:
 
 def cmd_verify(ns: argparse.Namespace) -> int:
     from .codegen import CodegenError
+    from .pipelines import PipelinePlan, is_pipeline_json
     from .plan import Plan
     from .run.bundle import BundleError
+    from .run.pipelined import PipelineError
     from .run.verify import VerifyError, verify
 
     if ns.plan:
-        plan = Plan.load(ns.plan)
+        pipeline = is_pipeline_json(_read_json(ns.plan))
+        plan: Any = PipelinePlan.load(ns.plan) if pipeline else Plan.load(ns.plan)
     elif ns.model and ns.cluster:
         plan, _, _ = _synthesize(ns)
     else:
         raise SystemExit("hapnb verify: give --plan PLAN, or --model NAME and --cluster SPEC")
-    nproc = ns.nproc or plan.cluster.gpus
+    nproc = ns.nproc or (len(plan.devices) if isinstance(plan, PipelinePlan) else plan.cluster.gpus)
     try:
         rep = verify(
             plan,
@@ -440,11 +445,19 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             first_bucket_cap=ns.first_bucket_cap_bytes,
             interleave=not ns.no_interleave,
         )
-    except (VerifyError, BundleError, CodegenError) as e:
+    except (VerifyError, BundleError, CodegenError, PipelineError) as e:
         print(f"hapnb verify: {e}", file=sys.stderr)
         return 1
     print(rep)
     return 0 if rep.ok else 1
+
+
+def _read_json(path: str) -> Any:
+    """The JSON in ``path`` (None when unreadable: the plan loader then says why)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _worker_argv(worker: str) -> tuple[str, ...]:
@@ -454,6 +467,8 @@ def _worker_argv(worker: str) -> tuple[str, ...]:
 
 def _format_metric(m: dict[str, Any]) -> str:
     parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
+    if "stage" in m:  # a pipeline plan's rank
+        parts.insert(1, f"stage {m['stage']}")
     for key, label in (("loss", "loss"), ("global_loss", "global")):
         if isinstance(m.get(key), (int, float)):
             parts.append(f"{label} {m[key]:.6g}")
@@ -465,9 +480,10 @@ def _format_metric(m: dict[str, Any]) -> str:
 
 
 def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
-    from .run.launch import launch_commands, plan_bundle, slurm_script
+    from .run.launch import launch_commands, plan_bundle, slurm_script, worker_for
 
     src = Path(ns.plan)
+    worker = worker_for(src, worker)  # a pipeline plan runs hapnb.run.pipelined
     target = (Path(ns.bundle_dir) if ns.bundle_dir else src.with_suffix(".bundle")) if src.is_file() else None
     bundle, devices = plan_bundle(src, target)
     per_node = ns.nproc or (devices // ns.nnodes if devices else None)
