@@ -258,9 +258,8 @@ def ratio_lp(
         P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
         for j in range(n):
-            prob += (
-                P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j],
-                f"comp_{k}_{j}",
+            _at_least(
+                prob, f"comp_{k}_{j}", P, [(r[s][j], coef[s][j]) for s in range(S) if coef[s][j]], const[j]
             )
         for c, tm in enumerate(cm.step_terms(program[idx[0]])):
             if tm.slope == 0.0:
@@ -460,18 +459,29 @@ def _linear(cm: CostModel, fn, segs) -> tuple[dict[int, tuple[float, ...]], tupl
 def _epigraph(prob, name: str, rows, r) -> object:  # noqa: ANN001
     """A variable ``X >= sum_s coef[s][j] r[s][j] + const[j]`` for every device j; ``rows`` is a list of
     ``(coef, const, scale)`` summed per device."""
-    import pulp
-
     X = prob.add_variable(name, 0)
     n = len(r[0])
     for j in range(n):
-        expr = []
+        terms = []
         const = 0.0
         for coef, cst, k in rows:
             const += k * cst[j]
-            expr += [k * row[j] * r[s][j] for s, row in coef.items() if row[j]]
-        prob += X >= pulp.lpSum(expr) + const, f"{name}_{j}"
+            terms += [(r[s][j], k * row[j]) for s, row in coef.items() if row[j]]
+        _at_least(prob, f"{name}_{j}", X, terms, const)
     return X
+
+
+def _at_least(prob, name: str, X, terms, const: float) -> None:  # noqa: ANN001
+    """The row ``X >= sum(a * v for v, a in terms) + const`` (built directly: PuLP's operators copy
+    expressions, several times slower on LPs of thousands of rows)."""
+    import pulp
+
+    coef = {X.name: (X, 1.0)}
+    for v, a in terms:  # a variable may come several times: sum its coefficients
+        w = coef.get(v.name)
+        coef[v.name] = (v, -a if w is None else w[1] - a)
+    expr = pulp.LpAffineExpression(list(coef.values()), -const)
+    prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, name))
 
 
 def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa: ANN001
@@ -492,7 +502,7 @@ def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa
             prob += M >= unit * tm.const + unit * tm.slope * share, f"{name}_{j}"
     else:
         for j in range(n):
-            prob += M >= unit * tm.const + unit * tm.slope * r[tm.segment][j], f"{name}_{j}"
+            _at_least(prob, f"{name}_{j}", M, [(r[tm.segment][j], unit * tm.slope)], unit * tm.const)
     return M
 
 
@@ -509,12 +519,12 @@ def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r, unit: flo
     objective: list = []
     constant = 0.0
     inner_rows = []
-    for st in program:
+    for i, st in enumerate(program):
         for c, tm in enumerate(gradient_terms(cm, st)):  # once per iteration, full size
             if tm.slope == 0.0:
                 constant += unit * tm.const
             else:
-                objective.append(_comm_epigraph(prob, f"G_{id(st)}_{c}", tm, r, unit))
+                objective.append(_comm_epigraph(prob, f"G_{i}_{c}", tm, r, unit))
         for ld in st.loads:
             inner_rows.append(
                 (*_linear(cm, lambda rt, ld=ld: cm.load_comp(ld, rt), [cm.segment_of[ld.tensor]]), unit)

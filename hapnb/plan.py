@@ -378,7 +378,21 @@ class Plan:
             )
         if self.pins:
             lines.append("  pins: " + ", ".join(f"{t}={f}" for t, f in self.pins))
+        sens = self._known_sensitivity()
+        if sens is not None:
+            lines += sens.lines()
         return "\n".join(lines)
+
+    def _known_sensitivity(self) -> Any:
+        """:meth:`sensitivity` for a plan that carries its synthesis context (made in this process, or
+        re-planned once), else None: a summary never rebuilds a loaded plan's model. A failure shows as
+        None too (the summary and the display must not fail for it)."""
+        if self.context is None:
+            return None
+        try:
+            return self.sensitivity()
+        except Exception:  # noqa: BLE001 - optional part of a view
+            return None
 
     def __str__(self) -> str:
         return self.summary() + "\n" + "\n".join(f"  [{i.stage:3d}] {i}" for i in self.program)
@@ -386,7 +400,9 @@ class Plan:
     def _repr_html_(self) -> str:
         from . import display
 
-        return display.safe_html(display.plan_html, self)
+        sens = self._known_sensitivity()
+        extra = "" if sens is None else display.safe_html(display.sensitivity_html, sens)
+        return display.safe_html(display.plan_html, self) + extra
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:

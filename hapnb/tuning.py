@@ -38,6 +38,7 @@ from .cost import Conversion, CostModel, Load, Step
 from .duplex import duplex_cost
 from .forms import Form, parse_form
 from .graph import Graph
+from .optimize import without_gc
 from .plan import Plan, tuning_function
 from .search import NoProgramError, PinError, Search
 from .triples import Theory
@@ -306,6 +307,7 @@ class Sensitivity:
         return display.safe_html(display.sensitivity_html, self)
 
 
+@without_gc
 def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
     """What bounds ``plan``'s step (see the module docstring); cached in the plan's context."""
     ctx = _context(plan)
@@ -313,10 +315,28 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
     return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor)))
 
 
-def _changes(plan: Plan, steps: Sequence[Step], cm: CostModel) -> list[tuple[str, dict[str, Any]]]:
-    """The changes a sensitivity prices: every device, every collective kind the plan uses, and the
-    intra-machine link when a device is a machine of several GPUs."""
-    out: list[tuple[str, dict[str, Any]]] = [(d, {"device": d}) for d in plan.cluster.names]
+def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
+    """Device -> the first device the LP cannot tell it from: the same kind, flop/s, memory, GPUs, device
+    model and ratio pin (the LP is then symmetric in the two, so a change to either saves the same),
+    unless the program re-cuts tensors between ratio segments (a reshard's cost depends on the devices'
+    order)."""
+    names = plan.cluster.names
+    if any(cv.name == "reshard" for st in steps for cv in st.conversions):
+        return {d: d for d in names}
+    pins = {d: (lo, hi) for d, lo, hi in plan.ratio_pins}
+    first: dict[Any, str] = {}
+    out = {}
+    for d in plan.cluster.devices:
+        key = (d.kind, d.flops, d.memory_bytes, d.gpus, d.model, pins.get(d.name))
+        out[d.name] = first.setdefault(key, d.name)
+    return out
+
+
+def _changes(plan: Plan, twins: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """The changes a sensitivity prices: a device of each kind the LP can tell apart (:func:`_twins`),
+    every collective kind the plan uses, and the intra-machine link when a device is a machine of
+    several GPUs."""
+    out: list[tuple[str, dict[str, Any]]] = [(d, {"device": d}) for d in plan.cluster.names if twins[d] == d]
     used = _link_times(plan)
     out += [(k, {"collective": k}) for k, _ in plan.cluster.collectives if used.get(k, 0.0) > 0]
     if any(d.gpus > 1 for d in plan.cluster.devices):
@@ -342,7 +362,8 @@ def _sensitivity(plan: Plan, th: Theory, factor: float) -> Sensitivity:
     c = plan.cluster
     cm = CostModel(th, c)
     pins = parse_ratio_pins({d: (lo, hi) for d, lo, hi in plan.ratio_pins}, c.names)
-    changes = _changes(plan, steps, cm)
+    twins = _twins(plan, steps)
+    changes = _changes(plan, twins)
     clusters = [faster(c, factor=factor, **kw) for _, kw in changes]
     lp = ratio_lp(cm, steps, pins, duplex=plan.duplex)
     sol = solve_lp(lp, pins)
@@ -362,6 +383,7 @@ def _sensitivity(plan: Plan, th: Theory, factor: float) -> Sensitivity:
             plan.cost_s - _cost_at(CostModel(th, c2), steps, plan.ratios, plan.duplex) for c2 in clusters
         ]
     saving = {name: s for (name, _), s in zip(changes, savings)}
+    saving.update({d: saving[t] for d, t in twins.items()})
     stages, tight_of = _stage_bounds(plan, steps, cm, lp, sol, at_lp)
     devices = tuple(
         DeviceBound(
@@ -469,6 +491,7 @@ class WhatIf:
         return display.safe_html(display.what_if_html, self)
 
 
+@without_gc
 def what_if(
     plan: Plan,
     *,
@@ -563,6 +586,7 @@ class WhyNot:
         return display.safe_html(display.why_not_html, self)
 
 
+@without_gc
 def why_not(plan: Plan, pins: Mapping[str, Form | str]) -> WhyNot:
     """Why the search did not choose ``pins`` (tensor -> form): see :class:`WhyNot`."""
     if not pins:
@@ -608,13 +632,14 @@ def _diagnose(plan: Plan, th: Theory, pins: Mapping[str, str], max_steps: int = 
     deepest, reasons = -1, []
     for _ in range(max_steps):
         ev = s.step()
-        if ev.popped is None or ev.done and not ev.children and not ev.pruned:
+        if ev.popped is None:
             break
-        pos = ev.popped.position
-        if not ev.children and ev.pruned and pos >= deepest:
+        if not ev.popped.complete and not ev.children:  # a dead end: every child was pruned
+            pos = ev.popped.position
             if pos > deepest:
                 deepest, reasons = pos, []
-            reasons += [r for _, r in ev.pruned if r not in reasons]
+            if pos == deepest:
+                reasons += [r for _, r in ev.pruned if r not in reasons]
         if ev.done:
             break
     if deepest < 0:
