@@ -36,7 +36,7 @@ from .cluster import Cluster, Collective, Device
 from .forms import Form, parse_form
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
-from .synthesis import replan, synthesize
+from .synthesis import context_of, replan, synthesize
 from .triples import Theory, theory
 from .tuning import WhatIf, WhyNot, rebuild_graph, what_if
 
@@ -279,7 +279,7 @@ class Session:
                         "name"
                     ) from None
                 plan = dataclasses.replace(plan, graph=graph)  # re-planning reuses the rebuilt graph
-            self.theory = theory(graph)
+            self.theory = context_of(plan).theory  # the plan's own (segmented as it was made)
         else:
             if cluster is None:
                 raise ValueError(
@@ -478,7 +478,8 @@ class Session:
             stats=self.search.stats,
             model=dict(self._model_spec) if self._model_spec else None,
         )
-        return self._set_plan(plan)
+        # the same model and synthesis settings: it re-plans with the current plan's context
+        return self._set_plan(dataclasses.replace(plan, context=self.plan.context))
 
     # ============================================================================ pins
     @property
