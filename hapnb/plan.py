@@ -325,10 +325,10 @@ class Plan:
         difference per stage block, or where no program satisfies them (:class:`hapnb.tuning.WhyNot`)."""
         return tuning_function("why_not")(self, pins)
 
-    def sensitivity(self) -> Any:
-        """What bounds the step: binding devices per stage and what a faster device or collective would
-        save, from the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
-        return tuning_function("sensitivity")(self)
+    def sensitivity(self, factor: float = 1.1) -> Any:
+        """What bounds the step: binding devices per stage and what a device or collective ``factor``
+        times faster would save, from the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
+        return tuning_function("sensitivity")(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the stages per device (needs bokeh)."""

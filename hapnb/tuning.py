@@ -312,7 +312,9 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
     """What bounds ``plan``'s step (see the module docstring); cached in the plan's context."""
     ctx = _context(plan)
     key = (plan.cluster, plan.program, plan.ratios, plan.ratio_pins, plan.duplex, plan.cost_s, float(factor))
-    return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor)))
+    r = ctx.args.get("ratios")
+    fixed = r is not None and not isinstance(r, Mapping)  # made with ratios=[...]: no LP re-balances them
+    return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed))
 
 
 def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
@@ -357,7 +359,7 @@ def _cost_at(cm: CostModel, steps: Sequence[Step], ratios: Any, duplex: bool) ->
     return duplex_cost(cm, steps, ratios) if duplex else cm.evaluate(steps, ratios).cost_s
 
 
-def _sensitivity(plan: Plan, th: Theory, factor: float) -> Sensitivity:
+def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitivity:
     steps, _ = program_steps(plan, th)
     c = plan.cluster
     cm = CostModel(th, c)
@@ -367,7 +369,7 @@ def _sensitivity(plan: Plan, th: Theory, factor: float) -> Sensitivity:
     clusters = [faster(c, factor=factor, **kw) for _, kw in changes]
     lp = ratio_lp(cm, steps, pins, duplex=plan.duplex)
     sol = solve_lp(lp, pins)
-    at_lp = abs(sol.cost - plan.cost_s) <= 1e-6 * max(abs(plan.cost_s), 1e-15)
+    at_lp = not fixed and abs(sol.cost - plan.cost_s) <= 1e-6 * max(abs(plan.cost_s), 1e-15)
     if at_lp:
         others = [
             ratio_lp(CostModel(th, c2), steps, pins, duplex=plan.duplex, unit=lp.unit) for c2 in clusters
