@@ -311,9 +311,18 @@ class Sensitivity:
 def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
     """What bounds ``plan``'s step (see the module docstring); cached in the plan's context."""
     ctx = _context(plan)
-    key = (plan.cluster, plan.program, plan.ratios, plan.ratio_pins, plan.duplex, plan.cost_s, float(factor))
     r = ctx.args.get("ratios")
     fixed = r is not None and not isinstance(r, Mapping)  # made with ratios=[...]: no LP re-balances them
+    key = (
+        plan.cluster,
+        plan.program,
+        plan.ratios,
+        plan.ratio_pins,
+        plan.duplex,
+        plan.cost_s,
+        float(factor),
+        fixed,
+    )
     return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed))
 
 
