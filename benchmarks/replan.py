@@ -49,7 +49,7 @@ def timed(fn: Any) -> tuple[Any, float, float]:
 
 def snapshot(memo: Memo) -> Memo:
     """A copy of the memo's tables (the per-ratio cost dicts too: searches add to them)."""
-    out = Memo(memo.limit)
+    out = Memo(memo.limit, memo.limits)
     out.tables = {k: dict(v) for k, v in memo.tables.items()}
     out.tables["shared"] = {
         k: {n: dict(d) for n, d in v.items()} for k, v in out.tables.get("shared", {}).items()

@@ -33,7 +33,6 @@ _LAZY = {
     "synthesize": "synthesis",
     "baselines": "synthesis",
     "OutOfMemoryError": "synthesis",
-    "replan": "synthesis",
     "Plan": "synthesis",  # the same class as hapnb.plan.Plan; synthesis registers Plan.replan & co
     "PipelinePlan": "pipelines",
     "simulate": "simulation",

@@ -119,11 +119,13 @@ class Memo:
     """Results of searches and LPs on one theory, keyed by everything they depend on (the cluster, the
     ratios, the pins, the search options and budget; the program and the ratio pins), for reuse by later
     :func:`optimize` calls (a searched result is reused only when no time limit could have cut it short).
-    ``reused`` / ``computed`` count the lookups by kind. The tables are cleared when they grow past
-    ``limit`` entries each (an interactive session makes many plans)."""
+    ``reused`` / ``computed`` count the lookups by kind. A table is cleared when it grows past its limit
+    (``limits[kind]``, else ``limit`` entries: an interactive session makes many plans; whole plans are
+    large, so few of them are kept)."""
 
-    def __init__(self, limit: int = 512) -> None:
+    def __init__(self, limit: int = 512, limits: Mapping[str, int] | None = None) -> None:
         self.limit = limit
+        self.limits = {"plan": 32, "shared": 64, **(limits or {})}
         self.tables: dict[str, dict[Any, Any]] = {}
         self.reused: dict[str, int] = {}
         self.computed: dict[str, int] = {}
@@ -141,7 +143,7 @@ class Memo:
                 value = make()
             except (NoProgramError, ValueError, RuntimeError) as e:
                 value = _Raised(e)
-            if len(table) >= self.limit:
+            if len(table) >= self.limits.get(kind, self.limit):
                 table.clear()
             table[key] = value
         if isinstance(value, _Raised):
@@ -151,7 +153,7 @@ class Memo:
     def shared(self, key: Any) -> dict[str, Any]:
         """A dict of costs shared by the searches at ``key`` (cluster and ratios), see ``Search(shared=)``."""
         table = self.tables.setdefault("shared", {})
-        if key not in table and len(table) >= min(self.limit, 64):  # each holds a cost per op and strategy
+        if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
             table.clear()
         return table.setdefault(key, {})
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .balance import lp_changes, parse_ratio_pins, ratio_lp, row_role, solve_lp
 from .cluster import Cluster, Collective
@@ -184,6 +184,23 @@ def _change_label(device: str | None, collective: str | None, link: bool, factor
     return f"{INTRA_MACHINE} bandwidth {pct}"
 
 
+class _Shown:
+    """A tuning answer: ``str()`` is its :meth:`summary`, a notebook shows its renderer's HTML."""
+
+    _renderer: ClassVar[str] = ""
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(getattr(display, self._renderer), self)
+
+
 # ============================================================================================ sensitivity
 
 
@@ -223,12 +240,14 @@ class StageBound:
 
 
 @dataclass(frozen=True)
-class Sensitivity:
+class Sensitivity(_Shown):
     """What bounds a plan's step (:func:`sensitivity`). ``basis``: ``"lp"`` (first order by the ratio LP's
     duals: the ratios re-balance with the change) or ``"fixed ratios"`` (the plan's ratios are not the
     LP's optimum: its cost re-priced at those ratios). ``factor``: the speed-up each saving is for.
     ``other``: other tight LP rows with their dual values (seconds per unit of the row), e.g. ratio
     pins or constraints a later LP adds."""
+
+    _renderer: ClassVar[str] = "sensitivity_html"
 
     plan: str
     cluster: str
@@ -297,14 +316,6 @@ class Sensitivity:
         for name, pi in self.other:
             lines.append(f"  tight row {name}: dual {pi:.4g}")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def _repr_html_(self) -> str:
-        from . import display
-
-        return display.safe_html(display.sensitivity_html, self)
 
 
 @without_gc
@@ -472,9 +483,11 @@ def _stage_bounds(
 
 
 @dataclass(frozen=True)
-class WhatIf:
+class WhatIf(_Shown):
     """One "what if" edit (:func:`what_if`): ``predicted_s``, the saving the LP's duals predict (None when
     the change is not one :func:`sensitivity` prices), and the plan re-planned on the edited cluster."""
+
+    _renderer: ClassVar[str] = "what_if_html"
 
     change: str
     cost_s: float
@@ -492,14 +505,6 @@ class WhatIf:
             f"{self.change}: re-planned {self.replanned.cost_s * 1e3:.4g} ms (saves {self.replanned_s * 1e3:.4g} ms); "
             f"the duals predicted {pred}"
         )
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def _repr_html_(self) -> str:
-        from . import display
-
-        return display.safe_html(display.what_if_html, self)
 
 
 @without_gc
@@ -543,10 +548,12 @@ class BlockDiff:
 
 
 @dataclass(frozen=True)
-class WhyNot:
+class WhyNot(_Shown):
     """The answer of :func:`why_not`: the asked ``pins`` and either ``other``, the best plan with them
     (``blocks``: where it differs from the chosen plan), or ``reason`` (and ``where``: the pin or op) why
     no program satisfies them. ``already``: the chosen plan already gives those forms."""
+
+    _renderer: ClassVar[str] = "why_not_html"
 
     pins: tuple[tuple[str, str], ...]
     cost_s: float
@@ -587,14 +594,6 @@ class WhyNot:
                 + (f"; communicates {', '.join(b.other_comm)}" if b.other_comm else "")
             )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def _repr_html_(self) -> str:
-        from . import display
-
-        return display.safe_html(display.why_not_html, self)
 
 
 @without_gc

@@ -14,8 +14,8 @@ from hapnb.cluster import Cluster
 from hapnb.cost import CostModel
 from hapnb.plan import Plan, make_plan
 from hapnb.search import PinError
-from hapnb.synthesis import synthesize
-from hapnb.tuning import faster, program_steps
+from hapnb.synthesis import replan, synthesize
+from hapnb.tuning import faster, program_steps, what_if
 
 CLUSTER = "2xV100+2xP100"
 MLP = zoo.TINY["mlp"]
@@ -94,7 +94,7 @@ def test_replan_errors_are_clear(mlp):
         fixed.replan(ratio_pins={"p100-0": 0.1})
     assert _timeless(fixed.replan(pins={"x": "G0"})).ratios == fixed.ratios
     with pytest.raises(TypeError, match="unknown synthesize argument"):
-        hapnb.replan(mlp, colour="red")
+        replan(mlp, colour="red")
     with pytest.raises(PinError, match="no tensor"):
         mlp.replan(pins={"nope": "G0"})
     with pytest.raises(ValueError, match="cannot be satisfied"):
@@ -173,7 +173,7 @@ def test_sensitivity_at_fixed_ratios_re_prices_the_plan():
 
 
 def test_what_if_re_plans_next_to_the_prediction(gpt):
-    w = hapnb.tuning.what_if(gpt, device="p100-0", factor=1.5)
+    w = what_if(gpt, device="p100-0", factor=1.5)
     assert _timeless(w.replanned) == _timeless(
         gpt.replan(cluster=faster(gpt.cluster, device="p100-0", factor=1.5))
     )
