@@ -150,6 +150,12 @@ class Memo:
             raise value.error
         return value
 
+    def token(self, value: Any) -> int:
+        """A small int standing for ``value`` (e.g. a cluster) in keys, hashed once per call instead of once
+        per key; stable for the memo's life (the token table is never cleared)."""
+        tokens = self.tables.setdefault("token", {})
+        return tokens.setdefault(value, len(tokens))
+
     def shared(self, key: Any) -> dict[str, Any]:
         """A dict of costs shared by the searches at ``key`` (cluster and ratios), see ``Search(shared=)``."""
         table = self.tables.setdefault("shared", {})
@@ -293,6 +299,7 @@ def optimize(
     ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
     """
     c = cluster
+    ck = None if memo is None else memo.token(c)  # the cluster in memo keys
     cm = CostModel(th, c)
     form_pins = dict(pins or {})
     fixed: tuple[tuple[float, ...], ...] | None = None
@@ -322,7 +329,7 @@ def optimize(
     }
 
     def run_search(ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool]) -> _Searched:
-        shared = None if memo is None else memo.shared((c, tuple(map(tuple, ratios_))))
+        shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
         s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared)
         seed_exp, seed_s = 0, 0.0
         if duplex:
@@ -340,7 +347,7 @@ def optimize(
     ) -> tuple[Any, _Searched]:
         merged = {**(options or {}), **(opts or {})}
         if memo is not None and max_seconds is None:
-            key = (c, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), duplex, max_expansions)
+            key = (ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), duplex, max_expansions)
             out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged))
         else:
             out = run_search(ratios_, pins_, merged)
@@ -371,7 +378,7 @@ def optimize(
                 bal = balance(cm, prog, ratio_pins, duplex=duplex)
             else:
                 bal = memo.get(
-                    "lp", (c, prog, ratio_pins, duplex), lambda: balance(cm, prog, ratio_pins, duplex=duplex)
+                    "lp", (ck, prog, ratio_pins, duplex), lambda: balance(cm, prog, ratio_pins, duplex=duplex)
                 )
             ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
             stats["balance_s"] += b_sec

@@ -156,6 +156,7 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
     )
 
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
+    ck = ctx.memo.token(c)
 
     def package(k: Candidate, stats: Mapping[str, Any], simulated_s: float | None = None) -> Plan:
         """The candidate as a Plan with its simulated time (memoised on everything the plan depends on)."""
@@ -179,7 +180,7 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
             sim = simulate(plan).iteration_s if simulated_s is None else simulated_s
             return dataclasses.replace(plan, simulated_s=sim)
 
-        key = (c, k, duplex, best.history, best.ratio_pins, frozen_pins, freeze_mapping(stats), a["segments"],
+        key = (ck, k, duplex, best.history, best.ratio_pins, frozen_pins, freeze_mapping(stats), a["segments"],
                freeze_mapping(options), freeze_mapping(ctx.spec))  # fmt: skip
         return ctx.memo.get("plan", key, make)
 
@@ -191,7 +192,7 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
             made.append(package(k, best.stats))
             return made[0].simulated_s  # type: ignore[return-value]
 
-        key = (c, k.program, k.extra, k.ratios, k.cost_s, duplex)
+        key = (ck, k.program, k.extra, k.ratios, k.cost_s, duplex)
         return ctx.memo.get("simulate", key, run), (made[0] if made else None)
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
