@@ -404,7 +404,9 @@ def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitiv
         savings = [
             plan.cost_s - _cost_at(CostModel(th, c2), steps, plan.ratios, plan.duplex) for c2 in clusters
         ]
-    saving = {name: s for (name, _), s in zip(changes, savings)}
+    # a faster device or link never makes the optimum worse: what is below zero is the solver's rounding
+    tiny = 1e-9 * abs(plan.cost_s)
+    saving = {name: 0.0 if abs(s) <= tiny else s for (name, _), s in zip(changes, savings)}
     saving.update({d: saving[t] for d, t in twins.items()})
     stages, tight_of = _stage_bounds(plan, steps, cm, lp, sol, at_lp)
     devices = tuple(
