@@ -304,7 +304,9 @@ def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = ()) -> LPSolution:
     values = {v.name: float(v.value() or 0.0) for v in prob.variables()}
     rows = lp.rows()
     duals = {name: float(c.pi or 0.0) for name, c in rows.items()}
-    slacks = {name: float(c.slack or 0.0) for name, c in rows.items()}
+    # each row's value at the optimum (``expr + constant``, >= 0 for a ">=" row), computed here rather than
+    # read from the solver: not every PuLP solver interface reports slacks
+    slacks = {name: _at(c, values) for name, c in rows.items()}
     cost = float(pulp.value(prob.objective) or 0.0) / lp.unit
     return LPSolution(tuple(ratios), cost, values, duals, slacks, lp.unit, solver_name())
 

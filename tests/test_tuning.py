@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-import hapnb
 from hapnb import zoo
 from hapnb.balance import lp_changes, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.cluster import Cluster
@@ -117,27 +116,33 @@ def _resolved(plan: Plan, cluster: Cluster) -> float:
     return solve_lp(ratio_lp(CostModel(th, cluster), steps, pins), pins).cost
 
 
-@pytest.mark.parametrize("tangent", ["highs", "pulp"])
+@pytest.mark.parametrize("tangent", ["highs", "pulp", "cbc"])
 def test_dual_predictions_match_re_solved_lps(gpt, monkeypatch, tangent):
-    """First order by the duals == the LP re-solved for a small change (and close for +10 %)."""
-    if tangent == "pulp":  # the solver-independent path of the tangent LP
-        import hapnb.balance as balance_module
+    """First order by the duals == the LP re-solved for a small change (and close for +10 %), with the
+    tangent LP in HiGHS, through PuLP, and with CBC (the fallback solver) for every LP."""
+    import hapnb.balance as balance_module
 
+    if tangent == "pulp":  # the solver-independent path of the tangent LP
         monkeypatch.setattr(balance_module._Tangent, "_build_highs", lambda self: None)
+    if tangent == "cbc":
+        monkeypatch.setattr(balance_module, "solver_name", lambda: "CBC")
     th = gpt.context.theory
     steps, _ = program_steps(gpt, th)
     cm = CostModel(th, gpt.cluster)
     lp = ratio_lp(cm, steps)
     sol = solve_lp(lp)
-    assert sol.cost == pytest.approx(gpt.cost_s, rel=1e-6)
+    # CBC goes through a file with fewer digits: its optimum is good to ~1e-6, so its changes are tested
+    # at 1 % (a smaller change would drown in that), HiGHS' at 0.01 %
+    small, tol = (1e-2, 0.05) if tangent == "cbc" else (1e-4, 1e-3)
+    assert sol.cost == pytest.approx(gpt.cost_s, rel=1e-5)
     changes = [dict(device="v100-0"), dict(device="p100-1"), dict(collective="all_reduce")]
-    for eps in (1e-4, 0.1):
+    for eps in (small, 0.1):
         clusters = [faster(gpt.cluster, factor=1 + eps, **kw) for kw in changes]
         predicted = lp_changes(lp, sol, [ratio_lp(CostModel(th, c), steps) for c in clusters])
         for kw, c, p in zip(changes, clusters, predicted):
             actual = _resolved(gpt, c) - sol.cost
             assert actual < 0 and p is not None, kw
-            assert p == pytest.approx(actual, rel=1e-3 if eps < 1e-3 else 0.15), (kw, eps)
+            assert p == pytest.approx(actual, rel=tol if eps == small else 0.15), (kw, eps)
 
 
 def test_sensitivity_of_a_plan(gpt):
