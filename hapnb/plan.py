@@ -37,6 +37,10 @@ __all__ = [
 
 PLAN_FORMAT = 1
 
+#: the largest ratio LP (stages x devices) whose sensitivity a plan's summary and HTML compute by themselves
+#: (BERT-12 on 8 devices: 600; each change builds the LP once more)
+SUMMARY_SENSITIVITY_ROWS = 10_000
+
 #: name -> function behind Plan.replan / why_not / sensitivity and a plan's synthesis context
 _TUNING: dict[str, Callable[..., Any]] = {}
 
@@ -381,13 +385,16 @@ class Plan:
         sens = self._known_sensitivity()
         if sens is not None:
             lines += sens.lines()
+        elif self.context is not None:
+            lines.append("  what bounds the step: plan.sensitivity() (not computed for a plan this large)")
         return "\n".join(lines)
 
     def _known_sensitivity(self) -> Any:
         """:meth:`sensitivity` for a plan that carries its synthesis context (made in this process, or
-        re-planned once), else None: a summary never rebuilds a loaded plan's model. A failure shows as
-        None too (the summary and the display must not fail for it)."""
-        if self.context is None:
+        re-planned once) and whose ratio LP has at most :data:`SUMMARY_SENSITIVITY_ROWS` computation rows,
+        else None: a summary never rebuilds a loaded plan's model, nor builds LPs of minutes. A failure
+        shows as None too (the summary and the display must not fail for it)."""
+        if self.context is None or len(self.stages) * self.cluster.n > SUMMARY_SENSITIVITY_ROWS:
             return None
         try:
             return self.sensitivity()

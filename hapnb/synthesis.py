@@ -274,14 +274,15 @@ def replan(
             "None for the LP) to replan"
         )
     if not fixed:
-        rp: dict[str, Any] = {d: (lo, hi) for d, lo, hi in plan.ratio_pins}
+        # the plan's ratio pins on devices the cluster still has, then the asked ones (checked by name)
+        rp: dict[str, Any] = {d: (lo, hi) for d, lo, hi in plan.ratio_pins if d in c.names}
         for k, v in (ratio_pins or {}).items():
             if v is None:
                 rp.pop(k, None)
             else:
                 rp[k] = v
         if "ratios" not in overrides:
-            args["ratios"] = {d: v for d, v in rp.items() if d in c.names} or None
+            args["ratios"] = rp or None
     run = ctx if args == ctx.args else _derived(ctx, args)
     out = _synthesize(run, c, merged_pins, t0)
     if plan.model and not ctx.spec:
