@@ -33,7 +33,7 @@ _LAZY = {
     "synthesize": "synthesis",
     "baselines": "synthesis",
     "OutOfMemoryError": "synthesis",
-    "Plan": "plan",
+    "Plan": "synthesis",  # the same class as hapnb.plan.Plan; synthesis registers Plan.replan & co
     "PipelinePlan": "pipelines",
     "simulate": "simulation",
     "Timeline": "simulation",

@@ -173,8 +173,12 @@ class Search:
         *,
         options: Mapping[str, bool] | None = None,
         duplex: bool = False,
+        shared: dict[str, Any] | None = None,
     ) -> None:
         t0 = time.perf_counter()
+        # costs that depend only on the theory, the cluster and the ratios (not on pins or options), shared
+        # by the searches of one re-planning context at the same ratios (hapnb.optimize.Memo.shared)
+        self._shared: dict[str, Any] = {} if shared is None else shared
         self.duplex = bool(duplex)
         self.theory = graph if isinstance(graph, Theory) else build_theory(graph)
         self.graph = g = self.theory.graph
@@ -230,6 +234,7 @@ class Search:
             for t in set(op.inputs):
                 n_consumers[t] += 1
         self._ops: list[list[_Compiled]] = []
+        comp_of = self._shared.setdefault("comp", {})
         lb = []
         for op, ss in zip(g.ops, th.strategies):
             comp_list = []
@@ -255,7 +260,10 @@ class Search:
                         # always recorded (free while the two segments' cuts agree), so that the LP may
                         # change the segments' ratios independently
                         resh.append(Conversion(t, "reshard", f, f, op.segment))
-                comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs, tuple(resh)))
+                comp = comp_of.get((op.id, s))
+                if comp is None:
+                    comp = comp_of[(op.id, s)] = cm.comp(op.id, s, self.ratios)
+                comp_list.append(_Compiled(s, comp, out_bits, needs, tuple(resh)))
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
@@ -266,7 +274,7 @@ class Search:
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
         self._rem = rem
-        self._term_cache: dict[Any, float] = {}
+        self._term_cache: dict[Any, float] = self._shared.setdefault("terms", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
@@ -369,7 +377,7 @@ class Search:
                 v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
             return v
 
-        conv_cache: dict[tuple[int, Form, Form], float] = {}
+        conv_cache: dict[tuple[int, Form, Form], float] = self._shared.setdefault("conv", {})
 
         def conv(ti: int, a: Form, b: Form) -> float:
             if a == b:

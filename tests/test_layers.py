@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triples",),
     ("devices", "cluster", "cost"),
     ("search", "balance", "optimize", "duplex"),
-    ("plan", "simulation", "synthesis", "pipelines"),
+    ("plan", "simulation", "synthesis", "pipelines", "tuning"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),
     ("cli",),

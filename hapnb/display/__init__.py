@@ -10,7 +10,7 @@ traceback.
 
 Modules: ``basics`` (escaping, tables, units, form notation), ``drawings`` (graphviz), ``tables`` (graph,
 cluster, theory, search HTML), ``plans`` (plan HTML, diffs, sharding, static timeline), ``charts`` (bokeh
-Gantt), ``report`` (a whole page).
+Gantt), ``report`` (a whole page), ``tuning`` (what bounds the step, why not, what if).
 
 Renderers (all accept the value as first argument):
 
@@ -19,7 +19,8 @@ HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kin
                         ids), ``search_html``, ``frontier_html``, ``plan_html``, ``history_html``,
                         ``plan_diff_html(old, new)``, ``sharding_html(plan, tensor)``,
                         ``cluster_html``, ``gantt_svg`` (static timeline, no JavaScript),
-                        ``report_html(plan, baselines=...)`` (a whole self-contained page)
+                        ``report_html(plan, baselines=...)`` (a whole self-contained page),
+                        ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.tuning's values)
 graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
                         depth=2, event=None)``, ``proof_dot(plan)``; ``svg(drawing)`` renders one to
                         an SVG string (``None`` when the ``dot`` program is missing)
@@ -55,6 +56,7 @@ from .tables import (
     theory_html,
     triple_text,
 )
+from .tuning import sensitivity_html, what_if_html, why_not_html
 
 __all__ = [
     "safe_html",
@@ -73,6 +75,9 @@ __all__ = [
     "gantt_html",
     "gantt_svg",
     "report_html",
+    "sensitivity_html",
+    "why_not_html",
+    "what_if_html",
     "graph_dot",
     "search_tree_dot",
     "proof_dot",
