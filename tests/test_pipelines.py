@@ -6,6 +6,7 @@ space), then the public entry points (hapnb.pipeline, hapnb pipeline)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
 import math
@@ -22,7 +23,7 @@ from hapnb.pipelines import PipelinePlan
 from hapnb.pipelines.costs import LayerCosts, UnitCost, find_units, layer_costs, model_costs
 from hapnb.pipelines.exhaustive import exhaustive
 from hapnb.pipelines.folding import fold
-from hapnb.pipelines.planner import NoPipelineError, default_micro_batches, pipeline
+from hapnb.pipelines.planner import _PLANNING, NoPipelineError, default_micro_batches, pipeline, plan_pipeline
 from hapnb.pipelines.recovery import dp_recovery, greedy_recovery, refine_cuts
 from hapnb.pipelines.template import homogeneous_template
 from hapnb.pipelines.timing import Pricer, closed_form, schedule_makespan
@@ -235,6 +236,9 @@ def test_pipeline_plan_api_json_and_memory(tmp_path):
     with pytest.raises(NoPipelineError, match="GiB per device"):
         pipeline("gpt", tiny, layers=2, batch=4, **TINY)
     assert default_micro_batches(256) == 64 and default_micro_batches(8) == 2
+    # hapnb.pipeline passes exactly plan_pipeline's planning keywords on
+    kw = {n for n, q in inspect.signature(plan_pipeline).parameters.items() if q.kind is q.KEYWORD_ONLY}
+    assert kw - {"name", "costs_s"} == set(_PLANNING)
 
 
 def test_cli_pipeline_json_and_plan_file(tmp_path, capsys):

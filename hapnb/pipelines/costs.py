@@ -53,7 +53,7 @@ __all__ = [
     "layer_costs",
     "model_costs",
     "resolve_preset",
-    "kind_key",
+    "kind_keys",
 ]
 
 #: Named model configurations: ``name -> (zoo model, options)``. GPT-2 XL as Ditto evaluates it (§7):
@@ -70,10 +70,31 @@ FORWARD_SHARE_DEFAULT = 1.0 / 3.0
 TRACED_BLOCKS = 2
 
 
-def kind_key(d: Device) -> str:
-    """The device class a device belongs to for planning: its kind, plus its throughput and memory when
-    devices of one kind differ (custom clusters)."""
-    return d.kind
+def kind_keys(cluster: Cluster) -> tuple[str, ...]:
+    """Each device's class for planning (Ditto's device type): its kind, or, when devices of one kind
+    differ in throughput, memory or device model (custom clusters), the kind with its TFLOP/s and a
+    number.
+
+    >>> kind_keys(Cluster.parse("2x5e12+1x3e12"))
+    ('custom@5T', 'custom@5T', 'custom@3T')
+    """
+    variants: dict[str, list[tuple[Any, ...]]] = {}
+    sig = []
+    for d in cluster.devices:
+        key = (d.flops, d.memory_bytes, d.model)
+        sig.append(key)
+        if key not in variants.setdefault(d.kind, []):
+            variants[d.kind].append(key)
+    out = []
+    for d, key in zip(cluster.devices, sig):
+        vs = variants[d.kind]
+        if len(vs) == 1:
+            out.append(d.kind)
+            continue
+        name = f"{d.kind}@{d.flops / 1e12:.4g}T"
+        same = [v for v in vs if f"{d.kind}@{v[0] / 1e12:.4g}T" == name]
+        out.append(name if len(same) == 1 else f"{name}#{same.index(key)}")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -121,10 +142,10 @@ class LayerCosts:
                 acc.append((a[0] + f[0], a[1] + f[1], a[2] + b[0], a[3] + b[1]))
             pre[k] = acc
         object.__setattr__(self, "_time_prefix", pre)
-        mem = [(0, 0.0, 0, 0.0)]
+        mem = [(0, 0.0, 0)]  # parameter bytes, saved activation bytes, parameter tensors
         for u in self.units:
             a = mem[-1]
-            mem.append((a[0] + u.param_bytes, a[1] + u.activation_bytes, a[2] + len(u.param_tensors), a[3]))
+            mem.append((a[0] + u.param_bytes, a[1] + u.activation_bytes, a[2] + len(u.param_tensors)))
         object.__setattr__(self, "_mem_prefix", mem)
 
     def __len__(self) -> int:
@@ -346,8 +367,8 @@ def layer_costs(
     nseg = 1 + max((op.segment for op in g.ops), default=0)
     zero, one = ((0.0,),) * nseg, ((1.0,),) * nseg
     kinds: dict[str, Device] = {}
-    for d in cluster.devices:
-        kinds.setdefault(kind_key(d), d)
+    for d, k in zip(cluster.devices, kind_keys(cluster)):
+        kinds.setdefault(k, d)
     per_kind: dict[str, tuple[CostModel, list[list[float]]]] = {}
     for k, d in kinds.items():
         cm = CostModel(th, _one_device(cluster, d))

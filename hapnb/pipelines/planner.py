@@ -29,13 +29,22 @@ from .recovery import Recovered, dp_recovery, greedy_recovery, refine_cuts
 from .template import homogeneous_template
 from .timing import Pricer, schedule_makespan
 
-__all__ = ["pipeline", "NoPipelineError", "DEFAULT_MICRO_BATCH", "default_micro_batches", "METHODS"]
+__all__ = [
+    "pipeline",
+    "plan_pipeline",
+    "NoPipelineError",
+    "DEFAULT_MICRO_BATCH",
+    "default_micro_batches",
+    "METHODS",
+]
 
 #: Samples per micro-batch when the number of micro-batches is not given (the smallest divisor of the
 #: batch that is at least this).
 DEFAULT_MICRO_BATCH = 4
 #: Planners :func:`pipeline` can return: Ditto's DP recovery, its greedy recovery, the exhaustive search.
 METHODS = ("dp", "greedy", "exhaustive")
+#: The keywords of :func:`plan_pipeline` that :func:`pipeline` passes on (the rest are model options).
+_PLANNING = ("schedule", "method", "exhaustive_search", "budget_s", "prune", "fold_comm", "refine")
 
 
 class NoPipelineError(ValueError):
@@ -61,13 +70,6 @@ def pipeline(
     batch: int | None = None,
     seq: int | None = None,
     micro_batches: int | None = None,
-    schedule: str = "1F1B",
-    method: str = "dp",
-    exhaustive_search: bool = False,
-    budget_s: float | None = 60.0,
-    prune: bool = True,
-    fold_comm: bool = False,
-    refine: bool = True,
     example_inputs: Sequence[Any] | None = None,
     loss: Any = None,
     seed: int = 0,
@@ -78,21 +80,51 @@ def pipeline(
     ``model``: a zoo name (or :data:`~hapnb.pipelines.costs.MODEL_PRESETS` name such as ``"gpt2-xl"``),
     ``package.module:factory``, an ``nn.Module`` with ``example_inputs`` (one micro-batch), or a Graph
     traced at one micro-batch. ``batch``: the global batch (zoo default 32 per device), cut into
-    ``micro_batches`` (default :func:`default_micro_batches`). ``method``: ``"dp"`` (Ditto's DP recovery),
-    ``"greedy"`` or ``"exhaustive"``. ``exhaustive_search=True`` also runs the exhaustive search (within
-    ``budget_s`` seconds; ``prune`` its branch and bound) and fills ``exhaustive_iteration_s`` /
-    ``exhaustive_planning_s``. ``fold_comm``: node folding with communication (§5.3.2). ``refine``: re-choose
-    the recovered pipeline's cuts for its device groups (:func:`~hapnb.pipelines.recovery.refine_cuts`;
-    the paper's recovery alone with ``refine=False``; ``plan.stats`` keeps both times).
+    ``micro_batches`` (default :func:`default_micro_batches`). ``options``: how to plan — the keywords of
+    :func:`plan_pipeline` (``schedule``, ``method``, ``exhaustive_search``, ``budget_s``, ``prune``,
+    ``fold_comm``, ``refine``) — and the rest the model's (zoo options such as ``hidden=64``).
     """
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    planning = {k: options.pop(k) for k in _PLANNING if k in options}
+    if planning.get("method", "dp") not in METHODS:
+        raise ValueError(f"method {planning['method']!r} is not one of {', '.join(METHODS)}")
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     t0 = time.perf_counter()
     costs, batch, micro_batches = _costs(
         model, c, layers, batch, seq, micro_batches, example_inputs, loss, seed, options
     )
-    costs_s = time.perf_counter() - t0
+    name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
+    return plan_pipeline(
+        costs, c, micro_batches, name=f"{name}@{c.name}", costs_s=time.perf_counter() - t0, **planning
+    )
+
+
+def plan_pipeline(
+    costs: LayerCosts,
+    c: Cluster,
+    micro_batches: int,
+    *,
+    schedule: str = "1F1B",
+    method: str = "dp",
+    exhaustive_search: bool = False,
+    budget_s: float | None = 60.0,
+    prune: bool = True,
+    fold_comm: bool = False,
+    refine: bool = True,
+    name: str = "pipeline",
+    costs_s: float = 0.0,
+) -> PipelinePlan:
+    """:func:`pipeline` from layer costs already computed (one micro-batch of ``costs.micro_batch``).
+
+    ``method``: the plan returned — ``"dp"`` (Ditto's DP recovery), ``"greedy"`` or ``"exhaustive"``.
+    ``exhaustive_search=True`` also runs the exhaustive search (within ``budget_s`` seconds; ``prune``: its
+    branch and bound) and fills ``exhaustive_iteration_s`` / ``exhaustive_planning_s``. ``fold_comm``:
+    node folding with communication (§5.3.2). ``refine``: re-choose the recovered pipeline's cuts for its
+    device groups (:func:`~hapnb.pipelines.recovery.refine_cuts`); ``plan.stats`` keeps the paper's
+    recoveries' times (``dp_paper_iteration_s``, ``greedy_paper_iteration_s``) beside the result's.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    batch = costs.micro_batch * micro_batches
     pricer = Pricer(costs, c, micro_batches, schedule)
     stats: dict[str, Any] = {"costs_s": costs_s, "costs_source": costs.source}
 
@@ -160,8 +192,8 @@ def pipeline(
         chosen = min(results.values(), key=lambda r: r.iteration_s)
         times["exhaustive"] = ex.planning_s
     if chosen is None:
-        raise NoPipelineError(_no_plan_message(model, c, pricer, method, reasons, ex))
-    plan = _plan(model, c, costs, pricer, chosen, batch, micro_batches, schedule)
+        raise NoPipelineError(_no_plan_message(name, c, pricer, method, reasons, ex))
+    plan = _plan(name, c, costs, pricer, chosen, batch, micro_batches, schedule)
     if ex is not None:
         exh_t = stats["exhaustive"]["iteration_s"]
         plan = _with(plan, exhaustive_iteration_s=exh_t, exhaustive_planning_s=ex.planning_s)
@@ -253,7 +285,7 @@ def _place(pricer: Pricer, stages: Sequence[tuple[int, int, tuple[int, ...]]]) -
 
 
 def _plan(
-    model: Any,
+    name: str,
     c: Cluster,
     costs: LayerCosts,
     pricer: Pricer,
@@ -281,9 +313,8 @@ def _plan(
                 memory_bytes=tuple(int(base + inflight * per) for base, per in st.memory),
             )
         )
-    name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
     return PipelinePlan(
-        name=f"{name}@{c.name}",
+        name=name,
         model=_freeze(costs.model or {}),
         cluster=c,
         units=costs.names,
@@ -297,19 +328,18 @@ def _plan(
 
 
 def _no_plan_message(
-    model: Any, c: Cluster, pricer: Pricer, method: str, reasons: list[str], ex: ExhaustiveResult | None
+    name: str, c: Cluster, pricer: Pricer, method: str, reasons: list[str], ex: ExhaustiveResult | None
 ) -> str:
-    name = model if isinstance(model, str) else type(model).__name__
     if method == "exhaustive" and ex is not None and not ex.finished:
         return (
-            f"the exhaustive search for {name} on {c.name} found no pipeline within its {ex.planning_s:.0f} s "
+            f"the exhaustive search for {name} found no pipeline within its {ex.planning_s:.0f} s "
             f"budget (stopped at unit {ex.stopped_at}); raise the budget or use method='dp'"
         )
     strongest = len(pricer.classes) - 1
     whole = [(0, pricer.L, pricer.counts(strongest, min(pricer.classes[-1].count, pricer.b)))]
     why = pricer.why_infeasible(whole)
     return (
-        f"no {method} pipeline of {name} fits {c.name}: {'; '.join(reasons) or 'no plan'}"
+        f"no {method} pipeline fits for {name}: {'; '.join(reasons) or 'no plan'}"
         + (f" (e.g. {why})" if why else "")
         + ". Use more micro-batches (smaller ones hold less), GPipe -> 1F1B, or devices with more memory."
     )

@@ -41,8 +41,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..cluster import Cluster, Device
-from .costs import LayerCosts, kind_key
+from ..cluster import Cluster, Device, DeviceModel
+from .costs import LayerCosts, kind_keys
 
 __all__ = [
     "DeviceClass",
@@ -66,7 +66,7 @@ class DeviceClass:
     devices: tuple[str, ...]
     per_node: int
     memory_bytes: int
-    model: object | None = None
+    model: DeviceModel | None = None
 
     @property
     def count(self) -> int:
@@ -77,13 +77,13 @@ def device_classes(cluster: Cluster, costs: LayerCosts | None = None) -> tuple[D
     """The cluster's device classes, weakest first (most time for the model per ``costs``, else least
     flops), ties by name."""
     groups: dict[str, list[Device]] = {}
-    for d in cluster.devices:
+    for d, key in zip(cluster.devices, kind_keys(cluster)):
         if d.gpus != 1:
             raise ValueError(
                 f"device {d.name} stands for {d.gpus} GPUs; pipeline plans place stages on single GPUs: "
                 "use the cluster with one device per GPU (not Cluster.virtual())"
             )
-        groups.setdefault(kind_key(d), []).append(d)
+        groups.setdefault(key, []).append(d)
     out = []
     for k, ds in groups.items():
         per_machine: dict[str, int] = {}
@@ -108,23 +108,23 @@ def device_classes(cluster: Cluster, costs: LayerCosts | None = None) -> tuple[D
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage's per-micro-batch forward ``F`` and backward ``B`` (seconds, boundary transfers
-    included), its once-per-iteration tail ``A``, the samples each of its devices runs (per class, in
-    ``counts`` order), and how many micro-batches it can keep in flight before running out of memory."""
+    """One stage's per-micro-batch forward ``F`` and backward ``B`` (seconds), the transfer ``link`` across
+    its last cut, its once-per-iteration tail ``A``, the samples each of its devices runs (per class, in
+    ``counts`` order), its memory per device and how many micro-batches it can keep in flight."""
 
     F: float
     B: float
     A: float
     samples: tuple[tuple[int, ...], ...]  # per class: samples of each of its devices in this stage
     max_inflight: int
-    memory: tuple[
-        tuple[float, float], ...
-    ]  # per device (same order): (bytes at 0 in flight, per micro-batch)
+    #: per device (samples order): bytes with no micro-batch in flight, and per micro-batch in flight
+    memory: tuple[tuple[float, float], ...]
     compute: float = 0.0  # F + B (grows with every unit added)
     link: float = 0.0  # the transfer across the stage's last cut to the next stage (0 for the last stage)
 
 
-#: A Pareto label: (sum of F+B, max F+B or max F, 0 or max B, max A, stages so far, parent, stage).
+#: A search label: (sum of F+B over stages and boundaries, max F+B (1F1B) or max F (GPipe), 0 or max B,
+#: max A, stages so far, the label it extends, this stage's descriptor).
 Label = tuple
 #: The label of the empty pipeline (searches start from it and build right to left).
 ROOT: Label = (0.0, 0.0, 0.0, 0.0, 0, None, None)
@@ -213,9 +213,8 @@ class Pricer:
                 key=lambda j: (_busy(devs[j][1], got[j] + 1, self.b), j),
             )
             got[j] += 1
-        fwd = max(s[0] + s[1] * g / self.b for (_, s), g in zip(devs, got))
-        bwd = max(s[2] + s[3] * g / self.b for (_, s), g in zip(devs, got))
-        F, B = fwd, bwd
+        F = max(s[0] + s[1] * g / self.b for (_, s), g in zip(devs, got))
+        B = max(s[2] + s[3] * g / self.b for (_, s), g in zip(devs, got))
         pbytes, ptensors = lc.span_params(a, b)
         A = (ptensors * self.ar.latency_s + pbytes / self.ar.bandwidth_Bps) if n > 1 else 0.0
         A += max(
@@ -227,19 +226,18 @@ class Pricer:
         for (i, _), g in zip(devs, got):
             c = self.classes[i]
             share = g / self.b
-            base = 4.0 * pbytes + max(trans * share, 0.0)
-            per = act * share
-            m = c.model
-            over = getattr(m, "memory_overhead", 0.0) if m is not None else 0.0
-            const = getattr(m, "memory_const_bytes", 0.0) if m is not None else 0.0
-            cap = (c.memory_bytes - const) / (1.0 + over)
+            m = c.model  # the device model's allocator overhead, as CostModel.memory_breakdown adds it
+            over = 1.0 + (m.memory_overhead if m is not None else 0.0)
+            const = m.memory_const_bytes if m is not None else 0.0
+            base = (4.0 * pbytes + trans * share) * over + const  # params, grads, Adam m and v; transient
+            per = act * share * over
             memory.append((base, per))
             if not self.memory:
                 continue
-            if 5.0 * pbytes > cap or base > cap:
-                inflight = 0
+            if 5.0 * pbytes * over + const > c.memory_bytes or base > c.memory_bytes:
+                inflight = 0  # the optimizer step's temporary or the stage's states alone do not fit
             elif per > 0:
-                inflight = min(inflight, int((cap - base) // per))
+                inflight = min(inflight, int((c.memory_bytes - base) // per))
         samples = []
         at = 0
         for x in counts:
