@@ -484,6 +484,11 @@ def model_costs(
     from ..tracing import trace
 
     name, opts = resolve_preset(model, options)
+    if ":" not in name and name not in zoo.ZOO_NAMES:
+        raise ValueError(
+            f"unknown model {model!r}: use a zoo name ({', '.join(zoo.ZOO_NAMES)}), a preset "
+            f"({', '.join(MODEL_PRESETS)}) or package.module:factory"
+        )
     n = cluster.n
     given = {"devices": n, "seed": seed, **opts, "batch": batch if batch is not None else micro_batch}
     spec = zoo.ModelSpec(name, tuple(given.items())).to_json()

@@ -14,6 +14,7 @@ tracing and costing before them (reported as ``costs_s`` in ``plan.stats``), as 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -120,7 +121,8 @@ def plan_pipeline(
     branch and bound) and fills ``exhaustive_iteration_s`` / ``exhaustive_planning_s``. ``fold_comm``:
     node folding with communication (§5.3.2). ``refine``: re-choose the recovered pipeline's cuts for its
     device groups (:func:`~hapnb.pipelines.recovery.refine_cuts`); ``plan.stats`` keeps the paper's
-    recoveries' times (``dp_paper_iteration_s``, ``greedy_paper_iteration_s``) beside the result's.
+    recoveries' times (``dp_paper_iteration_s``, ``greedy_paper_iteration_s``) beside the result's. The
+    greedy recovery runs when it is the method or the exhaustive search is asked for (to compare).
     """
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
@@ -159,7 +161,10 @@ def plan_pipeline(
         else:
             reasons.append("no tiling of the virtual template fits in memory")
     weak = folding.weakest
-    best_template = homogeneous_template(bare, S, range(1, min(weak.per_node, pricer.b) + 1))
+    greedy = method == "greedy" or exhaustive_search  # the greedy recovery: asked for, or to compare
+    best_template = (
+        homogeneous_template(bare, S, range(1, min(weak.per_node, pricer.b) + 1)) if greedy else None
+    )
     if best_template is not None:
         stats["greedy_template"] = {
             "stages": len(best_template.stages),
@@ -213,8 +218,6 @@ def plan_pipeline(
 
 
 def _with(plan: PipelinePlan, **changes: Any) -> PipelinePlan:
-    import dataclasses
-
     return dataclasses.replace(plan, **changes)
 
 
