@@ -1,4 +1,4 @@
-"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, simulate, verify, launch, profile,
+"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, pipeline, simulate, verify, launch, profile,
 calibrate, theory, demo.
 
 Every subcommand's argument parsing lives here; the library modules it calls take plain Python
@@ -134,6 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--duplex", action="store_true", help="HAP's plan with the duplex schedule")
     _pick_arg(p)
+
+    p = sub.add_parser("pipeline", help="plan a heterogeneous pipeline (Ditto: node folding + DP recovery)")
+    _model_args(p)
+    _cluster_args(p)
+    p.add_argument("--micro-batches", type=int, help="micro-batches per batch (default: micro-batches of 4)")
+    p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
+    p.add_argument(
+        "--method",
+        choices=["dp", "greedy", "exhaustive"],
+        default="dp",
+        help="the plan to return: Ditto's DP recovery (default), its greedy recovery, or the exhaustive search",
+    )
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="also run the exhaustive search (exhaustive_iteration_s, exhaustive_planning_s)",
+    )
+    p.add_argument(
+        "--budget", type=float, default=60.0, help="seconds the exhaustive search may run (default 60)"
+    )
+    p.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="exhaustive search without branch and bound (Ditto's reference as published; slow)",
+    )
+    p.add_argument(
+        "--fold",
+        choices=["plain", "comm"],
+        default="plain",
+        help="node folding without or with communication",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-o", "--output", help="write the pipeline plan JSON here")
 
     p = sub.add_parser("simulate", help="timeline of a plan per device (overlap simulator)")
     p.add_argument("plan")
@@ -358,6 +391,51 @@ def cmd_compare(ns: argparse.Namespace) -> int:
             print(
                 f"{k:8s} {v * 1e3:11.3f} ms {v / out['hap']:5.2f}x {sim[k] * 1e3:11.3f} ms {sim[k] / sim['hap']:5.2f}x"
             )
+    return 0
+
+
+def cmd_pipeline(ns: argparse.Namespace) -> int:
+    from .pipelines.planner import pipeline, plan_json_summary
+
+    plan = pipeline(
+        ns.model,
+        ns.cluster,
+        micro_batches=ns.micro_batches,
+        schedule=ns.schedule,
+        method=ns.method,
+        exhaustive_search=ns.exhaustive,
+        budget_s=ns.budget,
+        prune=not ns.no_prune,
+        fold_comm=ns.fold == "comm",
+        **_options(ns),
+    )
+    if ns.output:
+        plan.save(ns.output)
+    if ns.json:
+        print(json.dumps(plan_json_summary(plan)))
+        return 0
+    print(plan)
+    st = plan.stats
+    for k in ("dp", "greedy"):
+        if f"{k}_iteration_s" in st:
+            print(
+                f"  {k} recovery: {st[f'{k}_iteration_s'] * 1e3:.3f} ms, planned in {st[f'{k}_planning_s']:.3f} s"
+            )
+    ex = st.get("exhaustive")
+    if ex is not None:
+        state = (
+            "optimal"
+            if ex["finished"]
+            else f"stopped at unit {ex['stopped_at']} after {ex['planning_s']:.1f} s"
+        )
+        t = ex["iteration_s"]
+        print(
+            f"  exhaustive: {'-' if t is None else f'{t * 1e3:.3f} ms'} ({state}; full unpruned run "
+            f"~{ex['extrapolated_s']:.3g} s)"
+        )
+    print(f"  layer costs in {st['costs_s']:.2f} s ({st['costs_source']})")
+    if ns.output:
+        print(f"  pipeline plan written to {ns.output}")
     return 0
 
 
@@ -693,6 +771,7 @@ COMMANDS = {
     "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate, "verify": cmd_verify,
     "launch": cmd_launch, "profile": cmd_profile, "calibrate": cmd_calibrate, "theory": cmd_theory,
     "demo": cmd_demo,
+    "pipeline": cmd_pipeline,
 }  # fmt: skip
 
 

@@ -14,12 +14,12 @@ import hapnb
 
 PUBLIC = [
     "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
-    "PinError", "PipelinePlan", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
+    "PinError", "PipelinePlan", "Plan", "pipeline", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
     "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
 ]  # fmt: skip
 
-FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "shard_lengths",
+FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "pipeline", "shard_lengths",
              "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 
@@ -93,6 +93,8 @@ CLI: dict[str, list[str]] = {
     "launch": ["--backend", "--bucket-cap-bytes", "--bundle-dir", "--first-bucket-cap-bytes", "--grad-sync",
                "--help", "--json", "--nnodes", "--no-interleave", "--node-rank", "--nproc", "--print-commands",
                "--rdzv", "--slurm", "--steps", "--timeout", "--wall-timeout", "--worker"],
+    "pipeline": ["--batch", "--budget", "--cluster", "--exhaustive", "--fold", "--help", "--json", "--layers",
+                 "--method", "--micro-batches", "--model", "--no-prune", "--output", "--schedule", "--seq", "--set"],
     "plan": ["--batch", "--cluster", "--duplex", "--help", "--json", "--layers", "--model", "--no-baselines",
              "--output", "--pick", "--pin", "--ratio-pin", "--ratios", "--report", "--seq", "--set"],
     "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",
