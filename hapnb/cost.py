@@ -20,7 +20,8 @@ a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a
 ``max(flops / (peak * eff), bytes / bandwidth)``, bytes = the op's input + output tensors forward and 2x
 that backward, ``eff`` the matmul efficiency curve for :data:`MATMUL_FAMILIES` at the per-kernel flops,
 ``attention_eff`` for attention, 1 for the memory-bound rest (with the model's ``vector_flops``, the
-:data:`VECTOR_FAMILIES` run at that rate instead of ``peak * eff``; pooling at ``pool_flops`` if set).
+:data:`VECTOR_FAMILIES` run at that rate instead of ``peak * eff``; pooling and scans at ``pool_flops``
+and ``scan_flops`` if set).
 The host runs ahead of the GPU, so a device is either launch bound (every op costs its launch time) or
 GPU bound (every op costs its work): the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
 a model without ``overlap``, e.g. a CPU running its own kernels, costs ``launch + work`` per op instead;
@@ -70,6 +71,7 @@ __all__ = [
     "FAMILY_KERNELS",
     "MATMUL_FAMILIES",
     "VECTOR_FAMILIES",
+    "gemm_dims",
     "SAVED_FOR_BACKWARD",
     "MEMORY_CATEGORIES",
 ]
@@ -89,13 +91,16 @@ FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
         "creation": (1, 0),
         "random": (1, 0),
         "view": (0, 0),
+        # logcumsumexp; its backward: |grad|, log, two masks, two reversed scans (4 flips), exps, subs
+        "scan": (1, 20),
     }
 )
 #: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
 MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
-#: Families priced at the device model's ``vector_flops`` (when it has one, e.g. a profiled CPU):
-#: transcendental pointwise ops, pooling, the loss (log-softmax + nll), ops without a rule.
-VECTOR_FAMILIES = frozenset({"pointwise", "pool", "loss", "unknown"})
+#: Families priced at the device model's vector rate (when it has one, e.g. a profiled CPU; pooling and
+#: scans at their own rates if measured, :meth:`~hapnb.devices.DeviceModel.vector_rate`): transcendental
+#: pointwise ops, pooling, transcendental scans, the loss (log-softmax + nll), ops without a rule.
+VECTOR_FAMILIES = frozenset({"pointwise", "pool", "scan", "loss", "unknown"})
 #: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
 #: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
 #: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
@@ -355,14 +360,15 @@ class CostModel:
         eff = 1.0
         if o.family in MATMUL_FAMILIES:
             share = (fs * ref + ff) / total if total > 0 else 1.0
-            eff = m.efficiency(o.flops * share / k)
+            eff = m.efficiency(o.flops * share / k, o.family)
+            if m.sm_count is not None:  # GEMM wave quantization at the reference share
+                eff *= m.gemm_wave_factor(gemm_dims(self.graph, o, s, ref, k))
         elif o.family == "attention":
             eff = m.attention_eff
         rate, bw = m.peak_flops * eff * k, m.bandwidth_Bps * k
-        if o.family == "pool" and m.pool_flops is not None:
-            rate = m.pool_flops * k
-        elif m.vector_flops is not None and o.family in VECTOR_FAMILIES:
-            rate = m.vector_flops * k
+        vector = m.vector_rate(o.family) if o.family in VECTOR_FAMILIES else None
+        if vector is not None:
+            rate = vector * k
         if (fs * ref + ff) / rate >= (bs * ref + bf) / bw:
             coef, const = fs / rate, ff / rate
         else:
@@ -706,6 +712,60 @@ class CostModel:
             row = {key: int(v / k) for key, v in c.items()}
             out.append(row)
         return tuple(out)
+
+
+#: GEMM roles of the dims of each tensor input, per op target, from the right: ``K`` contracted, ``M``
+#: the output's rows, ``N`` its columns; dims left of them are ``M`` for a linear layer (folded into its
+#: rows) and ``B`` (batch, one GEMM each in one launch) for the batched products.
+_GEMM_ROLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "aten.linear.default": ("MK", "NK", "N"),
+        "aten.mm.default": ("MK", "KN"),
+        "aten.addmm.default": ("N", "MK", "KN"),
+        "aten.bmm.default": ("BMK", "BKN"),
+        "aten.matmul.default": ("MK", "KN"),
+    }
+)
+
+
+def gemm_dims(g: Graph, op: Op, s: Strategy, share: float = 1.0, gpus: int = 1) -> tuple[float, ...] | None:
+    """``(batch, M, N, K)`` of a matmul-like op's GEMM on one device: the dim of role ``r``
+    (:data:`_GEMM_ROLES`) that strategy ``s`` shards is cut to ``share`` of it, and a virtual device's
+    ``gpus`` split the batch (or the rows). None for ops without a table entry (conv, einsum) or with a
+    one-dim GEMM operand.
+
+    >>> import torch, hapnb
+    >>> gr = hapnb.trace(torch.nn.Linear(512, 768), (torch.randn(4, 32, 512),), loss=lambda o: o.sum())
+    >>> gemm_dims(gr, gr.ops[0], hapnb.theory(gr).strategies[0][0])
+    (1.0, 128.0, 768.0, 512.0)
+    """
+    roles = _GEMM_ROLES.get(op.target)
+    if roles is None or len(op.inputs) != len(roles):
+        return None
+    lead = "M" if op.target == "aten.linear.default" else "B"
+    size = {"B": 1.0, "M": 1.0, "N": 1.0, "K": 1.0}
+    cut = ""
+    for tid, form, role in zip(op.inputs, s.inputs, roles):
+        shape = g.tensors[tid].shape
+        if len(shape) < len(role) or ("K" in role and len(shape) < 2):
+            return None
+        letters = lead * (len(shape) - len(role)) + role
+        if "K" in role:  # a GEMM operand: its sizes (the batch: the larger operand's, broadcast)
+            own = {"B": 1.0, "M": 1.0}
+            for r, n in zip(letters, shape):
+                if r in own:
+                    own[r] *= n
+                else:
+                    size[r] = float(n)
+            size["B"] = max(size["B"], own["B"])
+            if "M" in role:
+                size["M"] = own["M"]
+        if form.kind == "G":
+            cut = letters[form.dim]
+    if cut:
+        size[cut] *= share
+    size["B" if size["B"] > 1 else "M"] /= gpus
+    return (size["B"], size["M"], size["N"], size["K"])
 
 
 def _is_alias(op: Op) -> bool:
