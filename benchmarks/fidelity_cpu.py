@@ -160,7 +160,7 @@ def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float, dm: 
     for op in g.ops:
         s = th.strategies[op.id][0]
         nbytes, kernels = cm.op_traffic(op.id)
-        flops = s.scaled_flops + s.fixed_flops
+        flops = (s.scaled_flops + s.fixed_flops) * cm.grad_share(op.id)
         rate = dm.vector_rate(op.family) if op.family in VECTOR_FAMILIES else None
         matmul = op.family in MATMUL_FAMILIES
         if rate is not None:

@@ -321,9 +321,28 @@ class CostModel:
                 nbytes = 3.0 * (ins[1].nbytes + 2 * out_b) + 2.0 * ins[0].nbytes
             else:  # backward moves ~2x the forward's bytes
                 nbytes = 3.0 * (sum(t.nbytes for t in ins) + out_b)
+        skipped = self._skipped_gradients(o)
+        if skipped:  # autograd skips those gradient GEMMs: their kernels and share of the bytes
+            nbytes *= self.grad_share(op)
+            bwd_k = max(0, bwd_k - skipped)
         hit = (nbytes, fwd_k + bwd_k)
         self._op_bytes[op] = hit
         return hit
+
+    def _skipped_gradients(self, o: Op) -> int:
+        """How many of a matmul-like op's two GEMM operands need no gradient (0 for other families)."""
+        if o.family not in MATMUL_FAMILIES:
+            return 0
+        roles = _GEMM_ROLES.get(o.target)
+        operands = [t for t, r in zip(o.inputs, roles) if "K" in r] if roles else list(o.inputs[:2])
+        return sum(1 for t in operands if not self.theory.requires_grad[t])
+
+    def grad_share(self, op: int) -> float:
+        """Share of the rules' training flops (forward + backward, 3x the forward) that a matmul-like op
+        runs with a device model: the forward and one gradient GEMM per operand that requires grad;
+        autograd skips the others (a first layer's input gradient). 1 for the other families; flops-only
+        devices keep the rules' 3x (HAP's model)."""
+        return (3 - self._skipped_gradients(self.graph.ops[op])) / 3
 
     def op_linear(self, op: int, s: Strategy, j: int) -> tuple[float, float]:
         """Device-model time of ``op`` under ``s`` on device ``j`` as ``(const, coef)``: seconds
@@ -349,7 +368,8 @@ class CostModel:
         o = self.graph.ops[op]
         nbytes, kernels = self.op_traffic(op)
         k = self.gpus[j]
-        fs, ff = s.scaled_flops, s.fixed_flops
+        share_run = self.grad_share(op)
+        fs, ff = s.scaled_flops * share_run, s.fixed_flops * share_run
         total = fs + ff
         if total > 0:
             bs, bf = nbytes * fs / total, nbytes * ff / total
@@ -394,8 +414,11 @@ class CostModel:
         """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
         a device model counts its peak per GPU (no efficiency reaches more; overheads left out)."""
         total = 0.0
-        for ss in self.theory.strategies:
-            total += min(s.scaled_flops + s.fixed_flops for s in ss)
+        modelled = any(m is not None for m in self.models)  # then the gradients autograd skips are skipped
+        for op, ss in zip(self.graph.ops, self.theory.strategies):
+            total += min(s.scaled_flops + s.fixed_flops for s in ss) * (
+                self.grad_share(op.id) if modelled else 1.0
+            )
         rate = [f if m is None else m.peak_flops * k for f, m, k in zip(self.flops, self.models, self.gpus)]
         return total / sum(rate)
 

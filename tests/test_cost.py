@@ -351,7 +351,12 @@ def test_scan_flops_and_the_conv_curve_price_their_families_only():
             elif op.family == family == "conv":  # its own curve, not the matmul one
                 eff = 0.25 * op.flops / (op.flops + 3e4)
                 assert m.efficiency(op.flops, "conv") == pytest.approx(eff)
-                assert own.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + flops / (1e11 * eff))
+                # the first conv's input (the images) needs no gradient: forward + weight gradient only
+                first = op.inputs[0] == g.ops[0].inputs[0]
+                assert own.grad_share(op.id) == pytest.approx(2 / 3 if first else 1.0)
+                assert kernels == (3 if first else 4)
+                work = flops * own.grad_share(op.id) / (1e11 * eff)
+                assert own.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + work)
             else:
                 assert own.comp(op.id, s, r) == plain.comp(op.id, s, r)
     with pytest.raises(ValueError, match="conv_eff and conv_half_flops go together"):
@@ -382,7 +387,8 @@ def test_gemm_dims_follow_the_sharded_dim_and_waves_price_the_reference_share():
     f = wave.gemm_wave_factor(gemm_dims(g, lin, s, 0.5))
     assert f == pytest.approx(3 / (1 / (3 / 4) + 1 / (4 / 4) + 1))  # 1 x 6 tiles: 2 waves of 4, 6 of 8
     const, coef = cm.op_linear(lin.id, s, 0)
-    assert coef == pytest.approx(s.scaled_flops / (1e12 * 0.8 * f)) and const == 0.0
+    assert cm.grad_share(lin.id) == pytest.approx(2 / 3)  # x is an input: no input-gradient GEMM
+    assert coef == pytest.approx(s.scaled_flops * 2 / 3 / (1e12 * 0.8 * f)) and const == 0.0
 
 
 def test_optimizer_per_tensor_charges_the_launches_per_local_parameter_tensor():

@@ -279,8 +279,8 @@ def run_features(run: Mapping[str, Any], defaults: Mapping[str, Any] | None = No
         s = th.strategies[op.id][0]
         nbytes, kernels = cm.op_traffic(op.id)
         fam = op.family
-        rows.append((s.scaled_flops + s.fixed_flops, nbytes, kernels, op.flops, fam in MATMUL_FAMILIES,
-                     fam == "attention"))  # fmt: skip
+        flops = (s.scaled_flops + s.fixed_flops) * cm.grad_share(op.id)  # gradients autograd runs
+        rows.append((flops, nbytes, kernels, op.flops, fam in MATMUL_FAMILIES, fam == "attention"))
     a = np.array(rows, dtype=float).reshape(-1, 6)
     raw = float(cm.memory(_single_device_program(th), (), ((1.0,),) * cm.n_segments)[0])
     peak = run.get("peak_mem_bytes")
