@@ -759,11 +759,14 @@ def gemm_dims(g: Graph, op: Op, s: Strategy, share: float = 1.0, gpus: int = 1) 
 
     >>> import torch, hapnb
     >>> gr = hapnb.trace(torch.nn.Linear(512, 768), (torch.randn(4, 32, 512),), loss=lambda o: o.sum())
-    >>> gemm_dims(gr, gr.ops[0], hapnb.theory(gr).strategies[0][0])
+    >>> gemm_dims(gr, gr.ops[0], hapnb.theory(gr).strategies[0][0])  # x's 4 x 32 rows fold into M
     (1.0, 128.0, 768.0, 512.0)
+    >>> gb = hapnb.trace(torch.nn.Linear(64, 32, bias=False), (torch.randn(8, 64),), loss=lambda o: o.sum())
+    >>> gemm_dims(gb, gb.ops[0], hapnb.theory(gb).strategies[0][0])  # no bias
+    (1.0, 8.0, 32.0, 64.0)
     """
     roles = _GEMM_ROLES.get(op.target)
-    if roles is None or len(op.inputs) != len(roles):
+    if roles is None or sum("K" in r for r in roles[: len(op.inputs)]) != 2:  # a bias may be left out
         return None
     lead = "M" if op.target == "aten.linear.default" else "B"
     size = {"B": 1.0, "M": 1.0, "N": 1.0, "K": 1.0}
