@@ -300,6 +300,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .synthesis import baselines
 
     plan, c, synth_s = _synthesize(ns)
+    t_done = time.perf_counter()
     base = {} if ns.no_baselines else baselines(plan.graph, c)
     if ns.output:
         plan.save(ns.output)
@@ -326,6 +327,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "duplex": plan.duplex,
             "baselines_simulated_s": {k: v.simulated_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
         }
+        # where the command's time went (benchmarks/command.py): building and tracing the model (0 build
+        # when the trace cache had it), synthesis (search_s and balance_s of it), and after synthesis
+        phases = {k: plan.stats[k] for k in ("build_s", "trace_s", "trace_path", "search_s", "balance_s")
+                  if k in plan.stats}  # fmt: skip
+        out["phases"] = {**phases, "synthesis_s": synth_s, "after_s": time.perf_counter() - t_done}
         print(json.dumps(out))
     else:
         print(plan.summary())

@@ -259,7 +259,7 @@ class Search:
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
-            lb.append(tuple(min(c.comp[j] for c in comp_list) for j in range(self.n)))
+            lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * self.n]
         for v in reversed(lb):
@@ -369,12 +369,14 @@ class Search:
                 v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
             return v
 
-        conv_cache: dict[tuple[int, Form, Form], float] = {}
+        # a conversion's price depends on the tensor only through its bytes, ratio segment and whether
+        # it has a gradient (CostModel.conversion_terms): spine tensors of one shape share their prices
+        conv_cache: dict[tuple[Any, ...], float] = {}
 
         def conv(ti: int, a: Form, b: Form) -> float:
             if a == b:
                 return 0.0
-            key = (ti, a, b)
+            key = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti], a, b)
             v = conv_cache.get(key)
             if v is None:
                 v = inf
@@ -398,17 +400,17 @@ class Search:
                 k_in = op.inputs.index(src)
                 k_out = op.outputs.index(out)
                 nxt = V[i + 1]
-                row: dict[Form, float] = {}
-                locals_ = [local(i, c) for c in comp]
-                for f in th.forms[src]:
-                    best = inf
-                    for c, lc in zip(comp, locals_):
-                        cv = conv(src, f, c.strategy.inputs[k_in])
-                        if cv == inf:
-                            continue
-                        best = min(best, cv + lc + nxt.get(c.strategy.outputs[k_out], inf))
-                    row[f] = best
-                V[i] = row
+                # the best rest per form the op takes its spine input in, then the cheapest way there
+                by_in: dict[Form, float] = {}
+                for c in comp:
+                    f_in = c.strategy.inputs[k_in]
+                    v = local(i, c) + nxt.get(c.strategy.outputs[k_out], inf)
+                    if v < by_in.get(f_in, inf):
+                        by_in[f_in] = v
+                V[i] = {
+                    f: min((conv(src, f, b) + v for b, v in by_in.items()), default=inf)
+                    for f in th.forms[src]
+                }
                 cur = src
             else:
                 m = min(local(i, c) for c in comp)

@@ -33,7 +33,7 @@ from .optimize import (
 )
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
-from .simulation import simulate
+from .simulation import iteration_time
 from .tracing import resolve_model
 from .triples import Theory, theory
 
@@ -91,7 +91,8 @@ def synthesize(
     if pick not in ("simulated", "cost"):
         raise ValueError(f"pick must be 'simulated' or 'cost', got {pick!r}")
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
-    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, **zoo_options)
+    traced: dict[str, Any] = {}  # how the graph was made (zoo models: build_s, trace_s, trace_path)
+    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, traced, **zoo_options)
     t0 = time.perf_counter()
     if segments is not None:
         graph = assign_segments(graph, segments)
@@ -127,7 +128,7 @@ def synthesize(
         )
         if duplex:
             plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
-        return dataclasses.replace(plan, simulated_s=simulate(plan).iteration_s)
+        return dataclasses.replace(plan, simulated_s=iteration_time(plan))
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
@@ -142,7 +143,7 @@ def synthesize(
     # chosen: where the final program came from ("search", or e.g. "baseline dp_cp" when the simulator
     # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
     stats = {**best.stats, "candidates_simulated": len(plans), "chosen": top[i].source, "cost_rank": i,
-             "pick": pick}  # fmt: skip
+             "pick": pick, **traced}  # fmt: skip
     if duplex and not isinstance(ratios, Sequence):
         # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
         k = top[i]
@@ -228,7 +229,7 @@ def baselines(
             options={**opts, "baseline": name},
             synthesis_s=time.perf_counter() - t0,
         )
-        out[name] = dataclasses.replace(plan, simulated_s=simulate(plan).iteration_s)
+        out[name] = dataclasses.replace(plan, simulated_s=iteration_time(plan))
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
     ):
@@ -260,8 +261,9 @@ def _graph_of(
     cluster: Cluster,
     example_inputs: Sequence[Any] | None = None,
     loss: Any = None,
+    timings: dict[str, Any] | None = None,
     **zoo: Any,
 ) -> tuple[Graph, dict[str, Any] | None]:
     if isinstance(model_or_graph, Theory):
         return model_or_graph.graph, None
-    return resolve_model(model_or_graph, cluster, example_inputs, loss, **zoo)
+    return resolve_model(model_or_graph, cluster, example_inputs, loss, timings, **zoo)
