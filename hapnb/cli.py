@@ -316,6 +316,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "lower_bound_s": plan.lower_bound_s,
             "synthesis_s": synth_s,
             "expansions": plan.stats.get("expansions", 0),
+            "optimal": plan.stats.get("optimal"),  # every search proved its program optimal
             "iterations": len(plan.history),
             "ratios": [list(r) for r in plan.ratios],
             "program": [str(i) for i in plan.program],
