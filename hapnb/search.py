@@ -339,7 +339,9 @@ class Search:
         self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
         w_comp = (0.0,) * self.n if comm_only else self._w  # comm_only: the communication alone
         inf = float("inf")
-        # the spine: from the loss backwards, through the input with the longest upstream path
+        # the spine: from the loss backwards, through the largest activation input (then the deepest): the
+        # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
+        # with its all-to-alls and expert weights, rather than its longer gating path on [B, S, E])
         depth = [0] * len(g.tensors)
         for op in g.ops:
             d = 1 + max((depth[t] for t in op.inputs), default=0)
@@ -352,7 +354,7 @@ class Search:
             acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
             if not acts:
                 break
-            src = max(acts, key=lambda x: (depth[x], g.tensors[x].numel, -x))
+            src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x))
             spine_ops[op.id] = (src, t)
             t = src
         n_cons = [len(set(x.consumers)) for x in g.tensors]
