@@ -34,11 +34,10 @@ from typing import Any
 from ..graph import Graph, TensorArg, TraceError, normalize_args
 from . import _Builder, _input_names, _loss_of, _make_wrapper, module_path
 
-__all__ = ["Unsupported", "meta_build", "record", "trace_zoo_meta"]
+__all__ = ["Unsupported", "meta_build", "to_meta", "record", "trace_zoo_meta", "without_dynamo"]
 
-#: constructors that have a meta kernel in C++ (others, like arange or randn, run their meta version
-#: through Python reference implementations that import torch._dynamo: those run on the CPU and move)
-_META_NATIVE = ("empty", "empty_strided", "empty_permuted", "zeros", "ones", "full")
+#: constructors that make the big tensors of a module (their meta kernels are in C++)
+_META_NATIVE = ("empty", "empty_strided", "empty_permuted")
 
 
 class Unsupported(TraceError):
@@ -95,11 +94,14 @@ def without_dynamo() -> Iterator[None]:
 
 @contextlib.contextmanager
 def meta_build() -> Iterator[None]:
-    """Within it, tensor constructors make meta tensors and in-place initialisers of meta tensors do
-    nothing, so an ``nn.Module`` built inside has the right parameter shapes and dtypes but no storage.
+    """Within it, the big tensors of an ``nn.Module`` being built have no storage: ``torch.empty`` (what
+    ``nn.Linear``, ``nn.Embedding`` and the zoo's expert weights start from) makes meta tensors, and
+    in-place initialisers of meta tensors do nothing.
 
-    Small constructors without a C++ meta kernel (``arange``, ``randn``, ...) run on the CPU and move
-    to meta; everything else (``exp``, ``triu``, slicing, ``copy_``) runs on meta tensors.
+    Other constructors (``zeros``, ``arange``, ``randn``, ``full``, ...) run on the CPU, and so does
+    arithmetic on their results (a bias, a sinusoidal table, a causal mask): they are small, and the meta
+    versions of those ops are Python reference implementations that import sympy and torch._dynamo.
+    Move the built module and its inputs to the meta device afterwards (:func:`to_meta`).
     """
     import torch
     from torch.overrides import TorchFunctionMode
@@ -111,21 +113,27 @@ def meta_build() -> Iterator[None]:
     class _MetaBuild(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
-            if func in ctors and kwargs.get("device") in (None, "meta", torch.device("meta")):
-                if func in native:
-                    kwargs["device"] = "meta"
-                    return func(*args, **kwargs)
-                kwargs["device"] = "cpu"
-                return func(*args, **kwargs).to("meta")
-            name = getattr(func, "__name__", "")
-            if name.endswith("_") and not name.endswith("__"):
-                t = _is_meta_target(args, kwargs)
-                if t is not None:
-                    return t  # an initialiser (normal_, uniform_, zero_, ...): no values on meta
+            if func in native and kwargs.get("device") is None:
+                kwargs["device"] = "meta"
+                return func(*args, **kwargs)
+            if func not in ctors:
+                name = getattr(func, "__name__", "")
+                if name.endswith("_") and not name.endswith("__"):
+                    t = _is_meta_target(args, kwargs)
+                    if t is not None:
+                        return t  # an initialiser (normal_, uniform_, zero_, ...): no values on meta
             return func(*args, **kwargs)
 
     with _MetaBuild():
         yield
+
+
+def to_meta(model: Any, inputs: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
+    """``model`` (moved in place) and ``inputs`` on the meta device."""
+    import torch
+
+    model.to("meta")
+    return model, tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def _recorder(on_op: Callable[[Any, tuple, dict], Any]) -> Any:
@@ -458,6 +466,7 @@ def trace_zoo_meta(zoo_name: str, timings: dict[str, Any] | None = None, **optio
             t0 = time.perf_counter()
             with meta_build():
                 model, inputs, spec = zoo.build(zoo_name, **options)
+            model, inputs = to_meta(model, inputs)
             t1 = time.perf_counter()
             g = record(model, inputs, name=zoo_name.split(":")[-1])
             if timings is not None:
