@@ -201,7 +201,13 @@ class Theory:
         """Integer shard lengths of ``tensor`` on ``dim`` for one segment's ``ratios``."""
         size = self.graph.tensors[tensor].shape[dim]
         unit, base = self.units.get((tensor, dim), (1, size))
-        return tuple(unit * n for n in shard_lengths(base, ratios))
+        # many tensors share a base length: cut each (base, ratios) once (plans and the cost model ask often)
+        key = (base, ratios if isinstance(ratios, tuple) else tuple(ratios))
+        cache = self.__dict__.setdefault("_cuts", {})
+        lens = cache.get(key)
+        if lens is None:
+            lens = cache[key] = shard_lengths(base, key[1])
+        return tuple(unit * n for n in lens) if unit != 1 else lens
 
     def format(self, tr: Triple) -> str:
         return tr.format(self.graph)
