@@ -337,7 +337,6 @@ class Search:
         # the simplex give a valid bound, and this one is tight when that device is the bottleneck
         jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
         self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
-        w_comp = (0.0,) * self.n if comm_only else self._w  # comm_only: the communication alone
         inf = float("inf")
         # the spine: from the loss backwards, through the largest activation input (then the deepest): the
         # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
@@ -359,12 +358,14 @@ class Search:
             t = src
         n_cons = [len(set(x.consumers)) for x in g.tensors]
 
+        # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar]
+        single = [x.role == "param" and n_cons[x.id] == 1 for x in g.tensors]
+
         def local(op_id: int, c: _Compiled) -> float:
-            v = sum(w_comp[j] * c.comp[j] for j in range(self.n))
+            v = 0.0 if comm_only else c.comp[jstar]
             op = g.ops[op_id]
             for ti, f in zip(op.inputs, c.strategy.inputs):
-                tr = g.tensors[ti]
-                if tr.role == "param" and n_cons[ti] == 1:
+                if single[ti]:
                     ld = Load(ti, f, c.strategy.sfb and f.kind == "I")
                     v += sum(tm.time(self.ratios) for tm in cm.load_terms(ld))
             if c.strategy.sfb:
@@ -374,19 +375,30 @@ class Search:
         # a conversion's price depends on the tensor only through its bytes, ratio segment and whether
         # it has a gradient (CostModel.conversion_terms): spine tensors of one shape share their prices
         conv_cache: dict[tuple[Any, ...], float] = {}
+        sig_of: dict[tuple[int, int, bool], int] = {}
 
-        def conv(ti: int, a: Form, b: Form) -> float:
-            if a == b:
-                return 0.0
-            key = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti], a, b)
-            v = conv_cache.get(key)
-            if v is None:
-                v = inf
-                for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                    cv = Conversion(ti, name, a, b)
-                    v = min(v, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
-                conv_cache[key] = v
-            return v
+        def conv_row(ti: int, by_in: dict[Form, float]) -> dict[Form, float]:
+            """For each form of spine tensor ti: the cheapest conversion to a form in by_in plus its value."""
+            sig = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti])
+            sid = sig_of.setdefault(sig, len(sig_of))
+            row = {}
+            for a in th.forms[ti]:
+                best = inf
+                for b, v in by_in.items():
+                    if a != b:
+                        key = (sid, a, b)
+                        x = conv_cache.get(key)
+                        if x is None:
+                            x = inf
+                            for name in _CONVERSIONS.get((a.kind, b.kind), ()):
+                                cv = Conversion(ti, name, a, b)
+                                x = min(x, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
+                            conv_cache[key] = x
+                        v += x
+                    if v < best:
+                        best = v
+                row[a] = best
+            return row
 
         # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
         spine_at: list[int | None] = [None] * (n_ops + 1)
@@ -409,10 +421,7 @@ class Search:
                     v = local(i, c) + nxt.get(c.strategy.outputs[k_out], inf)
                     if v < by_in.get(f_in, inf):
                         by_in[f_in] = v
-                V[i] = {
-                    f: min((conv(src, f, b) + v for b, v in by_in.items()), default=inf)
-                    for f in th.forms[src]
-                }
+                V[i] = conv_row(src, by_in)
                 cur = src
             else:
                 m = min(local(i, c) for c in comp)
