@@ -4,14 +4,17 @@ paths, flops and fingerprint) without torch.export.
 
 Why: ``torch.export`` (and ``make_fx``) import ``torch._dynamo`` on first use (~1.4 s on the development
 machine, as long as ``import torch`` itself), and building the paper's BERT with its weights costs ~1 s of
-random initialisation. Here the model is built with every constructor on the meta device and every
-in-place initialiser skipped (:func:`meta_build`), and the forward runs once on meta tensors under a
-dispatch mode installed at the ``PreDispatch`` key — the key torch.export's own pre-dispatch tracing
+random initialisation. Here the model is built with its weights on the meta device and their in-place
+initialisers skipped (:func:`meta_build`, :func:`to_meta`), and the forward runs once on meta tensors under
+a dispatch mode installed at the ``PreDispatch`` key — the key torch.export's own pre-dispatch tracing
 records at — so each op is seen exactly as export sees it (``aten.linear``, ``aten.dropout``,
-``aten.scaled_dot_product_attention``, ... before autograd and composite decompositions). Node names come
-from torch.fx's own namespace in export's order (one ``getitem`` per element of a tuple result, unused
-every op kept: training IR has no dead-code pass), module paths from forward hooks (the innermost module
-running, as export's ``nn_module_stack``), argument defaults from the op schema (:func:`normalize_args`).
+``aten.scaled_dot_product_attention``, ... before autograd and composite decompositions), under the same
+global flags export sets (:func:`_as_export`). Node names come from torch.fx's own namespace in export's
+order (one ``getitem`` per element of a tuple result; every op kept: training IR has no dead-code pass),
+module paths from forward hooks (the innermost module running, as export's ``nn_module_stack``),
+argument defaults from the op schema (:func:`normalize_args`). Meta kernels that would import
+``torch._dynamo`` get a stand-in for the duration (:func:`without_dynamo`); a few ops get their result
+made here (:data:`_RESULTS`: layouts export's fake CPU tensors have, and slow Python meta kernels).
 
 What it refuses (:class:`Unsupported`, and the caller falls back to torch.export): in-place ops in the
 forward, tensors that are neither a parameter, buffer, input nor an op's result (lifted constants), and
