@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from .triples import theory as build_theory
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
 _EPS = 1e-12
+_INF = float("inf")
 
 # which collectives turn a form kind into another (src kind, dst kind) -> names
 _CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -309,14 +311,16 @@ class Search:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
         communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
-        rem = self._rem[pos]
-        h = max(a + r for a, r in zip(acc, rem))
+        h = max(map(operator.add, acc, self._rem[pos]))
         opts = self._spine_opts[pos]
         if opts:
-            present = [v for bit, v in opts if props & bit]
-            vb = min(present) if present else min(v for _, v in opts)
-            w = self._w
-            h2 = sum(w[j] * acc[j] for j in range(self.n)) + vb
+            vb = _INF
+            for bit, v in opts:
+                if props & bit and v < vb:
+                    vb = v
+            if vb == _INF:  # the spine tensor has no form yet: any of them
+                vb = self._spine_any[pos]
+            h2 = acc[self._jstar] + vb  # the weights are one-hot on the bottleneck device
             if h2 > h:
                 h = h2
         return h
@@ -336,6 +340,7 @@ class Search:
         # weights on the device that has the most computation left even in the best case: any weights on
         # the simplex give a valid bound, and this one is tight when that device is the bottleneck
         jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
+        self._jstar = jstar
         self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
         inf = float("inf")
         # the spine: from the loss backwards, through the largest activation input (then the deepest): the
@@ -435,6 +440,7 @@ class Search:
             spine_opts.append(opts)
         if not comm_only:
             self._spine_opts = spine_opts
+            self._spine_any = [min((v for _, v in o), default=_INF) for o in spine_opts]
         return spine_opts
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
