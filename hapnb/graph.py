@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 __all__ = [
@@ -49,7 +50,7 @@ class TensorRef:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -60,8 +61,8 @@ class TensorRef:
     def itemsize(self) -> int:
         return _ITEMSIZE.get(self.dtype, 4)
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # read ~10^5 times a synthesis by the cost model: computed once
         return self.numel * self.itemsize
 
     @property
