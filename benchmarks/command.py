@@ -12,8 +12,9 @@ is reported with its phase breakdown, read from the command's own ``phases`` (``
   printing the result.
 
 ``cold`` runs use a fresh trace cache each time (``HAPNB_CACHE_DIR`` in a new temporary folder); ``warm``
-runs share one that a first (unmeasured) run filled. RSS is the child's peak resident memory, CPU its user + system time (a figure less
-sensitive than the wall time to other load on the machine; the load average is recorded with each case).
+runs share one that a first (unmeasured) run filled. RSS is the child's peak resident memory, CPU its
+user + system time (a figure less sensitive than the wall time to other load on the machine; the load
+average is recorded with each case).
 
 Targets (issue 10): BERT-12 on 2xV100+6xP100 ``--no-baselines`` whole command <= 3.5 s (cold); GPT-48 on
 16xV100+48xP100 <= 20 s and <= 2 GiB RSS (until memory-aware synthesis lands it does not fit there, so it
@@ -134,15 +135,17 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 14]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['mode']} | {r['wall_s']:.2f} | | | | | | | | "
-                         f"{(r['rss_bytes'] or 0) / 2**20:.0f} | | {r['loadavg']} | error: {r['error'][:90]} |")  # fmt: skip
+            rss = (r["rss_bytes"] or 0) / 2**20
+            lines.append(f"| {r['case']} | {r['mode']} | {r['wall_s']:.2f} | | | | | | | | {rss:.0f} | | "
+                         f"{r['loadavg']} | error: {r['error'][:90]} |")  # fmt: skip
             continue
         p = r["phases"]
+        optimal = {True: "yes", False: "no"}.get(r.get("optimal"), "")
         lines.append(
-            f"| {r['case']} | {r['mode']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {p['import']:.2f} | {p['build']:.2f} | "
-            f"{p['trace']:.2f} | {p['search']:.2f} | {p['rest']:.2f} | {r['synthesis_s']:.3f} | "
-            f"{r['rss_bytes'] / 2**20:.0f} | {'yes' if r.get('optimal') else 'no' if r.get('optimal') is False else ''} | "
-            f"{r['loadavg']} | {r['trace_path'] or ''} |"
+            f"| {r['case']} | {r['mode']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {p['import']:.2f} | "
+            f"{p['build']:.2f} | {p['trace']:.2f} | {p['search']:.2f} | {p['rest']:.2f} | "
+            f"{r['synthesis_s']:.3f} | {r['rss_bytes'] / 2**20:.0f} | {optimal} | {r['loadavg']} | "
+            f"{r['trace_path'] or ''} |"
         )
     return "\n".join(lines)
 

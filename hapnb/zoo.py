@@ -792,23 +792,14 @@ def build(
     return model, inputs, spec
 
 
-def model_spec(
-    name: str,
-    *,
-    devices: int = 8,
-    layers: int | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
-    seed: int = 0,
-    **overrides: Any,
-) -> ModelSpec:
-    """The :class:`ModelSpec` :func:`build` records for these arguments, built without the model (options
-    are checked to be JSON values only): ``str(model_spec("bert", devices=2))`` is ``bert(devices=2 seed=0)``."""
+def model_spec(name: str, **options: Any) -> ModelSpec:
+    """The :class:`ModelSpec` :func:`build` records for ``build(name, **options)``, made without building
+    (options are checked to be JSON values only): ``model_spec("bert", devices=2)`` is
+    ``bert(devices=2 seed=0)``."""
     if not isinstance(name, str):
         raise ValueError(f"model name must be a string, got {name!r}")
-    given: dict[str, Any] = {"devices": devices, "seed": seed}
-    given.update({k: v for k, v in (("layers", layers), ("batch", batch), ("seq", seq)) if v is not None})
-    given.update(overrides)
+    given: dict[str, Any] = {"devices": options.pop("devices", 8), "seed": options.pop("seed", 0)}
+    given.update({k: v for k, v in options.items() if v is not None or k not in ("layers", "batch", "seq")})
     for k, v in given.items():
         if not _is_json_value(v):
             raise ValueError(
