@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from .triples import theory as build_theory
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
 _EPS = 1e-12
+_INF = float("inf")
 
 # which collectives turn a form kind into another (src kind, dst kind) -> names
 _CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -267,7 +269,7 @@ class Search:
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
-            lb.append(tuple(min(c.comp[j] for c in comp_list) for j in range(self.n)))
+            lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * self.n]
         for v in reversed(lb):
@@ -317,14 +319,16 @@ class Search:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
         communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
-        rem = self._rem[pos]
-        h = max(a + r for a, r in zip(acc, rem))
+        h = max(map(operator.add, acc, self._rem[pos]))
         opts = self._spine_opts[pos]
         if opts:
-            present = [v for bit, v in opts if props & bit]
-            vb = min(present) if present else min(v for _, v in opts)
-            w = self._w
-            h2 = sum(w[j] * acc[j] for j in range(self.n)) + vb
+            vb = _INF
+            for bit, v in opts:
+                if props & bit and v < vb:
+                    vb = v
+            if vb == _INF:  # the spine tensor has no form yet: any of them
+                vb = self._spine_any[pos]
+            h2 = acc[self._jstar] + vb  # the weights are one-hot on the bottleneck device
             if h2 > h:
                 h = h2
         return h
@@ -344,10 +348,12 @@ class Search:
         # weights on the device that has the most computation left even in the best case: any weights on
         # the simplex give a valid bound, and this one is tight when that device is the bottleneck
         jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
+        self._jstar = jstar
         self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
-        w_comp = (0.0,) * self.n if comm_only else self._w  # comm_only: the communication alone
         inf = float("inf")
-        # the spine: from the loss backwards, through the input with the longest upstream path
+        # the spine: from the loss backwards, through the largest activation input (then the deepest): the
+        # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
+        # with its all-to-alls and expert weights, rather than its longer gating path on [B, S, E])
         depth = [0] * len(g.tensors)
         for op in g.ops:
             d = 1 + max((depth[t] for t in op.inputs), default=0)
@@ -360,37 +366,53 @@ class Search:
             acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
             if not acts:
                 break
-            src = max(acts, key=lambda x: (depth[x], g.tensors[x].numel, -x))
+            src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x))
             spine_ops[op.id] = (src, t)
             t = src
         n_cons = [len(set(x.consumers)) for x in g.tensors]
 
+        # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar]
+        single = [x.role == "param" and n_cons[x.id] == 1 for x in g.tensors]
+
         def local(op_id: int, c: _Compiled) -> float:
-            v = sum(w_comp[j] * c.comp[j] for j in range(self.n))
+            v = 0.0 if comm_only else c.comp[jstar]
             op = g.ops[op_id]
             for ti, f in zip(op.inputs, c.strategy.inputs):
-                tr = g.tensors[ti]
-                if tr.role == "param" and n_cons[ti] == 1:
+                if single[ti]:
                     ld = Load(ti, f, c.strategy.sfb and f.kind == "I")
                     v += sum(tm.time(self.ratios) for tm in cm.load_terms(ld))
             if c.strategy.sfb:
                 v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
             return v
 
-        conv_cache: dict[tuple[int, Form, Form], float] = self._shared.setdefault("conv", {})
+        # a conversion's price depends on the tensor only through its bytes, ratio segment and whether
+        # it has a gradient (CostModel.conversion_terms): spine tensors of one shape share their prices
+        # (and the searches of one re-planning context at the same ratios share them: self._shared)
+        conv_cache: dict[tuple[Any, ...], float] = self._shared.setdefault("conv", {})
+        sig_of: dict[tuple[int, int, bool], int] = self._shared.setdefault("conv_sig", {})
 
-        def conv(ti: int, a: Form, b: Form) -> float:
-            if a == b:
-                return 0.0
-            key = (ti, a, b)
-            v = conv_cache.get(key)
-            if v is None:
-                v = inf
-                for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                    cv = Conversion(ti, name, a, b)
-                    v = min(v, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
-                conv_cache[key] = v
-            return v
+        def conv_row(ti: int, by_in: dict[Form, float]) -> dict[Form, float]:
+            """For each form of spine tensor ti: the cheapest conversion to a form in by_in plus its value."""
+            sig = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti])
+            sid = sig_of.setdefault(sig, len(sig_of))
+            row = {}
+            for a in th.forms[ti]:
+                best = inf
+                for b, v in by_in.items():
+                    if a != b:
+                        key = (sid, a, b)
+                        x = conv_cache.get(key)
+                        if x is None:
+                            x = inf
+                            for name in _CONVERSIONS.get((a.kind, b.kind), ()):
+                                cv = Conversion(ti, name, a, b)
+                                x = min(x, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
+                            conv_cache[key] = x
+                        v += x
+                    if v < best:
+                        best = v
+                row[a] = best
+            return row
 
         # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
         spine_at: list[int | None] = [None] * (n_ops + 1)
@@ -406,17 +428,14 @@ class Search:
                 k_in = op.inputs.index(src)
                 k_out = op.outputs.index(out)
                 nxt = V[i + 1]
-                row: dict[Form, float] = {}
-                locals_ = [local(i, c) for c in comp]
-                for f in th.forms[src]:
-                    best = inf
-                    for c, lc in zip(comp, locals_):
-                        cv = conv(src, f, c.strategy.inputs[k_in])
-                        if cv == inf:
-                            continue
-                        best = min(best, cv + lc + nxt.get(c.strategy.outputs[k_out], inf))
-                    row[f] = best
-                V[i] = row
+                # the best rest per form the op takes its spine input in, then the cheapest way there
+                by_in: dict[Form, float] = {}
+                for c in comp:
+                    f_in = c.strategy.inputs[k_in]
+                    v = local(i, c) + nxt.get(c.strategy.outputs[k_out], inf)
+                    if v < by_in.get(f_in, inf):
+                        by_in[f_in] = v
+                V[i] = conv_row(src, by_in)
                 cur = src
             else:
                 m = min(local(i, c) for c in comp)
@@ -430,6 +449,7 @@ class Search:
             spine_opts.append(opts)
         if not comm_only:
             self._spine_opts = spine_opts
+            self._spine_any = [min((v for _, v in o), default=_INF) for o in spine_opts]
         return spine_opts
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:

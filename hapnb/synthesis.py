@@ -43,7 +43,7 @@ from .optimize import (
 )
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
-from .simulation import simulate
+from .simulation import iteration_time
 from .tracing import resolve_model
 from .triples import Theory, theory
 from .tuning import rebuild_graph, sensitivity, why_not
@@ -102,7 +102,8 @@ def synthesize(
     if pick not in ("simulated", "cost"):
         raise ValueError(f"pick must be 'simulated' or 'cost', got {pick!r}")
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
-    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, **zoo_options)
+    traced: dict[str, Any] = {}  # how the graph was made (zoo models: build_s, trace_s, trace_path)
+    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, traced, **zoo_options)
     t0 = time.perf_counter()
     if segments is not None:
         graph = assign_segments(graph, segments)
@@ -113,7 +114,7 @@ def synthesize(
         check_memory=check_memory, progress=progress, duplex=duplex, pick=pick,
         segments=_segments_label(segments),
     )  # fmt: skip
-    return _synthesize(SynthesisContext(th, spec, args), c, pins, t0)
+    return _synthesize(SynthesisContext(th, spec, args, traced), c, pins, t0)
 
 
 class SynthesisContext:
@@ -125,8 +126,15 @@ class SynthesisContext:
     ``progress``, ``duplex``, ``pick``, ``segments``) and ``memo``, the searches, LPs and simulated times
     computed so far (:class:`~hapnb.optimize.Memo`; also what :mod:`hapnb.tuning` reuses)."""
 
-    def __init__(self, theory: Theory, spec: Mapping[str, Any] | None, args: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        theory: Theory,
+        spec: Mapping[str, Any] | None,
+        args: Mapping[str, Any],
+        traced: Mapping[str, Any] | None = None,
+    ) -> None:
         self.theory = theory
+        self.traced = dict(traced or {})  # how the graph was made (zoo models: build_s, trace_s, trace_path)
         self.spec = dict(spec) if spec else None
         self.args = dict(args)
         self.memo = Memo()
@@ -177,7 +185,7 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
             )
             if duplex:
                 plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
-            sim = simulate(plan).iteration_s if simulated_s is None else simulated_s
+            sim = iteration_time(plan) if simulated_s is None else simulated_s
             return dataclasses.replace(plan, simulated_s=sim)
 
         key = (ck, k, duplex, best.history, best.ratio_pins, frozen_pins, freeze_mapping(stats), a["segments"],
@@ -209,7 +217,7 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
     # chosen: where the final program came from ("search", or e.g. "baseline dp_cp" when the simulator
     # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
     stats = {**best.stats, "candidates_simulated": len(sims), "chosen": top[i].source, "cost_rank": i,
-             "pick": a["pick"]}  # fmt: skip
+             "pick": a["pick"], **ctx.traced}  # fmt: skip
     if duplex and not isinstance(ratios, Sequence):
         # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
         k = top[i]
@@ -293,7 +301,7 @@ def replan(
 def _derived(ctx: SynthesisContext, args: Mapping[str, Any]) -> SynthesisContext:
     """A context with other arguments that shares ``ctx``'s theory and memo (every memo key names all
     that a result depends on, so the memo stays valid)."""
-    out = SynthesisContext(ctx.theory, ctx.spec, args)
+    out = SynthesisContext(ctx.theory, ctx.spec, args, ctx.traced)
     out.memo = ctx.memo
     return out
 
@@ -424,7 +432,7 @@ def fixed_plan(
         options={**opts, "baseline": name},
         synthesis_s=time.perf_counter() - t0,
     )
-    return dataclasses.replace(plan, simulated_s=simulate(plan).iteration_s)
+    return dataclasses.replace(plan, simulated_s=iteration_time(plan))
 
 
 def _is_param(th: Theory, name: str) -> bool:
@@ -451,8 +459,9 @@ def _graph_of(
     cluster: Cluster,
     example_inputs: Sequence[Any] | None = None,
     loss: Any = None,
+    timings: dict[str, Any] | None = None,
     **zoo: Any,
 ) -> tuple[Graph, dict[str, Any] | None]:
     if isinstance(model_or_graph, Theory):
         return model_or_graph.graph, None
-    return resolve_model(model_or_graph, cluster, example_inputs, loss, **zoo)
+    return resolve_model(model_or_graph, cluster, example_inputs, loss, timings, **zoo)
