@@ -9,7 +9,7 @@ both clocks can be checked: the stage model with ``pick="cost"`` and the simulat
 pick. Paper configurations (the zoo's defaults: hidden 768, 12 heads, 12 layers, seq 128; BERT-MoE with
 2 experts per device) and the paper's weak scaling: 64 samples per device (32 for BERT-MoE).
 
-    python benchmarks/comparison.py                       # everything (about an hour on 2 loaded cores)
+    python benchmarks/comparison.py                       # everything (minutes: see docs/comparison.md)
     python benchmarks/comparison.py --figures 17 --budget 600
     python benchmarks/comparison.py --figures 13 --clusters paper-hetero-8 --models vgg19,bert
 
@@ -39,10 +39,6 @@ MODELS = ("vgg19", "vit", "bert", "bert-moe")
 #: 128 tokens each: each expert's load stays ~5120 tokens).
 FIG17_EXPERTS = tuple(range(4, 17))
 PER_DEVICE = {"bert-moe": 32}  # samples per device (paper §7.1); 64 for the others
-#: BERT-MoE (2 experts per device) has 84 M + 36 M x devices parameters: tracing the 12-layer model for 32
-#: or 64 devices needs 12-24 GB here (4.9 GB RSS at 8 devices), more than this shared 2-core, 24 GB machine
-#: can spare; a 2-layer BERT-MoE (one MoE layer) runs on every cluster as the series to compare across them
-MOE_12_LAYERS_MAX_DEVICES = 16
 TOL = 1 + 1e-9
 
 
@@ -118,12 +114,7 @@ def plan_rows(ns: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any
                 continue
             n = hap.Cluster.resolve(cluster).n
             for m in models:
-                opts: dict[str, Any] = {"batch": PER_DEVICE.get(m, 64) * n}
-                if m == "bert-moe":  # the 12-layer model where it can be traced here, and 2 layers everywhere
-                    if n <= MOE_12_LAYERS_MAX_DEVICES:
-                        out.append((fig, m, cluster, dict(opts)))
-                    opts["layers"] = 2
-                out.append((fig, m, cluster, opts))
+                out.append((fig, m, cluster, {"batch": PER_DEVICE.get(m, 64) * n}))
     if "17" in figures:
         for e in FIG17_EXPERTS:
             opts = {"experts": e, "batch": 16 * e, "strategies": "hap,dp_ev,dp_cp,tp,ep,fsdp"}
