@@ -258,9 +258,9 @@ def expert_groups(th: Theory) -> tuple[ExpertGroup, ...]:
     empty for a model without experts.
 
     >>> import hapnb
-    >>> from hapnb import zoo
-    >>> m, x, _ = zoo.build("bert-moe", devices=2, layers=2, hidden=16, heads=2, vocab=32, seq=8, batch=4)
-    >>> [(g.weights, g.experts) for g in expert_groups(hapnb.theory(hapnb.trace(m, x)))]
+    >>> from hapnb.tracing import zoo_graph
+    >>> g, _ = zoo_graph("bert-moe", devices=2, layers=2, hidden=16, heads=2, vocab=32, seq=8, batch=4)
+    >>> [(e.weights, e.experts) for e in expert_groups(hapnb.theory(g))]
     [((('layers.1.moe.w1', 0), ('layers.1.moe.w2', 0)), 4)]
     """
     g = th.graph
