@@ -24,6 +24,18 @@ def _stage_color(k: int) -> str:
     return _DEVICE_COLORS[k % len(_DEVICE_COLORS)]
 
 
+def _units_text(plan: Any, s: Any) -> str:
+    """``blocks.0 .. blocks.3 (4 units)``, or the one unit's name."""
+    first, last = plan.units[s.units[0]], plan.units[s.units[1] - 1]
+    k = s.units[1] - s.units[0]
+    return first if k == 1 else f"{first} .. {last} ({k} units)"
+
+
+def _times_text(s: Any) -> str:
+    unit, k = time_unit(max(s.forward_s, s.backward_s))
+    return f"F {s.forward_s * k:.4g} {unit}, B {s.backward_s * k:.4g} {unit}"
+
+
 def pipeline_dot(plan: Any) -> Any:
     """The pipeline's stages drawn on the cluster: one box per machine holding its devices, each device
     filled with its stage's colour (idle devices grey), and a row of stage nodes (units, per-micro-batch
@@ -35,11 +47,7 @@ def pipeline_dot(plan: Any) -> Any:
     with g.subgraph(name="stages") as top:
         top.attr(rank="same")
         for s in plan.stages:
-            first, last = plan.units[s.units[0]], plan.units[s.units[1] - 1]
-            label = (
-                f"stage {s.index}\n{first} .. {last} ({s.units[1] - s.units[0]} units)\n"
-                f"F {_ms(s.forward_s)} ms, B {_ms(s.backward_s)} ms"
-            )
+            label = f"stage {s.index}\n{_units_text(plan, s)}\n{_times_text(s)} per micro-batch"
             top.node(f"stage{s.index}", _lbl(label), fillcolor=_stage_color(s.index), fontcolor="white",
                      shape="box", style="filled,rounded")  # fmt: skip
     for a, b in zip(plan.stages, plan.stages[1:]):
@@ -78,12 +86,11 @@ def pipeline_html(plan: Any) -> str:
     )
     rows = []
     for s in plan.stages:
-        first, last = plan.units[s.units[0]], plan.units[s.units[1] - 1]
         devs = ", ".join(f"{d} ({sh:.2f})" for d, sh in zip(s.devices, s.shares))
         mem = _bytes(max(s.memory_bytes)) if s.memory_bytes else "-"
         swatch = f"<span style='display:inline-block;width:10px;height:10px;background:{_stage_color(s.index)}'></span>"
         rows.append(
-            [f"{swatch} {s.index}", esc(f"{first} .. {last}"), str(s.units[1] - s.units[0]), esc(devs),
+            [f"{swatch} {s.index}", esc(_units_text(plan, s)), str(s.units[1] - s.units[0]), esc(devs),
              _ms(s.forward_s), _ms(s.backward_s), mem]
         )  # fmt: skip
     table = _table(
