@@ -362,28 +362,26 @@ def _capacity(c: Cluster) -> tuple[int, ...]:
 
 
 def _spmd_row(name: str, plan: Plan, note: str = "") -> StrategyResult:
+    """The row of an SPMD plan: its two clocks, memory per device against capacity, and whether it fits."""
     cap = _capacity(plan.cluster)
     mem = tuple(int(m) for m in plan.memory_bytes)
     fits = all(m <= k for m, k in zip(mem, cap)) if mem else None
-    if fits is False:
-        over = [
-            f"{d} {m / 2**30:.1f}/{k / 2**30:.1f} GiB" for d, m, k in zip(plan.devices, mem, cap) if m > k
-        ]
-        note = "; ".join(
-            x for x in (note, "does not fit: " + ", ".join(over[:3]) + (" ..." if len(over) > 3 else "")) if x
-        )
+    over = [f"{d} {m / 2**30:.1f}/{k / 2**30:.1f} GiB" for d, m, k in zip(plan.devices, mem, cap) if m > k]
+    if over:
+        more = " ..." if len(over) > 3 else ""
+        note = "; ".join(x for x in (note, f"does not fit: {', '.join(over[:3])}{more}") if x)
     return StrategyResult(
-        name,
-        True,
-        plan.cost_s,
-        plan.simulated_s,
-        "hapnb.simulate",
-        mem,
-        cap,
-        fits,
-        note,
-        plan.synthesis_s,
-        plan,
+        strategy=name,
+        available=True,
+        iteration_s=plan.cost_s,
+        simulated_s=plan.simulated_s,
+        simulator="hapnb.simulate",
+        memory_bytes=mem,
+        capacity_bytes=cap,
+        fits=fits,
+        note=note,
+        planning_s=plan.synthesis_s,
+        plan=plan,
     )
 
 
@@ -481,10 +479,18 @@ def _pipeline(x: _Inputs) -> StrategyResult:
     )
     if idle:
         note += f", {idle} devices idle"
-    fits = all(m <= k for m, k in zip(memory, cap))
-    sim = pp.stats.get("simulated_s")
     return StrategyResult(
-        "pipeline", True, pp.iteration_s, sim, "pipeline schedule", memory, cap, fits, note, pp.planning_s, pp
+        strategy="pipeline",
+        available=True,
+        iteration_s=pp.iteration_s,
+        simulated_s=pp.stats.get("simulated_s"),
+        simulator="pipeline schedule",
+        memory_bytes=memory,
+        capacity_bytes=cap,
+        fits=all(m <= k for m, k in zip(memory, cap)),
+        note=note,
+        planning_s=pp.planning_s,
+        plan=pp,
     )
 
 
