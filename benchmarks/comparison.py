@@ -154,7 +154,7 @@ def main() -> None:
         row = run_row(fig, model, cluster, **opts)
         doc["rows"].append(row)
         doc["elapsed_s"] = time.perf_counter() - t0
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+        out.write_text(_dumps(doc))
         st = row["strategies"]
         print(
             f"fig {fig} {model:9s} {cluster:16s} {json.dumps(opts):48s} "
@@ -167,7 +167,14 @@ def main() -> None:
             flush=True,
         )
     doc["elapsed_s"] = time.perf_counter() - t0
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(_dumps(doc))
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """The JSON file: one row per line (diffs stay readable, the file small)."""
+    rows = ",\n".join(json.dumps(r, separators=(",", ":")) for r in doc["rows"])
+    rest = json.dumps({k: v for k, v in doc.items() if k != "rows"})[1:-1]
+    return "{" + rest + (", " if rest else "") + '"rows": [\n' + rows + "\n]}\n"
 
 
 def _key(r: dict[str, Any]) -> tuple[str, str, str, str]:
