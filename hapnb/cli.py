@@ -126,11 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="one cost model, all strategies")
     _model_args(p)
     _cluster_args(p)
-    p.add_argument("--json", action="store_true", help="print {strategy: cost_s} (the stage model)")
+    p.add_argument("--json", action="store_true", help="print {strategy: iteration_s} (the stage model)")
     p.add_argument(
         "--simulated",
         action="store_true",
-        help="with --json: {strategy: simulated_s} (the overlap simulator)",
+        help="with --json: {strategy: simulated_s} (the overlap simulator; a pipeline's schedule simulation)",
+    )
+    p.add_argument(
+        "--detail",
+        action="store_true",
+        help="with --json: the whole table (times on both clocks, memory per device, fits, notes)",
+    )
+    p.add_argument(
+        "--strategies",
+        metavar="A,B,...",
+        help="the strategies to compare (default all): hap, dp_ev, dp_cp, tp, ep, fsdp, pipeline",
     )
     p.add_argument("--duplex", action="store_true", help="HAP's plan with the duplex schedule")
     _pick_arg(p)
@@ -384,20 +394,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .synthesis import baselines
+    from .comparison import compare
 
-    plan, c, _ = _synthesize(ns)
-    plans = {"hap": plan, **baselines(plan.graph, c)}
-    out = {k: p.cost_s for k, p in plans.items()}
-    sim = {k: p.simulated_s for k, p in plans.items()}
+    cmp = compare(
+        ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_options(ns)
+    )
     if ns.json:
-        print(json.dumps(sim if ns.simulated else out))
+        out = cmp.to_json() if ns.detail else cmp.times("simulated" if ns.simulated else "stage")
+        print(json.dumps(out))
     else:
-        print(f"{'':8s} {'stage model':>14} {'':>6} {'simulated':>14}")
-        for k, v in out.items():
-            print(
-                f"{k:8s} {v * 1e3:11.3f} ms {v / out['hap']:5.2f}x {sim[k] * 1e3:11.3f} ms {sim[k] / sim['hap']:5.2f}x"
-            )
+        print(cmp)
     return 0
 
 

@@ -48,7 +48,7 @@ from .tracing import resolve_model
 from .triples import Theory, theory
 from .tuning import rebuild_graph, sensitivity, why_not
 
-__all__ = ["synthesize", "baselines", "replan", "OutOfMemoryError", "SynthesisContext"]
+__all__ = ["synthesize", "baselines", "fixed_plan", "replan", "OutOfMemoryError", "SynthesisContext"]
 
 
 #: how many of the Q/B loop's candidates (best cost first) the overlap simulator compares for the final pick
@@ -385,33 +385,54 @@ def baselines(
     th = model_or_graph if isinstance(model_or_graph, Theory) else theory(graph)
     out: dict[str, Plan] = {}
     for name, pins, ratios, opts in baseline_specs(th, c, {}):
-        t0 = time.perf_counter()
         try:
-            s = Search(th, c, ratios=ratios, pins=pins, options=opts)
-            res = s.run(max_expansions=max_expansions)
+            out[name] = fixed_plan(
+                th, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
+            )
         except (NoProgramError, ValueError):
             continue
-        st = s.stats
-        stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
-        stats["optimal"] = res.optimal
-        plan = make_plan(
-            th,
-            c,
-            res.program,
-            s.final_conversions(),
-            s.ratios,
-            pins=pins,
-            stats=stats,
-            model=spec,
-            options={**opts, "baseline": name},
-            synthesis_s=time.perf_counter() - t0,
-        )
-        out[name] = dataclasses.replace(plan, simulated_s=iteration_time(plan))
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
     ):
         del out["tp_ev"]  # no weight could be split: tensor parallelism does not apply
     return out
+
+
+def fixed_plan(
+    th: Theory,
+    c: Cluster,
+    pins: Mapping[str, Any],
+    ratios: Sequence[Sequence[float]],
+    options: Mapping[str, bool] | None = None,
+    *,
+    name: str = "fixed",
+    model: Mapping[str, Any] | None = None,
+    max_expansions: int | None = 30_000,
+) -> Plan:
+    """The plan of one A* search at fixed ``ratios`` (one row per segment; no LP) with form ``pins`` and
+    search ``options``, with its simulated time: how :func:`baselines` (and the strategies of
+    :func:`hapnb.compare`) package a fixed strategy. ``name`` is recorded as ``options["baseline"]``.
+    Raises :class:`~hapnb.search.NoProgramError` (or ValueError for bad pins) when no program exists."""
+    t0 = time.perf_counter()
+    opts = dict(options or {})
+    s = Search(th, c, ratios=ratios, pins=pins, options=opts)
+    res = s.run(max_expansions=max_expansions)
+    st = s.stats
+    stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
+    stats["optimal"] = res.optimal
+    plan = make_plan(
+        th,
+        c,
+        res.program,
+        s.final_conversions(),
+        s.ratios,
+        pins=parse_pins(pins),
+        stats=stats,
+        model=model,
+        options={**opts, "baseline": name},
+        synthesis_s=time.perf_counter() - t0,
+    )
+    return dataclasses.replace(plan, simulated_s=iteration_time(plan))
 
 
 def _is_param(th: Theory, name: str) -> bool:

@@ -34,7 +34,7 @@ from .forms import Form, G, I, R, shard_lengths
 from .graph import Graph, Op, TensorRef
 from .rules import Strategy
 
-__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "COLLECTIVES", "LOADABLE_ROLES"]
+__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES"]
 
 Prop = tuple[int, Form]
 LOADABLE_ROLES = ("input", "param", "buffer", "const")
@@ -323,6 +323,28 @@ def _all_triples(
         if t.id == g.loss:
             add(((t.id, I),), Instr("collective", "to_partial", tensor=t.id, src=I, form=R), ((t.id, R),))
     return triples
+
+
+def dim_class(th: Theory, tensor: int, dim: int) -> tuple[tuple[int, int], ...]:
+    """The ``(tensor, dim)`` pairs in the same *dim class* as ``(tensor, dim)`` (see the module docstring:
+    the dims some chain of the theory's strategies shards as one partition), sorted; ``((tensor, dim),)``
+    when no strategy shards it.
+
+    >>> import torch, hapnb
+    >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+    >>> [(g.tensors[t].name, d) for t, d in dim_class(hapnb.theory(g), g.tensor("weight").id, 0)]
+    [('weight', 0), ('bias', 0), ('linear', 1)]
+    """
+    classes = _DimClasses()
+    for op, ss in zip(th.graph.ops, th.strategies):
+        for s in ss:
+            gdims = [
+                (t, f.dim) for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs) if f.kind == "G"
+            ]
+            for a in gdims[1:]:
+                classes.union(gdims[0], a)
+    root = classes.find((tensor, dim))
+    return tuple(sorted(k for k in list(classes.parent) if classes.find(k) == root)) or ((tensor, dim),)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

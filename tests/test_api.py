@@ -15,11 +15,11 @@ import hapnb
 PUBLIC = [
     "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
     "PinError", "PipelinePlan", "Plan", "pipeline", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
-    "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
+    "collectives", "compare", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
 ]  # fmt: skip
 
-FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "pipeline", "shard_lengths",
+FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "pipeline", "shard_lengths",
              "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 
@@ -87,8 +87,8 @@ CLI: dict[str, list[str]] = {
         "--backend", "--help", "--json", "--kind", "--measured", "--no-loo", "--nproc", "--output", "--steps",
         "--timeout", "--warmup", "--worker",
     ],
-    "compare": ["--batch", "--cluster", "--duplex", "--help", "--json", "--layers", "--model", "--pick", "--seq",
-                "--set", "--simulated"],
+    "compare": ["--batch", "--cluster", "--detail", "--duplex", "--help", "--json", "--layers", "--model", "--pick",
+                "--seq", "--set", "--simulated", "--strategies"],
     "demo": ["--help", "--no-verify", "--report"],
     "launch": ["--backend", "--bucket-cap-bytes", "--bundle-dir", "--first-bucket-cap-bytes", "--grad-sync",
                "--help", "--json", "--nnodes", "--no-interleave", "--node-rank", "--nproc", "--print-commands",

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triples",),
     ("devices", "cluster", "cost"),
     ("search", "balance", "optimize", "duplex"),
-    ("plan", "simulation", "synthesis", "pipelines", "tuning"),
+    ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),
     ("cli",),

@@ -481,7 +481,7 @@ def model_costs(
     ``batch``. Deep zoo models on flops-only clusters are traced with :data:`TRACED_BLOCKS` blocks and the
     block repeated (exact: see the module docstring)."""
     from .. import zoo
-    from ..tracing import trace
+    from ..tracing import zoo_graph
 
     name, opts = resolve_preset(model, options)
     if ":" not in name and name not in zoo.ZOO_NAMES:
@@ -502,14 +502,12 @@ def model_costs(
     )
     if shallow:
         small = {**opts, "layers": TRACED_BLOCKS}
-        m, inputs, _ = zoo.build(name, devices=n, seed=seed, batch=micro_batch, **small)
-        g = trace(m, inputs, name=name)
-        del m
+        g, _ = zoo_graph(name, devices=n, seed=seed, batch=micro_batch, **small)
         out = _repeat_blocks(layer_costs(g, cluster, model=spec), layers)
         if out is not None:
             return out
-    m, inputs, _ = zoo.build(name, devices=n, seed=seed, batch=micro_batch, **opts)
-    g = trace(m, inputs, name=name.split(":")[-1])
+    # zoo models recorded on meta tensors (or read from the trace cache): no weights are materialized
+    g, _ = zoo_graph(name, devices=n, seed=seed, batch=micro_batch, **opts)
     return layer_costs(g, cluster, model=spec)
 
 

@@ -208,12 +208,19 @@ def plan_pipeline(
     stats.update(t1_s=t1, t2_s=t2, t3_s=t3)
     Fs: list[float] = []
     Bs: list[float] = []
+    links: list[float] = []
+    tails: list[float] = []
     for a, b, counts in chosen.stages:  # stages and the boundary transfers between them
         st = pricer.stage(a, b, counts)
         assert st is not None
         Fs += [st.F] + ([st.link] if b < pricer.L else [])
         Bs += [st.B] + ([st.link] if b < pricer.L else [])
+        links += [st.link] if b < pricer.L else []
+        tails.append(st.A)
     stats["simulated_s"] = schedule_makespan(Fs, Bs, micro_batches, schedule) + t3
+    # what PipelinePlan.schedule() needs to replay the schedule: each boundary's transfer per micro-batch
+    # and each stage's once-per-iteration tail (gradient all-reduce + optimizer step)
+    stats.update(boundary_s=links, tail_s=tails)
     return _with(plan, planning_s=times[method], method=method, search=_freeze(stats))
 
 

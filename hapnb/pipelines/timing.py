@@ -53,6 +53,7 @@ __all__ = [
     "ROOT",
     "Frontier",
     "stages_of",
+    "schedule_events",
     "schedule_makespan",
 ]
 
@@ -400,14 +401,17 @@ class Frontier:
 # schedule simulation (the reference the closed form is checked against)
 
 
-def schedule_makespan(F: Sequence[float], B: Sequence[float], N: int, schedule: str = "1F1B") -> float:
-    """The makespan of ``N`` micro-batches through stages with per-micro-batch times ``F``/``B`` under
-    GPipe (all forwards, then all backwards) or 1F1B (``min(S-k-1, N)`` warm-up forwards on stage k, then
-    one forward and one backward alternately, then the remaining backwards), every operation starting as
-    soon as its inputs and its stage are ready.
+def schedule_events(
+    F: Sequence[float], B: Sequence[float], N: int, schedule: str = "1F1B"
+) -> tuple[tuple[str, int, int, float, float], ...]:
+    """Every operation of ``N`` micro-batches through stages with per-micro-batch times ``F``/``B``, as
+    ``(kind, stage, micro_batch, start_s, end_s)`` (kind ``"F"`` or ``"B"``), under GPipe (all forwards,
+    then all backwards) or 1F1B (``min(S-k-1, N)`` warm-up forwards on stage k, then one forward and one
+    backward alternately, then the remaining backwards), every operation starting as soon as its inputs
+    and its stage are ready; in the order they were scheduled (what a Gantt chart of the schedule draws).
 
-    >>> schedule_makespan([1, 1], [2, 2], 4, "1F1B")
-    15.0
+    >>> [e[:3] for e in schedule_events([1, 1], [2, 2], 2, "GPipe")][:4]
+    [('F', 0, 0), ('F', 0, 1), ('F', 1, 0), ('F', 1, 1)]
     """
     S = len(F)
     order: list[list[tuple[str, int]]] = []
@@ -422,6 +426,7 @@ def schedule_makespan(F: Sequence[float], B: Sequence[float], N: int, schedule: 
             ops += [("B", m) for m in range(N - warm, N)]
         order.append(ops)
     done: dict[tuple[str, int, int], float] = {}
+    events: list[tuple[str, int, int, float, float]] = []
     pos = [0] * S
     free = [0.0] * S
     remaining = sum(len(o) for o in order)
@@ -439,13 +444,23 @@ def schedule_makespan(F: Sequence[float], B: Sequence[float], N: int, schedule: 
                 start = max([free[k]] + [done[d] for d in deps])
                 end = start + (F[k] if kind == "F" else B[k])
                 done[(kind, k, m)] = end
+                events.append((kind, k, m, start, end))
                 free[k] = end
                 pos[k] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("schedule deadlocked (a bug in the schedule order)")
-    return max(done.values())
+    return tuple(events)
+
+
+def schedule_makespan(F: Sequence[float], B: Sequence[float], N: int, schedule: str = "1F1B") -> float:
+    """The makespan of :func:`schedule_events`: when the last operation of the schedule ends.
+
+    >>> schedule_makespan([1, 1], [2, 2], 4, "1F1B")
+    15.0
+    """
+    return max(e[4] for e in schedule_events(F, B, N, schedule))
 
 
 def closed_form(F: Sequence[float], B: Sequence[float], N: int, schedule: str = "1F1B") -> float:
