@@ -1,26 +1,35 @@
 """Fidelity of the cost model on one CPU process (issue 8, 5(b)): predicted vs measured step time and
 peak memory of >= 10 models (zoo models at small sizes and the example factories).
 
-    .venv/bin/python benchmarks/fidelity_cpu.py [--threads 1] [--cluster cpu.json] [--steps 15]
+    .venv/bin/python benchmarks/fidelity_cpu.py --calibrate        # the study (~5 min on 2 cores)
+    .venv/bin/python benchmarks/fidelity_cpu.py --cluster cpu.json  # a profile from `hapnb profile`
 
-1. The device: ``--cluster`` (a cluster JSON from ``hapnb profile``, its first device's model) or, by
-   default, :func:`hapnb.run.profile.profile_device_model` on this CPU with ``--threads`` torch threads.
+1. The device: ``--rounds`` profiles of this CPU (:func:`hapnb.run.profile.profile_device_model`, one
+   torch thread, CPU clock, each timing the fastest of 7 repeats), one per round, interleaved with the
+   step timings; the device model is each parameter's median over the rounds. ``--cluster``: the first
+   device's model of a cluster JSON instead (no profiling).
 2. Per model: ``hapnb.synthesize`` on a one-device cluster carrying that model gives ``cost_s`` (forward,
    backward and Adam step) and the predicted peak memory (``memory_bytes``, with its breakdown).
-3. Measured, same process, same thread count: ``--warmup`` steps, then ``--steps`` timed steps of
-   ``zero_grad(set_to_none); loss = model(*inputs); loss.backward(); torch.optim.Adam(lr=1e-4).step()``
-   (median and min), then one more step under ``torch.profiler`` with ``profile_memory=True``: the CPU
-   allocator's allocation/free events in time order give the peak of live bytes above the step's start,
-   to which the bytes live at the start (parameters, Adam states, buffers, inputs: unique storages) are
-   added.
-4. Variants of the device model: without its CPU refinements (``optimizer_per_tensor``: single-tensor
-   Adam's kernels per parameter tensor; ``vector_flops``: transcendental, pooling and loss ops priced
-   as compute at the profiled vector rate), i.e. the model as it was before them, and with Adam per
-   tensor only; with ``--calibrate``, leave-one-out predictions of the device model fitted to the other
-   runs (``hapnb calibrate``'s fit, started from the profile; see docs/fidelity-cpu.md).
+3. Measured, same process, one torch thread, after ``--warmup`` steps: ``--rounds`` rounds, each of
+   ``--steps`` timed steps per model of ``zero_grad(set_to_none); model(*inputs).backward();
+   torch.optim.Adam(lr=1e-4).step()``, in round-robin bursts of ``--burst`` steps, so whatever else the
+   machine runs hits every model (and the profiles) alike. Each step is timed on the process's CPU clock
+   (``time.process_time``: with one thread it is the step's wall time minus the time the process was
+   descheduled, so a shared machine's other processes do not add to it; on a quiet machine the two
+   agree, and the JSON keeps the wall times too). The study compares with the fastest timed step
+   (``--stat min``, the default: the profile's numbers are each the fastest of 7 repeats, so this is
+   like for like, and it moves least between runs on a shared machine; ``--stat median``: the median;
+   the tables show both). Then one more step under ``torch.profiler`` with
+   ``profile_memory=True``: the CPU allocator's events in time order give the peak of live bytes above
+   the step's start, to which the bytes live at the start (parameters, Adam states, buffers, inputs:
+   unique storages) are added.
+4. Variants: "before" is the same profile without the CPU refinements (Adam per tensor; vector, pool and
+   scan rates; the conv curve), i.e. the roofline as it was before them; ``--calibrate`` adds
+   leave-one-out predictions of the device model fitted to the other runs (``hapnb calibrate``'s fit,
+   started from the profile; see docs/fidelity-cpu.md).
 
-Writes ``--out`` (default docs/fidelity-cpu.json) and prints a table. Timings on a shared machine are
-noisy: the JSON keeps median and min per model.
+Writes ``--out`` (default docs/fidelity-cpu.json) and prints the tables of docs/fidelity-cpu.md, ready to
+paste, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -51,7 +61,7 @@ from hapnb.run.calibrate import RunFeatures, fit_time, predict_step_s, predictio
 from hapnb.run.profile import profile_device_model  # noqa: E402
 
 _LM = dict(layers=2, hidden=128, heads=4, vocab=1024, seq=64, batch=8, dropout=0.0)
-#: (label, zoo name or factory, options): small sizes, one CPU thread takes ~5-300 ms per step
+#: (label, zoo name or factory, options): small sizes, one CPU thread takes ~5-400 ms per step
 MODELS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("mlp-512", "mlp", dict(layers=4, hidden=512, input=512, batch=64)),
     ("mlp-1024", "mlp", dict(layers=2, hidden=1024, input=1024, batch=128)),
@@ -69,6 +79,9 @@ MODELS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("cumulative_mix_lm", "examples.factories:cumulative_mix_lm", dict(batch=8, seq=64, vocab=1024, hidden=128)),
     ("tied_lm", "examples.factories:tied_lm", dict(batch=8, seq=64, vocab=1024, hidden=128)),
 )  # fmt: skip
+#: Device-model fields the CPU refinements set; "before" is the profile with them at their defaults.
+REFINEMENTS = dict(optimizer_per_tensor=False, vector_flops=None, pool_flops=None, scan_flops=None,
+                   conv_eff=None, conv_half_flops=None)  # fmt: skip
 
 
 def build(name: str, options: dict[str, Any]) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -76,18 +89,23 @@ def build(name: str, options: dict[str, Any]) -> tuple[torch.nn.Module, tuple[to
     return model, inputs
 
 
-def measure_steps(model: torch.nn.Module, inputs: tuple, steps: int, warmup: int) -> tuple[float, float, Any]:
-    """(median s, min s, the optimizer) of ``steps`` Adam training steps after ``warmup``."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        model(*inputs).backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), opt
+class Trainer:
+    """One model under training: ``step()`` runs one Adam step; ``cpu``/``wall`` collect timed steps."""
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.model, self.inputs = build(name, options)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.cpu: list[float] = []
+        self.wall: list[float] = []
+
+    def step(self, timed: bool = True) -> None:
+        w0, c0 = time.perf_counter(), time.process_time()
+        self.opt.zero_grad(set_to_none=True)
+        self.model(*self.inputs).backward()
+        self.opt.step()
+        if timed:
+            self.cpu.append(time.process_time() - c0)
+            self.wall.append(time.perf_counter() - w0)
 
 
 def _live_bytes(tensors: list[torch.Tensor]) -> int:
@@ -118,23 +136,39 @@ def measure_peak_bytes(model: torch.nn.Module, inputs: tuple, opt: Any) -> tuple
     return start + peak, start
 
 
+def median_model(models: list[DeviceModel]) -> DeviceModel:
+    """Each numeric parameter's median over ``models`` (profiles of one device); flags and source from
+    the first (None where any round has None)."""
+    first = models[0]
+    out = {}
+    for f in dataclasses.fields(DeviceModel):
+        vals = [getattr(m, f.name) for m in models]
+        if isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool) and None not in vals:
+            out[f.name] = statistics.median(vals)
+    src = first.source + (f"; median of {len(models)} profiles" if len(models) > 1 else "")
+    return dataclasses.replace(first, **out, source=src)
+
+
 def features(g: Any, th: Any, cm: CostModel, label: str, measured_s: float, dm: DeviceModel) -> Any:
     """The per-op features :func:`hapnb.run.calibrate.fit_time` fits on (as ``run_features`` reads them
     for zoo LMs, here for any traced model): each op under its first strategy on one device. The fit's
-    closed form does not know ``dm.vector_flops``, so a vector op's bytes become
-    ``max(bytes, flops * bandwidth / vector_flops)`` (the same time); it charges ``optimizer_kernels``
-    once per step (foreach), which the fit moves freely (a per-tensor row made it run off to a
-    kernel_s -> 0, optimizer_kernels -> inf corner)."""
+    closed form knows neither the vector rates nor the conv curve, so a vector op's bytes become
+    ``max(bytes, flops * bandwidth / rate)`` and a conv's become its profiled time x bandwidth (the same
+    time; the fit leaves them as profiled); it charges ``optimizer_kernels`` once per step (foreach),
+    which the fit moves freely."""
     rows = []
     for op in g.ops:
         s = th.strategies[op.id][0]
         nbytes, kernels = cm.op_traffic(op.id)
-        flops = s.scaled_flops + s.fixed_flops
-        rate = dm.pool_flops if op.family == "pool" and dm.pool_flops else dm.vector_flops
-        if rate is not None and op.family in VECTOR_FAMILIES:
+        flops = (s.scaled_flops + s.fixed_flops) * cm.grad_share(op.id)
+        rate = dm.vector_rate(op.family) if op.family in VECTOR_FAMILIES else None
+        matmul = op.family in MATMUL_FAMILIES
+        if rate is not None:
             nbytes = max(nbytes, flops * dm.bandwidth_Bps / rate)
-        rows.append((flops, nbytes, kernels, op.flops, op.family in MATMUL_FAMILIES,
-                     op.family == "attention"))  # fmt: skip
+        if op.family == "conv" and dm.conv_eff is not None:
+            const, coef = cm.op_linear(op.id, s, 0)
+            nbytes, flops, matmul = (const + coef - kernels * dm.kernel_s) * dm.bandwidth_Bps, 0.0, False
+        rows.append((flops, nbytes, kernels, op.flops, matmul, op.family == "attention"))
     a = np.array(rows, dtype=float).reshape(-1, 6)
     n_params = int(sum(t.nbytes for t in g.tensors if t.role == "param") // 4)
     return RunFeatures(label, measured_s, None, a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4] > 0, a[:, 5] > 0,
@@ -162,93 +196,155 @@ def _fit_or_none(feats: list[Any], base: DeviceModel, src: str) -> DeviceModel |
         return None
 
 
+def one_cpu(m: DeviceModel) -> Cluster:
+    """A one-device cluster whose CPU carries device model ``m``."""
+    base = Cluster.parse("1e11")
+    return base.replace(
+        name="1xCPU (profiled)", devices=(dataclasses.replace(base.devices[0], kind="CPU", model=m),)
+    )
+
+
+def predict(g: Any, m: DeviceModel) -> Any:
+    return hapnb.synthesize(g, one_cpu(m), seed_baselines=False, check_memory=False)
+
+
+def _load() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").exists() else math.nan
+
+
+def table(rows: list[dict[str, Any]], summary: dict[str, dict[str, float]], dm: DeviceModel) -> str:
+    """The per-model and summary tables of docs/fidelity-cpu.md (Markdown)."""
+
+    def pct(p: float, m: float) -> str:
+        return f"{100 * (p / m - 1):+.1f} %" if math.isfinite(p) else "-"
+
+    out = ["| model | params | param tensors | measured ms (median / min; wall median) | predicted ms | err |"
+           " before ms | err | calibrated, LOO | err | peak MB measured | predicted | err |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        m, loo = r["measured_s"], r.get("calibrated_loo_s", math.nan)
+        out.append(
+            f"| {r['label']} | {r['params'] / 1e6:.2f} M | {r['param_tensors']} | "
+            f"{r['measured_median_s'] * 1e3:.2f} / {r['measured_min_s'] * 1e3:.2f}; "
+            f"{r['measured_wall_median_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | "
+            f"{pct(r['predicted_s'], m)} | {r['before_s'] * 1e3:.2f} | {pct(r['before_s'], m)} | "
+            f"{loo * 1e3:.2f} | {pct(loo, m)} | {r['measured_peak_bytes'] / 1e6:.2f} | "
+            f"{r['predicted_peak_bytes'] / 1e6:.2f} | {pct(r['predicted_peak_bytes'], r['measured_peak_bytes'])} |"
+        )
+    out += ["", "| comparison | mean abs % | max abs % | Pearson | Spearman |", "|---|---:|---:|---:|---:|"]
+    for k, s in summary.items():
+        out.append(f"| {k} | {s['mean_abs_pct']:.1f} | {s['max_abs_pct']:.1f} | {s['pearson']:.3f} | "
+                   f"{s['spearman']:.3f} |")  # fmt: skip
+    fields = ", ".join(
+        f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in dm.to_json().items()
+    )
+    return "\n".join(out + ["", f"Profiled device model: {fields}"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (profile and measure)")
-    ap.add_argument("--cluster", default=None, help="a profiled cluster JSON (default: profile now)")
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--cluster", default=None, help="a profiled cluster JSON (default: profile each round)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (profile, timed steps of every model)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per model per round")
+    ap.add_argument("--burst", type=int, default=5, help="consecutive steps of one model (round-robin)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument(
         "--stat",
-        choices=("median", "min"),
-        default="median",
-        help="the measured step the summary compares with",
+        choices=("min", "median"),
+        default="min",
+        help="the measured step compared (default: fastest)",
     )
     ap.add_argument("--calibrate", action="store_true", help="also fit the device model, leave-one-out")
-    ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all; no JSON)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "fidelity-cpu.json"))
     ns = ap.parse_args(argv)
-    torch.set_num_threads(ns.threads)
-    if ns.cluster:
-        dm = Cluster.load(ns.cluster).devices[0].model
-        if dm is None:
-            raise SystemExit(f"{ns.cluster}: its first device has no device model; run `hapnb profile`")
-    else:
-        dm = profile_device_model("cpu", threads=ns.threads).model
-    print(f"device model: {dm}")
-    base = Cluster.parse("1e11")
-
-    def one_cpu(m: DeviceModel) -> Cluster:
-        return base.replace(
-            name="1xCPU (profiled)", devices=(dataclasses.replace(base.devices[0], kind="CPU", model=m),)
-        )
-
-    cluster = one_cpu(dm)
-    plain = dict(vector_flops=None, pool_flops=None)
-    before = one_cpu(dataclasses.replace(dm, optimizer_per_tensor=False, **plain))
-    adam_only = one_cpu(dataclasses.replace(dm, optimizer_per_tensor=True, **plain))
+    if ns.rounds < 1 or ns.steps < 1 or ns.burst < 1:
+        raise SystemExit("--rounds, --steps and --burst must be >= 1")
+    torch.set_num_threads(1)
+    t_start, load_before = time.perf_counter(), _load()
     only = set(ns.only.split(",")) if ns.only else None
+    chosen = [(label, name, opts) for label, name, opts in MODELS if not only or label in only]
+    trainers = {label: Trainer(name, opts) for label, name, opts in chosen}
+    for tr in trainers.values():
+        for _ in range(ns.warmup):
+            tr.step(timed=False)
+    profiles: list[DeviceModel] = []
+    fixed = None
+    if ns.cluster:
+        fixed = Cluster.load(ns.cluster).devices[0].model
+        if fixed is None:
+            raise SystemExit(f"{ns.cluster}: its first device has no device model; run `hapnb profile`")
+    loads = []
+    for rnd in range(ns.rounds):
+        loads.append(_load())
+        if fixed is None:
+            profiles.append(profile_device_model("cpu", threads=1).model)
+            print(f"round {rnd + 1}: {profiles[-1]}", flush=True)
+        first = {label: len(tr.cpu) for label, tr in trainers.items()}
+        while any(len(tr.cpu) - first[label] < ns.steps for label, tr in trainers.items()):
+            for label, tr in trainers.items():
+                for _ in range(min(ns.burst, ns.steps - (len(tr.cpu) - first[label]))):
+                    tr.step()
+    loads.append(_load())
+    dm = fixed or median_model(profiles)
+    print(f"device model: {dm}")
+    before = dataclasses.replace(dm, **REFINEMENTS)
     rows, feats = [], []
-    for label, name, options in MODELS:
-        if only and label not in only:
-            continue
-        model, inputs = build(name, options)
+    per_round: list[list[tuple[float, float]]] = [[] for _ in profiles]
+    for label, name, options in chosen:
+        tr = trainers[label]
+        model, inputs = build(name, options)  # traced on fresh weights
         g = hapnb.trace(model, inputs)
         th = hapnb.theory(g)
-        plan = hapnb.synthesize(g, cluster, seed_baselines=False, check_memory=False)
-        plan_before = hapnb.synthesize(g, before, seed_baselines=False, check_memory=False)
-        plan_adam = hapnb.synthesize(g, adam_only, seed_baselines=False, check_memory=False)
-        cm = CostModel(th, cluster)
-        n_tensors = sum(1 for t in g.tensors if t.role == "param")
-        kernels = sum(cm.op_traffic(op.id)[1] for op in g.ops)
-        model, inputs = build(name, options)  # fresh weights for the measurement
-        med, low, opt = measure_steps(model, inputs, ns.steps, ns.warmup)
-        peak, start = measure_peak_bytes(model, inputs, opt)
+        plan, plan_before = predict(g, dm), predict(g, before)
+        cm = CostModel(th, one_cpu(dm))
+        peak, start = measure_peak_bytes(tr.model, tr.inputs, tr.opt)
+        med, low = statistics.median(tr.cpu), min(tr.cpu)
         row = {
             "label": label, "model": name, "options": options, "params": sum(p.numel() for p in model.parameters()),
-            "param_tensors": n_tensors, "ops": len(g.ops), "kernels": kernels,
+            "param_tensors": sum(1 for t in g.tensors if t.role == "param"), "ops": len(g.ops),
+            "kernels": sum(cm.op_traffic(op.id)[1] for op in g.ops),
             "predicted_s": plan.cost_s, "measured_median_s": med, "measured_min_s": low,
             "measured_s": med if ns.stat == "median" else low,
-            "launch_bound": cm.launch_bound(0),
-            "before_s": plan_before.cost_s, "adam_per_tensor_s": plan_adam.cost_s,
+            "measured_wall_median_s": statistics.median(tr.wall), "measured_wall_min_s": min(tr.wall),
+            "measured_cpu_s": tr.cpu, "before_s": plan_before.cost_s,
             "predicted_peak_bytes": int(plan.memory_bytes[0]), "measured_peak_bytes": int(peak),
             "measured_start_bytes": int(start), "predicted_memory_breakdown": dict(plan.memory_breakdown[0]),
         }  # fmt: skip
+        for k, m in enumerate(profiles):  # each round's own profile against that round's steps
+            mine = tr.cpu[k * ns.steps : (k + 1) * ns.steps]
+            per_round[k].append(
+                (predict(g, m).cost_s, min(mine) if ns.stat == "min" else statistics.median(mine))
+            )
         feats.append(features(g, th, cm, label, row["measured_s"], dm))
-        # the calibration's closed form: = predicted_s less single-tensor Adam's further launches
-        row["features_s"] = predict_step_s(dm, feats[-1])
         rows.append(row)
         print(
-            f"{label:<18} pred {plan.cost_s * 1e3:8.2f} ms  before {row['before_s'] * 1e3:8.2f} ms  "
-            f"measured {med * 1e3:8.2f} ms (min {low * 1e3:.2f})  "
+            f"{label:<18} pred {plan.cost_s * 1e3:8.2f} ms  before {row['before_s'] * 1e3:8.2f} ms  measured "
+            f"{med * 1e3:8.2f} ms (min {low * 1e3:.2f}, wall {row['measured_wall_median_s'] * 1e3:.2f})  "
             f"err {100 * (plan.cost_s / row['measured_s'] - 1):+6.1f}%  "
             f"mem {plan.memory_bytes[0] / 1e6:7.2f} / {peak / 1e6:7.2f} MB",
             flush=True,
         )
     meas = [r["measured_s"] for r in rows]
     other = "min" if ns.stat == "median" else "median"
+    name = {"min": "fastest", "median": "median"}
     summary = {
-        "step time (profiled model)": prediction_stats([r["predicted_s"] for r in rows], meas),
-        f"step time (profiled model) vs the {other} step": prediction_stats(
+        f"step time (profiled model) vs the {name[ns.stat]} step": prediction_stats(
+            [r["predicted_s"] for r in rows], meas
+        ),
+        f"step time (profiled model) vs the {name[other]} step": prediction_stats(
             [r["predicted_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
         ),
-        "step time (before: no CPU refinements)": prediction_stats([r["before_s"] for r in rows], meas),
-        f"step time (before: no CPU refinements) vs the {other} step": prediction_stats(
-            [r["before_s"] for r in rows], [r[f"measured_{other}_s"] for r in rows]
+        "step time (profiled model) vs the wall-clock median": prediction_stats(
+            [r["predicted_s"] for r in rows], [r["measured_wall_median_s"] for r in rows]
         ),
-        "step time (Adam per tensor only)": prediction_stats([r["adam_per_tensor_s"] for r in rows], meas),
+        "step time (before: no CPU refinements)": prediction_stats([r["before_s"] for r in rows], meas),
         "peak memory": prediction_stats([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]),
     }  # fmt: skip
+    for k, pairs in enumerate(per_round):
+        summary[f"step time, round {k + 1} alone (its profile, its steps)"] = prediction_stats(
+            [p for p, _ in pairs], [m for _, m in pairs]
+        )
     fitted = None
     if ns.calibrate and len(rows) > 2:
         loo, fitted = loo_calibrated(feats, dm)
@@ -257,39 +353,35 @@ def main(argv: list[str] | None = None) -> int:
                 r["calibrated_loo_s"] = p
         ok = [i for i, p in enumerate(loo) if math.isfinite(p)]
         if len(ok) > 2:
-            summary["step time (calibrated, leave-one-out)"] = prediction_stats(
-                [loo[i] for i in ok], [meas[i] for i in ok]
-            )
-            summary["step time (calibrated, leave-one-out)"]["runs"] = len(ok)
+            key = "step time (calibrated, leave-one-out)"
+            summary[key] = prediction_stats([loo[i] for i in ok], [meas[i] for i in ok])
+            summary[key]["runs"] = len(ok)
         print(f"calibrated on all runs: {fitted} ({len(rows) - len(ok)} leave-one-out fits diverged)")
+    minutes = (time.perf_counter() - t_start) / 60
     print()
-    print(f"{'model':<18} {'measured ms':>11} {'pred ms':>8} {'err':>7} {'before':>8} {'err':>7} "
-          f"{'LOO cal':>8} {'err':>7} {'pred MB':>8} {'meas MB':>8} {'err':>7}")  # fmt: skip
-    for r in rows:
-        m = r["measured_s"]
-        print(
-            f"{r['label']:<18} {m * 1e3:11.2f} {r['predicted_s'] * 1e3:8.2f} {100 * (r['predicted_s'] / m - 1):+6.1f}%"
-            f" {r['before_s'] * 1e3:8.2f} {100 * (r['before_s'] / m - 1):+6.1f}%"
-            f" {r.get('calibrated_loo_s', math.nan) * 1e3:8.2f} {100 * (r.get('calibrated_loo_s', math.nan) / m - 1):+6.1f}%"
-            f" {r['predicted_peak_bytes'] / 1e6:8.2f} {r['measured_peak_bytes'] / 1e6:8.2f}"
-            f" {100 * (r['predicted_peak_bytes'] / r['measured_peak_bytes'] - 1):+6.1f}%"
-        )
-    print()
-    for k, s in summary.items():
-        print(f"{k}: mean |err| {s['mean_abs_pct']:.1f} %, max {s['max_abs_pct']:.1f} %, "
-              f"Pearson {s['pearson']:.3f}, Spearman {s['spearman']:.3f}")  # fmt: skip
+    print(table(rows, summary, dm))
+    print(f"\nload average (1 min) before {load_before:.2f}, at each round {', '.join(f'{x:.2f}' for x in loads)}; "
+          f"{minutes:.1f} min")  # fmt: skip
     out = {
         "what": "one CPU process: predicted (hapnb.synthesize on a 1-device cluster with the profiled "
-        "DeviceModel) vs measured (Adam training steps; peak from torch.profiler CPU allocator events)",
+        "DeviceModel, the median of the rounds' profiles) vs measured (Adam training steps, process CPU "
+        "time, round-robin over the models; peak from torch.profiler CPU allocator events)",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "threads": ns.threads,
+        "threads": 1,
+        "rounds": ns.rounds,
         "steps": ns.steps,
+        "burst": ns.burst,
         "warmup": ns.warmup,
         "stat": ns.stat,
+        "clock": "process CPU time (time.process_time)",
+        "load_average": {"before": load_before, "rounds": loads},
+        "minutes": minutes,
+        "cores": os.cpu_count(),
         "command": "python benchmarks/fidelity_cpu.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "device_model": dm.to_json(),
+        "round_device_models": [m.to_json() for m in profiles],
         "calibrated_device_model": fitted.to_json() if fitted else None,
         "summary": summary,
         "runs": rows,

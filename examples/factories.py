@@ -71,7 +71,7 @@ class PrenormBlock(nn.Module):
 
 
 class PrenormLM(nn.Module):
-    """A tiny pre-norm LM whose positions come from ``torch.cumsum`` over a ones mask (rule-less op)."""
+    """A tiny pre-norm LM whose positions come from ``torch.cumsum`` over a ones mask."""
 
     def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int) -> None:
         super().__init__()
@@ -101,8 +101,8 @@ def prenorm_lm(
 
 
 class CumulativeMixLM(nn.Module):
-    """A tiny LM whose token mixing is a running log-sum-exp over the sequence (``torch.logcumsumexp``,
-    an op without a sharding rule: it runs replicated and the plan lists it)."""
+    """A tiny LM whose token mixing is a running log-sum-exp over the sequence (``torch.logcumsumexp``:
+    a nonlinear scan, so its rule shards the batch and hidden dims, never the sequence it runs along)."""
 
     def __init__(self, vocab: int, hidden: int) -> None:
         super().__init__()

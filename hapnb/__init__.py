@@ -8,7 +8,8 @@ heterogeneous GPU clusters.
 
 The main entry points (DESIGN §3.1): :func:`trace`, :func:`theory`, :class:`Search`, :func:`synthesize`,
 :class:`Plan`, :func:`baselines`, :func:`verify`, :func:`distribute`, :func:`full_state_dict`,
-:func:`launch`, and :class:`Cluster`. Heavy modules load on first use.
+:func:`launch`, :func:`pipeline` (Ditto's heterogeneous pipelines), :func:`compare` (every strategy under
+one cost model) and :class:`Cluster`. Heavy modules load on first use.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ _LAZY = {
     "NoProgramError": "search",
     "synthesize": "synthesis",
     "baselines": "synthesis",
+    "compare": "comparison",
     "OutOfMemoryError": "synthesis",
-    "Plan": "plan",
+    "Plan": "synthesis",  # the same class as hapnb.plan.Plan; synthesis registers Plan.replan & co
     "PipelinePlan": "pipelines",
+    "pipeline": "pipelines",
     "simulate": "simulation",
     "Timeline": "simulation",
     "Session": "session",

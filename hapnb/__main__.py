@@ -1,5 +1,5 @@
 """``python -m hapnb ...`` is the same program as the ``hapnb`` console script."""
 
-from .cli import main
+from .cli import run
 
-raise SystemExit(main())
+run()

@@ -16,6 +16,16 @@ non-negative coefficient in a minimisation, so each epigraph is tight at the opt
 the duplex time's minimum over the ratios (for the LP's stage grouping: any feature collective but a
 reshard starts a stage, reshards are charged to their stage).
 
+Sensitivity: :func:`ratio_lp` builds the LP without solving it, :func:`solve_lp` solves it and reads
+every constraint's dual value (``pi``: seconds of optimum per unit of the row's right-hand side) and
+slack, and :func:`lp_changes` prices changes of the cost model to first order by the LP's duals (the
+envelope theorem, with the dual that is right for each change: the ratio LP is degenerate, so its duals
+are not unique), whatever rows the LP has. :func:`row_role` names what a row of the LP stands for.
+
+Memory (:func:`memory_lp`, :func:`balance_in_memory`): ``ratio_lp(..., memory=)`` adds every device's
+memory cap as rows ``mem_opt_j`` and ``mem_bwd_j`` (the peak of the optimizer step and of the backward,
+linear in the ratios, in GiB): their duals say what a GiB more of that device's memory would save.
+
 >>> shares = proportional_ratios([2.0, 1.0, 1.0])
 >>> [round(x, 3) for x in shares]
 [0.5, 0.25, 0.25]
@@ -27,10 +37,11 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .cluster import Cluster
 from .cost import CostModel, Step
 from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
 from .memory import MemoryLinear, lean_linear, memory_linear
@@ -39,12 +50,20 @@ __all__ = [
     "RatioPin",
     "balance",
     "balance_in_memory",
+    "memory_lp",
     "memory_start_ratios",
     "MemoryCapError",
     "proportional_ratios",
     "solver_name",
     "BalanceResult",
     "apply_ratio_pins",
+    "RatioLP",
+    "LPSolution",
+    "ratio_lp",
+    "solve_lp",
+    "lp_changes",
+    "row_role",
+    "device_classes",
 ]
 
 
@@ -171,30 +190,63 @@ def apply_ratio_pins(
     return tuple(x / s for x in r)
 
 
-def balance(
+@dataclass(frozen=True)
+class RatioLP:
+    """The ratio LP of one program, built and not solved: the PuLP problem, the ratio variables ``r[s][j]``
+    and ``unit``, the objective's units per second (1 for the plain LP; the duplex LP is scaled)."""
+
+    prob: Any
+    r: tuple[tuple[Any, ...], ...]
+    unit: float = 1.0
+    duplex: bool = False
+
+    def rows(self) -> dict[str, Any]:
+        """The LP's constraints by name."""
+        return {c.name: c for c in self.prob.constraints()}
+
+
+@dataclass(frozen=True)
+class LPSolution:
+    """A solved ratio LP: ``cost`` (seconds, the LP's optimum), every variable's value by name, every
+    constraint's dual value ``pi`` (seconds per unit of its right-hand side; >= 0 for a binding ``>=`` row
+    of the minimisation) and slack, and the ratios (normalised rows per segment)."""
+
+    ratios: tuple[tuple[float, ...], ...]
+    cost: float
+    values: Mapping[str, float]
+    duals: Mapping[str, float]
+    slacks: Mapping[str, float]
+    unit: float
+    solver: str
+
+
+def ratio_lp(
     cm: CostModel,
     program: Sequence[Step],
     ratio_pins: Sequence[RatioPin] = (),
     *,
     duplex: bool = False,
-    constraints: Callable[[Any, Any], None] | None = None,
+    unit: float | None = None,
+    memory: MemoryLinear | None = None,
+    memory_slack: Sequence[float] | None = None,
     symmetric: bool = False,
-) -> BalanceResult:
-    """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
-    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found).
-    ``constraints(prob, r)`` adds more constraints on the ratio variables ``r[segment][device]`` (e.g.
-    the memory caps of :func:`balance_in_memory`). ``symmetric``: identical devices (:func:`device_classes`)
-    share one ratio variable and one row per constraint (one segment, no duplex, no ratio pins): the LP
-    is convex and symmetric in them, so some optimum is symmetric and the cost is the same, from an LP
-    as large as the number of device kinds."""
+) -> RatioLP:
+    """Build the ratio LP of ``program`` under the cost model ``cm`` (see the module docstring).
+    ``unit`` (duplex only): the objective's units per second; default: one over the duplex time at
+    throughput-proportional ratios (pass the base LP's ``unit`` to compare a perturbed LP with it).
+    ``memory`` (the program's :func:`hapnb.memory.memory_linear`): every device's memory caps the ratios,
+    less ``memory_slack[j]`` bytes (rows ``mem_opt_j`` and ``mem_bwd_j``, see :func:`balance_in_memory`).
+    ``symmetric``: identical devices (:func:`device_classes`) share one ratio variable and one row per
+    constraint (one segment, no duplex, no ratio pins): the LP is convex and symmetric in them, so some
+    optimum is symmetric and the cost is the same, from an LP as large as the number of device kinds
+    (its rows name the first device of each class)."""
     import pulp
 
-    t0 = time.perf_counter()
     n, S = cm.n, cm.n_segments
     names = [d.name for d in cm.cluster.devices]
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
     prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
-    classes = device_classes(cm) if symmetric and S == 1 and not duplex and not ratio_pins else None
+    classes = device_classes(cm.cluster) if symmetric and S == 1 and not duplex and not ratio_pins else None
     if classes is not None:
         shared = [prob.add_variable(f"r_0_{c[0]}", 0.0, 1.0) for c in classes]
         of = {j: shared[k] for k, c in enumerate(classes) for j in c}
@@ -207,11 +259,11 @@ def balance(
     reps = [c[0] for c in classes] if classes is not None else range(n)
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
-    if constraints is not None:
-        constraints(prob, r)
+    if memory is not None:
+        _memory_caps(prob, cm, memory, r, memory_slack or (0.0,) * n)
+    rt = tuple(tuple(row) for row in r)
     if duplex:
-        _duplex_objective(prob, cm, program, r)
-        return _solve(prob, cm, r, ratio_pins, t0, lambda rt: duplex_cost(cm, program, rt))
+        return RatioLP(prob, rt, _duplex_objective(prob, cm, program, r, unit), True)
     objective = []
     constant = 0.0
     groups = cm.stages(program)
@@ -235,9 +287,8 @@ def balance(
         P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
         for j in reps:
-            prob += (
-                P >= pulp.lpSum(coef[s][j] * r[s][j] for s in range(S) if coef[s][j]) + const[j],
-                f"comp_{k}_{j}",
+            _at_least(
+                prob, f"comp_{k}_{j}", P, [(r[s][j], coef[s][j]) for s in range(S) if coef[s][j]], const[j]
             )
         for c, tm in enumerate(cm.step_terms(program[idx[0]])):
             if tm.slope == 0.0:
@@ -245,13 +296,36 @@ def balance(
                 continue
             objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r, reps=reps))
     prob += pulp.lpSum(objective) + constant
-    return _solve(prob, cm, r, ratio_pins, t0, lambda rt: cm.evaluate(program, rt).cost_s)
+    return RatioLP(prob, rt)
 
 
-def _solve(prob, cm: CostModel, r, ratio_pins, t0: float, cost_fn) -> BalanceResult:  # noqa: ANN001
-    """Solve the LP, read the ratios (normalised), and cost them with ``cost_fn``."""
+def balance(
+    cm: CostModel,
+    program: Sequence[Step],
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
+) -> BalanceResult:
+    """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
+    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found)."""
+    t0 = time.perf_counter()
+    sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex), ratio_pins)
+    return _result(cm, program, sol, duplex, t0)
+
+
+def _result(
+    cm: CostModel, program: Sequence[Step], sol: LPSolution, duplex: bool, t0: float
+) -> BalanceResult:
+    """A solved LP as a :class:`BalanceResult`: its ratios, costed by the cost model (or duplex time)."""
+    cost = duplex_cost(cm, program, sol.ratios) if duplex else cm.evaluate(program, sol.ratios).cost_s
+    return BalanceResult(sol.ratios, cost, time.perf_counter() - t0, sol.solver)
+
+
+def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = ()) -> LPSolution:
+    """Solve the LP; read the ratios (normalised), every variable's value, and every row's dual and slack."""
     import pulp
 
+    prob = lp.prob
     with _quiet_stdout():
         status = prob.solve(_solver())
     if pulp.LpStatus[status] != "Optimal":
@@ -259,12 +333,158 @@ def _solve(prob, cm: CostModel, r, ratio_pins, t0: float, cost_fn) -> BalanceRes
             f"the ratio LP is {pulp.LpStatus[status]}: check the ratio pins {', '.join(map(str, ratio_pins))}"
         )
     ratios = []
-    for s in range(cm.n_segments):
-        row = [max(0.0, v.value() or 0.0) for v in r[s]]
+    for row_vars in lp.r:
+        row = [max(0.0, v.value() or 0.0) for v in row_vars]
         tot = sum(row)
         ratios.append(tuple(x / tot for x in row))
-    ratios_t = tuple(ratios)
-    return BalanceResult(ratios_t, cost_fn(ratios_t), time.perf_counter() - t0, solver_name())
+    values = {v.name: float(v.value() or 0.0) for v in prob.variables()}
+    rows = lp.rows()
+    duals = {name: float(c.pi or 0.0) for name, c in rows.items()}
+    # each row's value at the optimum (``expr + constant``, >= 0 for a ">=" row), computed here rather than
+    # read from the solver: not every PuLP solver interface reports slacks
+    slacks = {name: _at(c, values) for name, c in rows.items()}
+    cost = float(pulp.value(prob.objective) or 0.0) / lp.unit
+    return LPSolution(tuple(ratios), cost, values, duals, slacks, lp.unit, solver_name())
+
+
+def _at(expr: Any, values: Mapping[str, float]) -> float:
+    """A PuLP affine expression (or constraint: its ``expr + constant``) evaluated at ``values`` by name."""
+    return sum(a * values.get(v.name, 0.0) for v, a in expr.items()) + float(expr.constant)
+
+
+def lp_changes(
+    base: RatioLP, sol: LPSolution, others: Sequence[RatioLP], tol: float = 1e-9
+) -> list[float | None]:
+    """The first-order change of the optimum, in seconds, for each LP in ``others`` (the same program's LP
+    under a changed cost model: a faster device, a faster collective; rows matched by name) against
+    ``base``, solved as ``sol``.
+
+    A change moves every row ``g_i(x) >= 0`` by ``d_i = g'_i(x*) - g_i(x*)`` at the optimum ``x*`` and the
+    objective by ``d_0``; to first order the optimum moves by ``d_0 + max over the optimal duals y of
+    -sum_i y_i d_i``. The ratio LP is degenerate as a rule (a balanced stage has every device's row
+    tight), so its dual values are not unique and the one a solver returns can be wrong for a given change
+    (seen: 18 % off for one device of BERT-12); the maximum over the optimal duals is the LP's dual, the
+    *tangent LP* ``d_0 + min c.h`` over moves ``h`` with ``g_i(x* + h) + d_i >= 0`` for the rows tight at
+    ``x*`` (equalities kept, bounds that hold ``x*`` kept), built once and re-solved per change. ``None``
+    for a change whose LP does not have ``base``'s rows or unit (its structure changed: re-solve it)."""
+    x = sol.values
+    cons = base.rows()
+    tangent = _Tangent(base, sol, tol)
+    out: list[float | None] = []
+    for other in others:
+        b = other.rows()
+        if cons.keys() != b.keys() or abs(base.unit - other.unit) > 1e-12 * base.unit:
+            out.append(None)
+            continue
+        d0 = _at(other.prob.objective, x) - _at(base.prob.objective, x)
+        best = tangent.solve({name: _at(b[name], x) - _at(cons[name], x) for name in tangent.rows})
+        out.append(None if best is None else (d0 + best) / base.unit)
+    return out
+
+
+class _Tangent:
+    """The tangent LP of a solved LP at its optimum ``x*`` (see :func:`lp_changes`): variables ``h`` (one
+    per LP variable; ``>= 0`` where ``x*`` sits at its lower bound, ``<= 0`` at its upper bound), one row per
+    tight row ``a_i . h + d_i (sense) 0``, objective ``c . h``; built once, re-solved per right-hand side
+    ``d`` (with HiGHS directly when it is installed: a warm-started dual simplex; else through PuLP)."""
+
+    def __init__(self, base: RatioLP, sol: LPSolution, tol: float) -> None:
+        import pulp
+
+        x = sol.values
+        self.vars = list(base.prob.variables())
+        col = {v.name: k for k, v in enumerate(self.vars)}
+        self.bounds = []
+        for v in self.vars:
+            lo, hi, at = v.lowBound, v.upBound, x.get(v.name, 0.0)
+            at_lo = lo is not None and at <= lo + tol
+            at_hi = hi is not None and at >= hi - tol
+            self.bounds.append((0.0 if at_lo else None, 0.0 if at_hi else None))
+        self.cost = [0.0] * len(self.vars)
+        for v, a in base.prob.objective.items():
+            self.cost[col[v.name]] = a
+        self.rows: dict[str, tuple[int, list[int], list[float]]] = {}
+        for name, c in base.rows().items():
+            if c.sense != pulp.LpConstraintEQ and abs(sol.slacks.get(name, 1.0)) > tol * max(
+                1.0, abs(_at(c, x))
+            ):
+                continue  # not tight: a small change leaves it slack
+            items = [(col[v.name], a) for v, a in c.items() if a]
+            self.rows[name] = (c.sense, [k for k, _ in items], [a for _, a in items])
+        self._highs = self._build_highs() if solver_name() == "HiGHS" else None
+
+    def _build_highs(self) -> object:
+        import highspy
+
+        inf = highspy.kHighsInf
+        with _quiet_stdout():
+            hs = highspy.Highs()
+        hs.setOptionValue("output_flag", False)
+        for (lo, hi), c in zip(self.bounds, self.cost):
+            hs.addCol(c, -inf if lo is None else lo, inf if hi is None else hi, 0, [], [])
+        for _, idx, vals in self.rows.values():
+            hs.addRow(-inf, inf, len(idx), idx, vals)
+        return hs
+
+    def solve(self, d: Mapping[str, float]) -> float | None:
+        """``min c . h`` subject to the tight rows moved by ``d`` (None if the solver finds no optimum)."""
+        if self._highs is not None:
+            import highspy
+
+            hs = self._highs
+            inf = highspy.kHighsInf
+            for k, (name, (sense, _, _)) in enumerate(self.rows.items()):
+                # a . h + d (sense) 0  ->  bounds on a . h
+                lo = -d[name] if sense >= 0 else -inf
+                hi = -d[name] if sense <= 0 else inf
+                hs.changeRowBounds(k, lo, hi)
+            with _quiet_stdout():
+                hs.run()
+            if hs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return float(hs.getInfo().objective_function_value)
+        return self._solve_pulp(d)
+
+    def _solve_pulp(self, d: Mapping[str, float]) -> float | None:
+        import pulp
+
+        prob = pulp.LpProblem("hapnb_tangent", pulp.LpMinimize)
+        h = [prob.add_variable(f"h{k}", lo, hi) for k, (lo, hi) in enumerate(self.bounds)]
+        for name, (sense, idx, vals) in self.rows.items():
+            expr = pulp.lpSum(a * h[k] for k, a in zip(idx, vals))
+            prob += pulp.LpConstraint(expr, sense, name, -d[name])
+        prob += pulp.lpSum(c * h[k] for k, c in enumerate(self.cost) if c)
+        with _quiet_stdout():
+            status = prob.solve(_solver())
+        if pulp.LpStatus[status] != "Optimal":
+            return None
+        return float(pulp.value(prob.objective) or 0.0)
+
+
+def row_role(name: str) -> tuple[str, int, int, int]:
+    """What a row of the ratio LP stands for: ``("comp", stage, device, -1)`` (device j's computation
+    bounds stage k's maximum), ``("comm", stage, device, term)`` (device j's shard bounds the time of the
+    stage's ``term``-th collective), ``("simplex", segment, -1, -1)``, ``("memory", -1, device, phase)``
+    (device j's memory cap in the optimizer step, phase 0, or the backward, phase 1: :func:`memory_lp`),
+    ``("memory", segment, device, 2)`` (a row of device j's largest-output epigraph), or ``("other", -1,
+    -1, -1)`` (any other row, e.g. of the duplex LP; its dual still counts in :func:`lp_changes`).
+
+    >>> row_role("comp_3_1"), row_role("M_2_0_5"), row_role("mem_bwd_4"), row_role("P_0_2")
+    (('comp', 3, 1, -1), ('comm', 2, 5, 0), ('memory', -1, 4, 1), ('other', -1, -1, -1))
+    """
+    parts = name.split("_")
+    digits = all(p.isdigit() for p in parts[2:])
+    if parts[0] == "comp" and len(parts) == 3 and all(p.isdigit() for p in parts[1:]):
+        return ("comp", int(parts[1]), int(parts[2]), -1)
+    if parts[0] == "M" and len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        return ("comm", int(parts[1]), int(parts[3]), int(parts[2]))
+    if parts[0] == "simplex" and len(parts) == 2 and parts[1].isdigit():
+        return ("simplex", int(parts[1]), -1, -1)
+    if parts[0] == "mem" and digits and len(parts) == 3 and parts[1] in ("opt", "bwd"):
+        return ("memory", -1, int(parts[2]), 0 if parts[1] == "opt" else 1)
+    if parts[0] == "mem" and digits and len(parts) == 4 and parts[1] == "L":
+        return ("memory", int(parts[3]), int(parts[2]), 2)
+    return ("other", -1, -1, -1)
 
 
 def _linear(cm: CostModel, fn, segs) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:  # noqa: ANN001
@@ -283,18 +503,29 @@ def _linear(cm: CostModel, fn, segs) -> tuple[dict[int, tuple[float, ...]], tupl
 def _epigraph(prob, name: str, rows, r) -> object:  # noqa: ANN001
     """A variable ``X >= sum_s coef[s][j] r[s][j] + const[j]`` for every device j; ``rows`` is a list of
     ``(coef, const, scale)`` summed per device."""
-    import pulp
-
     X = prob.add_variable(name, 0)
     n = len(r[0])
     for j in range(n):
-        expr = []
+        terms = []
         const = 0.0
         for coef, cst, k in rows:
             const += k * cst[j]
-            expr += [k * row[j] * r[s][j] for s, row in coef.items() if row[j]]
-        prob += X >= pulp.lpSum(expr) + const, f"{name}_{j}"
+            terms += [(r[s][j], k * row[j]) for s, row in coef.items() if row[j]]
+        _at_least(prob, f"{name}_{j}", X, terms, const)
     return X
+
+
+def _at_least(prob, name: str, X, terms, const: float) -> None:  # noqa: ANN001
+    """The row ``X >= sum(a * v for v, a in terms) + const`` (built directly: PuLP's operators copy
+    expressions, several times slower on LPs of thousands of rows)."""
+    import pulp
+
+    coef = {X.name: (X, 1.0)}
+    for v, a in terms:  # a variable may come several times: sum its coefficients
+        w = coef.get(v.name)
+        coef[v.name] = (v, -a if w is None else w[1] - a)
+    expr = pulp.LpAffineExpression(list(coef.values()), -const)
+    prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, name))
 
 
 def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0, reps=None) -> object:  # noqa: ANN001
@@ -316,42 +547,42 @@ def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0, reps=None) -> obje
             prob += M >= unit * tm.const + unit * tm.slope * share, f"{name}_{j}"
     else:
         for j in range(n) if reps is None else reps:
-            prob += M >= unit * tm.const + unit * tm.slope * r[tm.segment][j], f"{name}_{j}"
+            _at_least(prob, f"{name}_{j}", M, [(r[tm.segment][j], unit * tm.slope)], unit * tm.const)
     return M
 
 
-def device_classes(cm: CostModel) -> list[list[int]]:
+def device_classes(cluster: Cluster) -> list[list[int]]:
     """Devices the cost and memory models cannot tell apart (same throughput, device model, GPUs and
     memory), as lists of indices in device order.
 
-    >>> from hapnb.cluster import Cluster
-    >>> from hapnb.triples import theory
-    >>> import synthetic  # doctest: +SKIP
+    >>> device_classes(Cluster.parse("2xV100+1xP100+1xV100"))
+    [[0, 1, 3], [2]]
     """
     groups: dict[Any, list[int]] = {}
-    for j, d in enumerate(cm.cluster.devices):
+    for j, d in enumerate(cluster.devices):
         groups.setdefault((d.flops, repr(d.model), d.gpus, d.memory_bytes), []).append(j)
     return list(groups.values())
 
 
-def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r) -> None:  # noqa: ANN001
+def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r, unit: float | None = None) -> float:  # noqa: ANN001
     """Set the duplex LP's objective (see the module docstring), in units of the duplex time at
     throughput-proportional ratios (so that the solver's absolute tolerances do not swamp programs of
     nanoseconds)."""
     import pulp
 
-    ref = duplex_cost(cm, program, [proportional_ratios(cm.flops)] * cm.n_segments)
-    unit = 1.0 / ref if ref > 0 else 1.0
+    if unit is None:
+        ref = duplex_cost(cm, program, [proportional_ratios(cm.flops)] * cm.n_segments)
+        unit = 1.0 / ref if ref > 0 else 1.0
 
     objective: list = []
     constant = 0.0
     inner_rows = []
-    for st in program:
+    for i, st in enumerate(program):
         for c, tm in enumerate(gradient_terms(cm, st)):  # once per iteration, full size
             if tm.slope == 0.0:
                 constant += unit * tm.const
             else:
-                objective.append(_comm_epigraph(prob, f"G_{id(st)}_{c}", tm, r, unit))
+                objective.append(_comm_epigraph(prob, f"G_{i}_{c}", tm, r, unit))
         for ld in st.loads:
             inner_rows.append(
                 (*_linear(cm, lambda rt, ld=ld: cm.load_comp(ld, rt), [cm.segment_of[ld.tensor]]), unit)
@@ -390,10 +621,47 @@ def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r) -> None: 
     if any(cm.models):
         objective.append(_epigraph(prob, "T_opt", [(*cm.optimizer_linear(program), unit)], r))
     prob += pulp.lpSum(objective) + constant
+    return unit
 
 
 class MemoryCapError(RuntimeError):
     """No ratios fit a program in every device's memory (within the ratio pins)."""
+
+
+def memory_lp(
+    cm: CostModel,
+    program: Sequence[Step],
+    extra: Sequence[Any] = (),
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
+    rounds: int = 4,
+    symmetric: bool = True,
+) -> tuple[RatioLP, LPSolution]:
+    """The ratio LP with every device's memory capped (:func:`ratio_lp` ``memory=``), solved: the two
+    phases of :mod:`hapnb.memory` (backward and optimizer step) as linear constraints on the ratios (a
+    G-form tensor's local bytes are its bytes times the device's ratio; the largest output through one
+    epigraph variable per device). Integer shard lengths can round a shard up, so a device whose exact
+    peak (:meth:`CostModel.memory`) still exceeds its memory gets its cap lowered by that excess and the LP
+    is solved again (up to ``rounds`` times). Returns the last LP and its solution (what a sensitivity
+    reads its duals from, ``symmetric=False``); raises :class:`MemoryCapError` when no ratios fit."""
+    ml = memory_linear(cm, program, extra)
+    devs = cm.cluster.devices
+    slack = [0.0] * cm.n
+    for _ in range(rounds):
+        lp = ratio_lp(
+            cm, program, ratio_pins, duplex=duplex, memory=ml, memory_slack=slack, symmetric=symmetric
+        )
+        try:
+            sol = solve_lp(lp, ratio_pins)
+        except RuntimeError as e:
+            raise MemoryCapError(f"no ratios fit this program in device memory ({e})") from None
+        peak = cm.memory(program, extra, sol.ratios)
+        over = [m * d.gpus - d.memory_bytes for m, d in zip(peak, devs)]
+        if max(over) <= 0:
+            return lp, sol
+        slack = [s + (1.25 * o + 4096 if o > 0 else 0.0) for s, o in zip(slack, over)]
+    raise MemoryCapError(f"no ratios fit this program in device memory after {rounds} rounds of rounding")
 
 
 def balance_in_memory(
@@ -405,34 +673,11 @@ def balance_in_memory(
     duplex: bool = False,
     rounds: int = 4,
 ) -> BalanceResult:
-    """:func:`balance` with every device's memory capped: the two phases of :mod:`hapnb.memory` (backward
-    and optimizer step) as linear constraints on the ratios (a G-form tensor's local bytes are its bytes
-    times the device's ratio; the largest output through one epigraph variable per device). Integer shard
-    lengths can round a shard up, so a device whose exact peak (:meth:`CostModel.memory`) still exceeds
-    its memory gets its cap lowered by that excess and the LP is solved again (up to ``rounds`` times).
-    Raises :class:`MemoryCapError` when no ratios fit."""
+    """:func:`balance` with every device's memory capped (:func:`memory_lp`; identical devices share
+    their ratio). Raises :class:`MemoryCapError` when no ratios fit."""
     t0 = time.perf_counter()
-    ml = memory_linear(cm, program, extra)
-    devs = cm.cluster.devices
-    slack = [0.0] * cm.n
-    for _ in range(rounds):
-        try:
-            res = balance(
-                cm,
-                program,
-                ratio_pins,
-                duplex=duplex,
-                constraints=lambda p, r, sl=slack: _memory_caps(p, cm, ml, r, sl),
-                symmetric=True,
-            )
-        except RuntimeError as e:
-            raise MemoryCapError(f"no ratios fit this program in device memory ({e})") from None
-        peak = cm.memory(program, extra, res.ratios)
-        over = [m * d.gpus - d.memory_bytes for m, d in zip(peak, devs)]
-        if max(over) <= 0:
-            return BalanceResult(res.ratios, res.cost, time.perf_counter() - t0, res.solver)
-        slack = [s + (1.25 * o + 4096 if o > 0 else 0.0) for s, o in zip(slack, over)]
-    raise MemoryCapError(f"no ratios fit this program in device memory after {rounds} rounds of rounding")
+    _, sol = memory_lp(cm, program, extra, ratio_pins, duplex=duplex, rounds=rounds)
+    return _result(cm, program, sol, duplex, t0)
 
 
 def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float]) -> None:  # noqa: ANN001
@@ -444,7 +689,7 @@ def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float
     def part(p: tuple[float, dict[int, float]], j: int) -> Any:
         return p[0] / gib + pulp.lpSum(c / gib * r[s][j] for s, c in p[1].items() if c)
 
-    # devices that share their ratio variables (balance(symmetric=True)) need one row, with the most slack
+    # devices that share their ratio variables (ratio_lp(symmetric=True)) need one row, with the most slack
     rows: dict[tuple[int, ...], int] = {}
     for j in range(cm.n):
         key = tuple(id(r[s][j]) for s in range(len(r)))

@@ -1,4 +1,4 @@
-"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, simulate, verify, launch, profile,
+"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, pipeline, simulate, verify, launch, profile,
 calibrate, theory, demo.
 
 Every subcommand's argument parsing lives here; the library modules it calls take plain Python
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 DEMO_MODEL = "bert"
 DEMO_CLUSTER = "paper-hetero-8"
@@ -127,14 +127,57 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="one cost model, all strategies")
     _model_args(p)
     _cluster_args(p)
-    p.add_argument("--json", action="store_true", help="print {strategy: cost_s} (the stage model)")
+    p.add_argument("--json", action="store_true", help="print {strategy: iteration_s} (the stage model)")
     p.add_argument(
         "--simulated",
         action="store_true",
-        help="with --json: {strategy: simulated_s} (the overlap simulator)",
+        help="with --json: {strategy: simulated_s} (the overlap simulator; a pipeline's schedule simulation)",
+    )
+    p.add_argument(
+        "--detail",
+        action="store_true",
+        help="with --json: the whole table (times on both clocks, memory per device, fits, notes)",
+    )
+    p.add_argument(
+        "--strategies",
+        metavar="A,B,...",
+        help="the strategies to compare (default all): hap, dp_ev, dp_cp, tp, ep, fsdp, pipeline",
     )
     p.add_argument("--duplex", action="store_true", help="HAP's plan with the duplex schedule")
     _pick_arg(p)
+
+    p = sub.add_parser("pipeline", help="plan a heterogeneous pipeline (Ditto: node folding + DP recovery)")
+    _model_args(p)
+    _cluster_args(p)
+    p.add_argument("--micro-batches", type=int, help="micro-batches per batch (default: micro-batches of 4)")
+    p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
+    p.add_argument(
+        "--method",
+        choices=["dp", "greedy", "exhaustive"],
+        default="dp",
+        help="the plan to return: Ditto's DP recovery (default), its greedy recovery, or the exhaustive search",
+    )
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="also run the exhaustive search (exhaustive_iteration_s, exhaustive_planning_s)",
+    )
+    p.add_argument(
+        "--budget", type=float, default=60.0, help="seconds the exhaustive search may run (default 60)"
+    )
+    p.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="exhaustive search without branch and bound (Ditto's reference as published; slow)",
+    )
+    p.add_argument(
+        "--fold",
+        choices=["plain", "comm"],
+        default="plain",
+        help="node folding without or with communication",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-o", "--output", help="write the pipeline plan JSON here")
 
     p = sub.add_parser("simulate", help="timeline of a plan per device (overlap simulator)")
     p.add_argument("plan")
@@ -155,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", metavar="HTML", help="write the simulated Gantt chart (bokeh) here")
 
     p = sub.add_parser("verify", help="run the plan on local ranks and compare with one device")
-    p.add_argument("--plan", help="a plan JSON (the plan records how to rebuild its model)")
+    p.add_argument("--plan", help="a plan JSON, SPMD or pipeline (the plan records how to rebuild its model)")
     _model_args(p, required=False)
     _cluster_args(p, required=False)
     _pin_args(p)
@@ -179,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .run.launch import BACKENDS
 
     p = sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
-    p.add_argument("plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file or a bundle directory")
+    p.add_argument(
+        "plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file (SPMD or pipeline) or a bundle directory"
+    )
     p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default: the plan's)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
@@ -304,6 +349,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .synthesis import baselines
 
     plan, c, synth_s = _synthesize(ns)
+    t_done = time.perf_counter()
     base = {} if ns.no_baselines else baselines(plan.graph, c)
     if ns.output:
         plan.save(ns.output)
@@ -319,6 +365,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "lower_bound_s": plan.lower_bound_s,
             "synthesis_s": synth_s,
             "expansions": plan.stats.get("expansions", 0),
+            "optimal": plan.stats.get("optimal"),  # every search proved its program optimal
             "iterations": len(plan.history),
             "ratios": [list(r) for r in plan.ratios],
             "program": [str(i) for i in plan.program],
@@ -330,6 +377,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "duplex": plan.duplex,
             "baselines_simulated_s": {k: v.simulated_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
         }
+        # where the command's time went (benchmarks/command.py): building and tracing the model (0 build
+        # when the trace cache had it), synthesis (search_s and balance_s of it), and after synthesis
+        phases = {k: plan.stats[k] for k in ("build_s", "trace_s", "trace_path", "search_s", "balance_s")
+                  if k in plan.stats}  # fmt: skip
+        out["phases"] = {**phases, "synthesis_s": synth_s, "after_s": time.perf_counter() - t_done}
         print(json.dumps(out))
     else:
         print(plan.summary())
@@ -346,20 +398,61 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .synthesis import baselines
+    from .comparison import compare
 
-    plan, c, _ = _synthesize(ns)
-    plans = {"hap": plan, **baselines(plan.graph, c)}
-    out = {k: p.cost_s for k, p in plans.items()}
-    sim = {k: p.simulated_s for k, p in plans.items()}
+    cmp = compare(
+        ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_options(ns)
+    )
     if ns.json:
-        print(json.dumps(sim if ns.simulated else out))
+        out = cmp.to_json() if ns.detail else cmp.times("simulated" if ns.simulated else "stage")
+        print(json.dumps(out))
     else:
-        print(f"{'':8s} {'stage model':>14} {'':>6} {'simulated':>14}")
-        for k, v in out.items():
+        print(cmp)
+    return 0
+
+
+def cmd_pipeline(ns: argparse.Namespace) -> int:
+    from .pipelines.planner import pipeline, plan_json_summary
+
+    plan = pipeline(
+        ns.model,
+        ns.cluster,
+        micro_batches=ns.micro_batches,
+        schedule=ns.schedule,
+        method=ns.method,
+        exhaustive_search=ns.exhaustive,
+        budget_s=ns.budget,
+        prune=not ns.no_prune,
+        fold_comm=ns.fold == "comm",
+        **_options(ns),
+    )
+    if ns.output:
+        plan.save(ns.output)
+    if ns.json:
+        print(json.dumps(plan_json_summary(plan)))
+        return 0
+    print(plan)
+    st = plan.stats
+    for k in ("dp", "greedy"):
+        if f"{k}_iteration_s" in st:
             print(
-                f"{k:8s} {v * 1e3:11.3f} ms {v / out['hap']:5.2f}x {sim[k] * 1e3:11.3f} ms {sim[k] / sim['hap']:5.2f}x"
+                f"  {k} recovery: {st[f'{k}_iteration_s'] * 1e3:.3f} ms, planned in {st[f'{k}_planning_s']:.3f} s"
             )
+    ex = st.get("exhaustive")
+    if ex is not None:
+        state = (
+            "optimal"
+            if ex["finished"]
+            else f"stopped at unit {ex['stopped_at']} after {ex['planning_s']:.1f} s"
+        )
+        t = ex["iteration_s"]
+        print(
+            f"  exhaustive: {'-' if t is None else f'{t * 1e3:.3f} ms'} ({state}; full unpruned run "
+            f"~{ex['extrapolated_s']:.3g} s)"
+        )
+    print(f"  layer costs in {st['costs_s']:.2f} s ({st['costs_source']})")
+    if ns.output:
+        print(f"  pipeline plan written to {ns.output}")
     return 0
 
 
@@ -418,17 +511,20 @@ class _VerifyProgress:
 
 def cmd_verify(ns: argparse.Namespace) -> int:
     from .codegen import CodegenError
+    from .pipelines import PipelinePlan, is_pipeline_json
     from .plan import Plan
     from .run.bundle import BundleError
+    from .run.pipelined import PipelineError
     from .run.verify import VerifyError, verify
 
     if ns.plan:
-        plan = Plan.load(ns.plan)
+        pipeline = is_pipeline_json(_read_json(ns.plan))
+        plan: Any = PipelinePlan.load(ns.plan) if pipeline else Plan.load(ns.plan)
     elif ns.model and ns.cluster:
         plan, _, _ = _synthesize(ns)
     else:
         raise SystemExit("hapnb verify: give --plan PLAN, or --model NAME and --cluster SPEC")
-    nproc = ns.nproc or plan.cluster.gpus
+    nproc = ns.nproc or (len(plan.devices) if isinstance(plan, PipelinePlan) else plan.cluster.gpus)
     try:
         rep = verify(
             plan,
@@ -444,11 +540,19 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             first_bucket_cap=ns.first_bucket_cap_bytes,
             interleave=not ns.no_interleave,
         )
-    except (VerifyError, BundleError, CodegenError) as e:
+    except (VerifyError, BundleError, CodegenError, PipelineError) as e:
         print(f"hapnb verify: {e}", file=sys.stderr)
         return 1
     print(rep)
     return 0 if rep.ok else 1
+
+
+def _read_json(path: str) -> Any:
+    """The JSON in ``path`` (None when unreadable: the plan loader then says why)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _worker_argv(worker: str) -> tuple[str, ...]:
@@ -458,6 +562,8 @@ def _worker_argv(worker: str) -> tuple[str, ...]:
 
 def _format_metric(m: dict[str, Any]) -> str:
     parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
+    if "stage" in m:  # a pipeline plan's rank
+        parts.insert(1, f"stage {m['stage']}")
     for key, label in (("loss", "loss"), ("global_loss", "global")):
         if isinstance(m.get(key), (int, float)):
             parts.append(f"{label} {m[key]:.6g}")
@@ -469,9 +575,10 @@ def _format_metric(m: dict[str, Any]) -> str:
 
 
 def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
-    from .run.launch import launch_commands, plan_bundle, slurm_script
+    from .run.launch import launch_commands, plan_bundle, slurm_script, worker_for
 
     src = Path(ns.plan)
+    worker = worker_for(src, worker)  # a pipeline plan runs hapnb.run.pipelined
     target = (Path(ns.bundle_dir) if ns.bundle_dir else src.with_suffix(".bundle")) if src.is_file() else None
     bundle, devices = plan_bundle(src, target)
     per_node = ns.nproc or (devices // ns.nnodes if devices else None)
@@ -681,6 +788,7 @@ COMMANDS = {
     "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate, "verify": cmd_verify,
     "launch": cmd_launch, "profile": cmd_profile, "calibrate": cmd_calibrate, "theory": cmd_theory,
     "demo": cmd_demo,
+    "pipeline": cmd_pipeline,
 }  # fmt: skip
 
 
@@ -694,3 +802,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         print(f"hapnb {ns.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+#: commands that only compute and print or write files: the program ends them without Python's teardown
+FAST_EXIT = ("plan", "compare", "simulate", "theory")
+
+
+def run() -> None:
+    """The ``hapnb`` program (console script and ``python -m hapnb``): :func:`main` on ``sys.argv``.
+
+    After a command of :data:`FAST_EXIT` it flushes its output and leaves with ``os._exit``: with torch
+    loaded, Python's own teardown (freeing every module's objects one by one) takes about as long as a
+    BERT synthesis. Commands that start processes or clean up after themselves exit normally.
+    """
+    import logging
+    import os
+
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    raise SystemExit(code)

@@ -234,20 +234,20 @@ class DeviceKind:
     model: DeviceModel | None = None  # the roofline model (None: flops-only, as the paper's HAP)
 
 
-# H100: fitted to the 12 LM steps of shared/data/h100-lm-steps.json by the command in docs/fidelity.md.
-# DEVICE_MODELS: the kinds with a device model; all others stay flops-only (the paper presets among them).
-H100_MODEL = DeviceModel(
+H100_MODEL = DeviceModel(  # fit to shared/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
     peak_flops=51.6e12,  # measured fp32 matmul rate (DESIGN); datasheet SXM 67
     bandwidth_Bps=2.8e12,  # ~0.84 x the 3.35 TB/s HBM3 datasheet figure (not fitted)
-    kernel_s=7.036e-05,
-    matmul_eff=0.9594,
-    matmul_half_flops=3.032e09,
-    attention_eff=0.3102,
+    kernel_s=7.052e-05,
+    matmul_eff=1.0,  # the fit's bound: GEMMs at the measured peak, less their wave quantization
+    matmul_half_flops=2.353e09,
+    attention_eff=0.2203,
     optimizer_passes=16.0,  # foreach Adam's passes over the parameter bytes (not fitted)
-    optimizer_kernels=5.996,
+    optimizer_kernels=5.627,
     memory_overhead=0.0,
     memory_const_bytes=8.102e07,
     source="fit to 12 measured H100 runs (shared/data/h100-lm-steps.json, hapnb calibrate --measured)",
+    sm_count=132,  # H100 SXM5 datasheet; gemm_tile: cuBLAS's fp32 SGEMM tile, assumed (docs/fidelity.md)
+    gemm_tile=128,
 )
 DEVICE_MODELS: Mapping[str, DeviceModel] = MappingProxyType({"H100": H100_MODEL})
 

@@ -176,7 +176,7 @@ def _strip(path: str) -> str:
 
 def program_weights(graph: Graph) -> dict[str, torch.Tensor]:
     """Every parameter, buffer and constant of the traced program by graph tensor name (model FQN)."""
-    prog = graph.program
+    prog = graph.traced_program()
     if prog is None:
         raise CodegenError(
             f"graph {graph.name} has no traced program to take weights from; pass weights={{name: tensor}}"
@@ -745,7 +745,7 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
     replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 dtype
     constants (float64 verification).
     """
-    prog = graph.program
+    prog = graph.traced_program()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(prog, torch.export.ExportedProgram):

@@ -20,7 +20,8 @@ a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a
 ``max(flops / (peak * eff), bytes / bandwidth)``, bytes = the op's input + output tensors forward and 2x
 that backward, ``eff`` the matmul efficiency curve for :data:`MATMUL_FAMILIES` at the per-kernel flops,
 ``attention_eff`` for attention, 1 for the memory-bound rest (with the model's ``vector_flops``, the
-:data:`VECTOR_FAMILIES` run at that rate instead of ``peak * eff``; pooling at ``pool_flops`` if set).
+:data:`VECTOR_FAMILIES` run at that rate instead of ``peak * eff``; pooling and scans at ``pool_flops``
+and ``scan_flops`` if set).
 The host runs ahead of the GPU, so a device is either launch bound (every op costs its launch time) or
 GPU bound (every op costs its work): the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
 a model without ``overlap``, e.g. a CPU running its own kernels, costs ``launch + work`` per op instead;
@@ -54,6 +55,7 @@ from typing import Any
 
 from .cluster import Cluster
 from .forms import Form, I
+from .graph import Graph, Op
 from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
 from .memory import is_alias as _is_alias
 from .rules import Strategy
@@ -73,6 +75,7 @@ __all__ = [
     "FAMILY_KERNELS",
     "MATMUL_FAMILIES",
     "VECTOR_FAMILIES",
+    "gemm_dims",
     "SAVED_FOR_BACKWARD",
     "MEMORY_CATEGORIES",
 ]
@@ -92,13 +95,18 @@ FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
         "creation": (1, 0),
         "random": (1, 0),
         "view": (0, 0),
+        # logcumsumexp; its backward: |grad|, log, two masks, two reversed scans (4 flips), exps, subs
+        "scan": (1, 20),
     }
 )
 #: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
 MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
-#: Families priced at the device model's ``vector_flops`` (when it has one, e.g. a profiled CPU):
-#: transcendental pointwise ops, pooling, the loss (log-softmax + nll), ops without a rule.
-VECTOR_FAMILIES = frozenset({"pointwise", "pool", "loss", "unknown"})
+#: Families priced at the device model's vector rate (when it has one, e.g. a profiled CPU; pooling and
+#: scans at their own rates if measured, :meth:`~hapnb.devices.DeviceModel.vector_rate`): transcendental
+#: pointwise ops, pooling, transcendental scans, the loss (log-softmax + nll), ops without a rule.
+VECTOR_FAMILIES = frozenset({"pointwise", "pool", "scan", "loss", "unknown"})
+
+
 # collectives that move no data and so do not start a stage
 FREE = frozenset({"slice", "to_partial"})
 
@@ -306,9 +314,28 @@ class CostModel:
                 nbytes = 3.0 * (ins[1].nbytes + 2 * out_b) + 2.0 * ins[0].nbytes
             else:  # backward moves ~2x the forward's bytes
                 nbytes = 3.0 * (sum(t.nbytes for t in ins) + out_b)
+        skipped = self._skipped_gradients(o)
+        if skipped:  # autograd skips those gradient GEMMs: their kernels and share of the bytes
+            nbytes *= self.grad_share(op)
+            bwd_k = max(0, bwd_k - skipped)
         hit = (nbytes, fwd_k + bwd_k)
         self._op_bytes[op] = hit
         return hit
+
+    def _skipped_gradients(self, o: Op) -> int:
+        """How many of a matmul-like op's two GEMM operands need no gradient (0 for other families)."""
+        if o.family not in MATMUL_FAMILIES:
+            return 0
+        roles = _GEMM_ROLES.get(o.target)
+        operands = [t for t, r in zip(o.inputs, roles) if "K" in r] if roles else list(o.inputs[:2])
+        return sum(1 for t in operands if not self.theory.requires_grad[t])
+
+    def grad_share(self, op: int) -> float:
+        """Share of the rules' training flops (forward + backward, 3x the forward) that a matmul-like op
+        runs with a device model: the forward and one gradient GEMM per operand that requires grad;
+        autograd skips the others (a first layer's input gradient). 1 for the other families; flops-only
+        devices keep the rules' 3x (HAP's model)."""
+        return (3 - self._skipped_gradients(self.graph.ops[op])) / 3
 
     def op_linear(self, op: int, s: Strategy, j: int) -> tuple[float, float]:
         """Device-model time of ``op`` under ``s`` on device ``j`` as ``(const, coef)``: seconds
@@ -334,7 +361,8 @@ class CostModel:
         o = self.graph.ops[op]
         nbytes, kernels = self.op_traffic(op)
         k = self.gpus[j]
-        fs, ff = s.scaled_flops, s.fixed_flops
+        share_run = self.grad_share(op)
+        fs, ff = s.scaled_flops * share_run, s.fixed_flops * share_run
         total = fs + ff
         if total > 0:
             bs, bf = nbytes * fs / total, nbytes * ff / total
@@ -345,14 +373,15 @@ class CostModel:
         eff = 1.0
         if o.family in MATMUL_FAMILIES:
             share = (fs * ref + ff) / total if total > 0 else 1.0
-            eff = m.efficiency(o.flops * share / k)
+            eff = m.efficiency(o.flops * share / k, o.family)
+            if m.sm_count is not None:  # GEMM wave quantization at the reference share
+                eff *= m.gemm_wave_factor(gemm_dims(self.graph, o, s, ref, k))
         elif o.family == "attention":
             eff = m.attention_eff
         rate, bw = m.peak_flops * eff * k, m.bandwidth_Bps * k
-        if o.family == "pool" and m.pool_flops is not None:
-            rate = m.pool_flops * k
-        elif m.vector_flops is not None and o.family in VECTOR_FAMILIES:
-            rate = m.vector_flops * k
+        vector = m.vector_rate(o.family) if o.family in VECTOR_FAMILIES else None
+        if vector is not None:
+            rate = vector * k
         if (fs * ref + ff) / rate >= (bs * ref + bf) / bw:
             coef, const = fs / rate, ff / rate
         else:
@@ -378,8 +407,11 @@ class CostModel:
         """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
         a device model counts its peak per GPU (no efficiency reaches more; overheads left out)."""
         total = 0.0
-        for ss in self.theory.strategies:
-            total += min(s.scaled_flops + s.fixed_flops for s in ss)
+        modelled = any(m is not None for m in self.models)  # then the gradients autograd skips are skipped
+        for op, ss in zip(self.graph.ops, self.theory.strategies):
+            total += min(s.scaled_flops + s.fixed_flops for s in ss) * (
+                self.grad_share(op.id) if modelled else 1.0
+            )
         rate = [f if m is None else m.peak_flops * k for f, m, k in zip(self.flops, self.models, self.gpus)]
         return total / sum(rate)
 
@@ -658,6 +690,63 @@ class CostModel:
         phase: backward or optimizer step (:mod:`hapnb.memory` has the model); ``overhead`` is the device
         model's allocator overhead (0 when flops-only). A virtual device's bytes are split over its GPUs."""
         return memory_breakdown(self, program, extra, ratios)
+
+
+#: GEMM roles of the dims of each tensor input, per op target, from the right: ``K`` contracted, ``M``
+#: the output's rows, ``N`` its columns; dims left of them are ``M`` for a linear layer (folded into its
+#: rows) and ``B`` (batch, one GEMM each in one launch) for the batched products.
+_GEMM_ROLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "aten.linear.default": ("MK", "NK", "N"),
+        "aten.mm.default": ("MK", "KN"),
+        "aten.addmm.default": ("N", "MK", "KN"),
+        "aten.bmm.default": ("BMK", "BKN"),
+        "aten.matmul.default": ("MK", "KN"),
+    }
+)
+
+
+def gemm_dims(g: Graph, op: Op, s: Strategy, share: float = 1.0, gpus: int = 1) -> tuple[float, ...] | None:
+    """``(batch, M, N, K)`` of a matmul-like op's GEMM on one device: the dim of role ``r``
+    (:data:`_GEMM_ROLES`) that strategy ``s`` shards is cut to ``share`` of it, and a virtual device's
+    ``gpus`` split the batch (or the rows). None for ops without a table entry (conv, einsum) or with a
+    one-dim GEMM operand.
+
+    >>> import torch, hapnb
+    >>> gr = hapnb.trace(torch.nn.Linear(512, 768), (torch.randn(4, 32, 512),), loss=lambda o: o.sum())
+    >>> gemm_dims(gr, gr.ops[0], hapnb.theory(gr).strategies[0][0])  # x's 4 x 32 rows fold into M
+    (1.0, 128.0, 768.0, 512.0)
+    >>> gb = hapnb.trace(torch.nn.Linear(64, 32, bias=False), (torch.randn(8, 64),), loss=lambda o: o.sum())
+    >>> gemm_dims(gb, gb.ops[0], hapnb.theory(gb).strategies[0][0])  # no bias
+    (1.0, 8.0, 32.0, 64.0)
+    """
+    roles = _GEMM_ROLES.get(op.target)
+    if roles is None or sum("K" in r for r in roles[: len(op.inputs)]) != 2:  # a bias may be left out
+        return None
+    lead = "M" if op.target == "aten.linear.default" else "B"
+    size = {"B": 1.0, "M": 1.0, "N": 1.0, "K": 1.0}
+    cut = ""
+    for tid, form, role in zip(op.inputs, s.inputs, roles):
+        shape = g.tensors[tid].shape
+        if len(shape) < len(role) or ("K" in role and len(shape) < 2):
+            return None
+        letters = lead * (len(shape) - len(role)) + role
+        if "K" in role:  # a GEMM operand: its sizes (the batch: the larger operand's, broadcast)
+            own = {"B": 1.0, "M": 1.0}
+            for r, n in zip(letters, shape):
+                if r in own:
+                    own[r] *= n
+                else:
+                    size[r] = float(n)
+            size["B"] = max(size["B"], own["B"])
+            if "M" in role:
+                size["M"] = own["M"]
+        if form.kind == "G":
+            cut = letters[form.dim]
+    if cut:
+        size[cut] *= share
+    size["B" if size["B"] > 1 else "M"] /= gpus
+    return (size["B"], size["M"], size["N"], size["K"])
 
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce")

@@ -11,14 +11,16 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-__all__ = ["TensorRef", "Op", "Graph", "TraceError", "map_args", "normalize_args", "fingerprint"]
+__all__ = [
+    "TensorRef", "Op", "Graph", "TraceError", "DeferredProgram", "map_args", "normalize_args", "fingerprint",
+]  # fmt: skip
 
 
 class TraceError(RuntimeError):
@@ -48,7 +50,7 @@ class TensorRef:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @functools.cached_property
+    @cached_property
     def numel(self) -> int:  # cached: the cost and memory models read it millions of times
         n = 1
         for s in self.shape:
@@ -59,8 +61,8 @@ class TensorRef:
     def itemsize(self) -> int:
         return _ITEMSIZE.get(self.dtype, 4)
 
-    @functools.cached_property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # read ~10^5 times a synthesis by the cost model: computed once
         return self.numel * self.itemsize
 
     @property
@@ -139,12 +141,38 @@ def map_args(value: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(value)
 
 
+class DeferredProgram:
+    """``Graph.program`` of a graph built without its traced program — a zoo model recorded on meta tensors
+    (:mod:`hapnb.tracing.record`) or read from the trace cache: ``make()`` traces the model with its weights
+    (torch.export) when a program is first needed (:meth:`Graph.traced_program`: code generation,
+    verification, bundles) and returns that program; the result is kept.
+
+    >>> d = DeferredProgram(lambda: "the program", "demo")
+    >>> d(), d
+    ('the program', DeferredProgram(demo, traced))
+    """
+
+    def __init__(self, make: Callable[[], Any], label: str) -> None:
+        self._make = make
+        self.label = label
+        self._program: Any = None
+
+    def __call__(self) -> Any:
+        if self._program is None:
+            self._program = self._make()
+        return self._program
+
+    def __repr__(self) -> str:
+        return f"DeferredProgram({self.label}, {'traced' if self._program is not None else 'not traced yet'})"
+
+
 @dataclass(frozen=True, eq=False)
 class Graph:
     """The traced single-device program (tensors, ops, inputs, parameters, loss).
 
     ``program`` keeps the traced artifact (a ``torch.export.ExportedProgram`` or an fx ``GraphModule``)
-    for code generation; ``fingerprint`` identifies the graph structure (ops, shapes) so a plan can check
+    for code generation, or a :class:`DeferredProgram` that traces it on first use (read it through
+    :meth:`traced_program`); ``fingerprint`` identifies the graph structure (ops, shapes) so a plan can check
     it is applied to the program it was made for.
     """
 
@@ -156,6 +184,12 @@ class Graph:
     program: Any = field(default=None, repr=False)
     fingerprint: str = ""
     name: str = "model"
+
+    def traced_program(self) -> Any:
+        """The traced program (ExportedProgram or fx GraphModule; None for hand-built graphs), tracing it
+        now when the graph was built without it (:class:`DeferredProgram`)."""
+        p = self.program
+        return p() if isinstance(p, DeferredProgram) else p
 
     # ----------------------------------------------------------------- lookups
     def tensor(self, key: int | str) -> TensorRef:

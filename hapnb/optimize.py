@@ -7,6 +7,11 @@ data-parallel and tensor-parallel programs of :func:`baseline_specs` are also ba
 as seeds, so the result is never worse than any baseline under the same cost model. Packaging the
 result as a :class:`~hapnb.plan.Plan` is :mod:`hapnb.synthesis`' job (one layer up).
 
+``memo``: a :class:`Memo` shared by several calls on one theory (what :meth:`hapnb.plan.Plan.replan`
+reuses): every search and every LP is a pure function of its inputs, so a call that meets the same
+search (cluster, ratios, pins, options, budget) or the same LP (cluster, program, ratio pins) again takes
+the earlier result instead of recomputing it, and returns exactly what it would have computed.
+
 ``duplex=True`` optimises HiDup's duplex time (:mod:`hapnb.duplex`) instead: the duplex search (ψ/φ
 labels) alternates with the duplex LP, and the costs in the result and its history are duplex times.
 """
@@ -44,6 +49,7 @@ __all__ = [
     "parse_pins",
     "baseline_specs",
     "without_gc",
+    "Memo",
 ]
 
 
@@ -129,6 +135,86 @@ def without_gc(fn: Any) -> Any:
                 gc.enable()
 
     return wrapper
+
+
+class Memo:
+    """Results of searches and LPs on one theory, keyed by everything they depend on (the cluster, the
+    ratios, the pins, the search options and budget; the program and the ratio pins), for reuse by later
+    :func:`optimize` calls (a searched result is reused only when no time limit could have cut it short).
+    ``reused`` / ``computed`` count the lookups by kind. A table is cleared when it grows past its limit
+    (``limits[kind]``, else ``limit`` entries: an interactive session makes many plans; whole plans are
+    large, so few of them are kept)."""
+
+    def __init__(self, limit: int = 512, limits: Mapping[str, int] | None = None) -> None:
+        self.limit = limit
+        self.limits = {"plan": 32, "shared": 64, **(limits or {})}
+        self.tables: dict[str, dict[Any, Any]] = {}
+        self.reused: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+
+    def get(self, kind: str, key: Any, make: Any) -> Any:
+        """The value for ``key`` in table ``kind``, made by ``make()`` on a miss (an exception it raises
+        is remembered and raised again on every later lookup of the same key)."""
+        table = self.tables.setdefault(kind, {})
+        if key in table:
+            self.reused[kind] = self.reused.get(kind, 0) + 1
+            value = table[key]
+        else:
+            self.computed[kind] = self.computed.get(kind, 0) + 1
+            try:
+                value = make()
+            except (NoProgramError, ValueError, RuntimeError) as e:
+                value = _Raised(e)
+            if len(table) >= self.limits.get(kind, self.limit):
+                table.clear()
+            table[key] = value
+        if isinstance(value, _Raised):
+            raise value.error
+        return value
+
+    def token(self, value: Any) -> int:
+        """A small int standing for ``value`` (e.g. a cluster) in keys, hashed once per call instead of once
+        per key; stable for the memo's life (the token table is never cleared)."""
+        tokens = self.tables.setdefault("token", {})
+        return tokens.setdefault(value, len(tokens))
+
+    def shared(self, key: Any) -> dict[str, Any]:
+        """A dict of costs shared by the searches at ``key`` (cluster and ratios), see ``Search(shared=)``."""
+        table = self.tables.setdefault("shared", {})
+        if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
+            table.clear()
+        return table.setdefault(key, {})
+
+    def __repr__(self) -> str:
+        kinds = sorted(set(self.reused) | set(self.computed))
+        return (
+            "Memo("
+            + ", ".join(
+                f"{k}: {self.reused.get(k, 0)} reused / {self.computed.get(k, 0)} computed" for k in kinds
+            )
+            + ")"
+        )
+
+
+@dataclass(frozen=True)
+class _Raised:
+    error: BaseException
+
+
+def _frozen(m: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in (m or {}).items()))
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """One search's outcome, as :func:`optimize` uses it (the Search itself is not kept)."""
+
+    result: Any  # SearchResult
+    final: tuple[Conversion, ...]
+    stats: tuple[tuple[str, Any], ...]
+    ratios: tuple[tuple[float, ...], ...]  # the ratios it ran at (normalised)
+    seed_expansions: int = 0
+    seed_seconds: float = 0.0
 
 
 def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol: float = 1e-9) -> bool:
@@ -227,6 +313,7 @@ def optimize(
     progress: bool = False,
     duplex: bool = False,
     memory: bool = False,
+    memo: Memo | None = None,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
 
@@ -242,6 +329,7 @@ def optimize(
     that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
     """
     c = cluster
+    ck = None if memo is None else memo.token(c)  # the cluster in memo keys
     cm = CostModel(th, c)
     form_pins = dict(pins or {})
     fixed: tuple[tuple[float, ...], ...] | None = None
@@ -275,9 +363,33 @@ def optimize(
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
         return not memory or max(overflow(cm, prog, extra, ratios_)) <= 0
 
+    def run_search(
+        ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
+    ) -> _Searched:
+        shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
+        s = Search(
+            th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
+        )
+        seed_exp, seed_s = 0, 0.0
+        if duplex:
+            # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
+            # from the start, and a duplex search stopped by a limit is never worse than it
+            p = Search(th, c, ratios=ratios_, pins=pins_, options=merged, shared=shared)
+            pres = p.run(max_expansions=max_expansions, max_seconds=max_seconds)
+            s.seed(pres.program)
+            seed_exp, seed_s = p.stats["expansions"], pres.seconds
+        budget, dives = max_expansions, 32
+        if s.memory:  # memory makes proving optimality costly where little is left to gain (see below)
+            budget = min(
+                budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
+            )
+            dives = 1
+        res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
+        return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
+
     def search(
         ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None, move: bool = False
-    ) -> tuple[Any, Search]:
+    ) -> tuple[Any, _Searched]:
         merged = {**(options or {}), **(opts or {})}
         if mem_on[0] and move and fixed is None and len({tuple(r) for r in ratios_}) == 1:
             # keeping to memory: start where a lean program has room (proportional ratios can leave none)
@@ -292,55 +404,69 @@ def optimize(
             if row != tuple(ratios_[0]):
                 stats["memory_start"] = True
                 ratios_ = tuple(row for _ in ratios_)
-        s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, memory=mem_on[0])
-        if duplex:
-            # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
-            # from the start, and a duplex search stopped by a limit is never worse than it
-            p = Search(th, c, ratios=ratios_, pins=pins_, options=merged)
-            pres = p.run(max_expansions=max_expansions, max_seconds=max_seconds)
-            s.seed(pres.program)
-            stats["seed_expansions"] = stats.get("seed_expansions", 0) + p.stats["expansions"]
-            stats["search_s"] += pres.seconds
-        budget, dives = max_expansions, 32
-        if s.memory:  # memory makes proving optimality costly where little is left to gain (see below)
-            budget = min(
-                budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
+        mem = mem_on[0]
+        if memo is not None and max_seconds is None:
+            key = (
+                ck,
+                tuple(map(tuple, ratios_)),
+                _frozen(pins_),
+                _frozen(merged),
+                duplex,
+                max_expansions,
+                mem,
             )
-            dives = 1
-        res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
-        st = s.stats
+            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem))
+        else:
+            out = run_search(ratios_, pins_, merged, mem)
+        if duplex:
+            stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
+            stats["search_s"] += out.seed_seconds
+        st = dict(out.stats)
+        res = out.result
         for k in ("expansions", "generated", "pruned_dominated", "pruned_bound"):
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
-        if not duplex and not mem_on[0] and not fits(res.program, s.final_conversions(), s.ratios):
+        if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
             mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
             return search(ratios_, pins_, opts, move)
-        return res, s
+        return res, out
+
+    def lp(kind: str, what: tuple[Any, ...], make: Any) -> Any:
+        """An LP's result (``make()``), from the memo when the same LP was solved before."""
+        if memo is None:
+            return make()
+        return memo.get(kind, (ck, *what, ratio_pins, duplex), make)
 
     def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
         if (prog, ratios_) not in seen and fits(prog, extra, ratios_):
             seen.add((prog, ratios_))
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
-    def consider(res: Any, s: Search, it: int, source: str = "search") -> bool:
+    def consider(res: Any, s: _Searched, it: int, source: str = "search") -> bool:
         nonlocal best
         prog = res.program
         if fixed is not None:
-            if not fits(prog, s.final_conversions(), fixed):
+            if not fits(prog, s.final, fixed):
                 return False
             cost_f = duplex_cost(cm, prog, fixed) if duplex else cm.evaluate(prog, fixed).cost_s
             ratios_k, cost_k, b_sec = fixed, cost_f, 0.0
         else:
-            bal = None if mem_on[0] else balance(cm, prog, ratio_pins, duplex=duplex)
-            if bal is None or not fits(prog, s.final_conversions(), bal.ratios):
+            bal = (
+                None if mem_on[0] else lp("lp", (prog,), lambda: balance(cm, prog, ratio_pins, duplex=duplex))
+            )
+            if bal is None or not fits(prog, s.final, bal.ratios):
                 try:  # the LP's ratios overflow a device: balance again with memory caps
-                    bal = balance_in_memory(cm, prog, s.final_conversions(), ratio_pins, duplex=duplex)
+                    bal = lp(
+                        "lp_memory",
+                        (prog, s.final),
+                        lambda: balance_in_memory(cm, prog, s.final, ratio_pins, duplex=duplex),
+                    )
                 except MemoryCapError:
                     bal = None
             if bal is not None:
                 ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
-            elif fits(prog, s.final_conversions(), s.ratios):  # the LP's linear memory is coarser than the
+            elif fits(prog, s.final, s.ratios):  # the LP's linear memory is coarser than the
                 # search's integer shards: keep the ratios the program was found (and fits) at
                 cost_s = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s
                 ratios_k, cost_k, b_sec = s.ratios, cost_s, 0.0
@@ -350,14 +476,14 @@ def optimize(
                 return False
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)
-        add_candidate(cost_k, prog, s.final_conversions(), ratios_k)
+        add_candidate(cost_k, prog, s.final, ratios_k)
         history.append(
             Round(
                 it,
                 res.cost,
                 cost_k,
                 ratios_k,
-                s.stats["expansions"],
+                dict(s.stats)["expansions"],
                 res.seconds,
                 b_sec,
                 len(prog),
@@ -366,7 +492,7 @@ def optimize(
             )
         )
         if accepted:
-            best = (cost_k, prog, s.final_conversions(), ratios_k)
+            best = (cost_k, prog, s.final, ratios_k)
         return accepted
 
     def alternate(B: tuple[tuple[float, ...], ...], it: int, limit: int) -> int:
@@ -403,7 +529,7 @@ def optimize(
                     if duplex
                     else cm.evaluate(res.program, bratios).cost_s
                 )
-                add_candidate(at_own, res.program, s.final_conversions(), bratios, f"baseline {name}")
+                add_candidate(at_own, res.program, s.final, bratios, f"baseline {name}")
             if res.program in tried:
                 continue  # the same program was balanced already
             tried.add(res.program)

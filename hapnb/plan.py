@@ -9,13 +9,17 @@ executes code.
 >>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)  # doctest: +SKIP
 >>> hapnb.Plan.from_json(plan.to_json()) == plan  # doctest: +SKIP
 True
+
+Tuning (``plan.replan(...)``, ``plan.why_not(pins)``, ``plan.sensitivity()``) is implemented above this
+module (re-planning is synthesis, which builds Plans): :mod:`hapnb.synthesis` registers the functions
+with :func:`register_tuning` when it loads (``hapnb.Plan`` loads it), so this module never imports it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -26,9 +30,36 @@ from .forms import Form, parse_form
 from .optimize import Round
 from .triples import Theory
 
-__all__ = ["CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping"]
+__all__ = [
+    "CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping",
+    "register_tuning",
+]  # fmt: skip
 
 PLAN_FORMAT = 1
+
+#: the largest ratio LP (stages x devices) whose sensitivity a plan's summary and HTML compute by themselves
+#: (BERT-12 on 8 devices: 600; each change builds the LP once more)
+SUMMARY_SENSITIVITY_ROWS = 10_000
+
+#: name -> function behind Plan.replan / why_not / sensitivity and a plan's synthesis context
+_TUNING: dict[str, Callable[..., Any]] = {}
+
+
+def register_tuning(**functions: Callable[..., Any]) -> None:
+    """Install the functions behind :meth:`Plan.replan`, :meth:`Plan.why_not`, :meth:`Plan.sensitivity`
+    and the context lookup (:mod:`hapnb.synthesis` does, when it loads)."""
+    _TUNING.update(functions)
+
+
+def tuning_function(name: str) -> Callable[..., Any]:
+    """The registered function ``name`` (see :func:`register_tuning`)."""
+    fn = _TUNING.get(name)
+    if fn is None:
+        raise RuntimeError(
+            f"Plan.{name} is implemented by hapnb.synthesis, which is not loaded: import hapnb.synthesis "
+            "(hapnb.Plan and hapnb.synthesize load it)"
+        )
+    return fn
 
 
 @dataclass(frozen=True)
@@ -220,6 +251,10 @@ class Plan:
     #: all-reduces behind the backward, feature collectives beside unrelated computation); None when not
     #: simulated. ``cost_s`` stays the stage model's (or the duplex ψ) cost, the number the search optimises.
     simulated_s: float | None = None
+    #: what the plan was synthesized from and the caches re-planning reuses
+    #: (:class:`hapnb.synthesis.SynthesisContext`; not compared, not in JSON; made on first use for a
+    #: loaded plan)
+    context: Any = field(default=None, compare=False, repr=False)
 
     @property
     def costed(self) -> bool:
@@ -280,6 +315,28 @@ class Plan:
     def _is_input(self, name: str) -> bool:
         return name in dict(self.options).get("inputs", ())
 
+    # ------------------------------------------------------------------ tuning
+    def replan(
+        self,
+        pins: Mapping[str, Any] | None = None,
+        ratio_pins: Mapping[str, Any] | None = None,
+        cluster: Any = None,
+    ) -> Plan:
+        """The plan a fresh ``hapnb.synthesize`` makes with these pins / ratio pins merged into this plan's
+        (``None`` removes one) and on ``cluster`` (default: this plan's), reusing every search, LP and
+        simulation that did not change (:func:`hapnb.synthesis.replan`)."""
+        return tuning_function("replan")(self, pins=pins, ratio_pins=ratio_pins, cluster=cluster)
+
+    def why_not(self, pins: Mapping[str, Any]) -> Any:
+        """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the
+        difference per stage block, or where no program satisfies them (:class:`hapnb.tuning.WhyNot`)."""
+        return tuning_function("why_not")(self, pins)
+
+    def sensitivity(self, factor: float = 1.1) -> Any:
+        """What bounds the step: binding devices per stage and what a device or collective ``factor``
+        times faster would save, from the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
+        return tuning_function("sensitivity")(self, factor)
+
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the stages per device (needs bokeh)."""
         from . import display
@@ -325,7 +382,24 @@ class Plan:
             )
         if self.pins:
             lines.append("  pins: " + ", ".join(f"{t}={f}" for t, f in self.pins))
+        sens = self._known_sensitivity()
+        if sens is not None:
+            lines += sens.lines()
+        elif self.context is not None:
+            lines.append("  what bounds the step: plan.sensitivity() (not computed for a plan this large)")
         return "\n".join(lines)
+
+    def _known_sensitivity(self) -> Any:
+        """:meth:`sensitivity` for a plan that carries its synthesis context (made in this process, or
+        re-planned once) and whose ratio LP has at most :data:`SUMMARY_SENSITIVITY_ROWS` computation rows,
+        else None: a summary never rebuilds a loaded plan's model, nor builds LPs of minutes. A failure
+        shows as None too (the summary and the display must not fail for it)."""
+        if self.context is None or len(self.stages) * self.cluster.n > SUMMARY_SENSITIVITY_ROWS:
+            return None
+        try:
+            return self.sensitivity()
+        except Exception:  # noqa: BLE001 - optional part of a view
+            return None
 
     def __str__(self) -> str:
         return self.summary() + "\n" + "\n".join(f"  [{i.stage:3d}] {i}" for i in self.program)
@@ -333,7 +407,9 @@ class Plan:
     def _repr_html_(self) -> str:
         from . import display
 
-        return display.safe_html(display.plan_html, self)
+        sens = self._known_sensitivity()
+        extra = "" if sens is None else display.safe_html(display.sensitivity_html, sens)
+        return display.safe_html(display.plan_html, self) + extra
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -61,21 +62,14 @@ from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
 from .searchspec import PinError, normalize_ratios, resolve_pins
+from .spine import CONVERSIONS, spine_bound, spine_value
 from .triples import LOADABLE_ROLES, Theory
 from .triples import theory as build_theory
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
 _EPS = 1e-12
-
-# which collectives turn a form kind into another (src kind, dst kind) -> names
-_CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("G", "I"): ("all_gather", "grouped_all_gather"),
-    ("R", "I"): ("all_reduce",),
-    ("R", "G"): ("reduce_scatter", "grouped_reduce_scatter"),
-    ("G", "G"): ("all_to_all",),
-    ("I", "G"): ("slice",),
-}
+_INF = float("inf")
 
 
 class NoProgramError(RuntimeError):
@@ -182,8 +176,12 @@ class Search:
         options: Mapping[str, bool] | None = None,
         duplex: bool = False,
         memory: bool = False,
+        shared: dict[str, Any] | None = None,
     ) -> None:
         t0 = time.perf_counter()
+        # costs that depend only on the theory, the cluster and the ratios (not on pins or options), shared
+        # by the searches of one re-planning context at the same ratios (hapnb.optimize.Memo.shared)
+        self._shared: dict[str, Any] = {} if shared is None else shared
         self.duplex = bool(duplex)
         self.theory = graph if isinstance(graph, Theory) else build_theory(graph)
         self.graph = g = self.theory.graph
@@ -246,6 +244,7 @@ class Search:
             for t in set(op.inputs):
                 n_consumers[t] += 1
         self._ops: list[list[_Compiled]] = []
+        comp_of = self._shared.setdefault("comp", {})
         lb = []
         for op, ss in zip(g.ops, th.strategies):
             comp_list = []
@@ -273,11 +272,14 @@ class Search:
                         # always recorded (free while the two segments' cuts agree), so that the LP may
                         # change the segments' ratios independently
                         resh.append(Conversion(t, "reshard", f, f, op.segment))
-                comp_list.append(_Compiled(s, cm.comp(op.id, s, self.ratios), out_bits, needs, tuple(resh)))
+                comp = comp_of.get((op.id, s))
+                if comp is None:
+                    comp = comp_of[(op.id, s)] = cm.comp(op.id, s, self.ratios)
+                comp_list.append(_Compiled(s, comp, out_bits, needs, tuple(resh)))
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
-            lb.append(tuple(min(c.comp[j] for c in comp_list) for j in range(self.n)))
+            lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
         if self.memory:
             self._mem = MemoryTracker(self)
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
@@ -286,13 +288,15 @@ class Search:
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
         self._rem = rem
-        self._term_cache: dict[Any, float] = {}
+        self._term_cache: dict[Any, float] = self._shared.setdefault("terms", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
-        self._spine_bound()
+        self._jstar, self._spine_opts = spine_bound(self)
+        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(self.n))
+        self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
-            self._spine_comm_opts = self._spine_bound(comm_only=True)
+            self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
 
     def _pins_ok(
         self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
@@ -328,120 +332,20 @@ class Search:
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
-        communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
-        rem = self._rem[pos]
-        h = max(a + r for a, r in zip(acc, rem))
+        communication that the spine path cannot avoid (:func:`hapnb.spine.spine_bound`)."""
+        h = max(map(operator.add, acc, self._rem[pos]))
         opts = self._spine_opts[pos]
         if opts:
-            present = [v for bit, v in opts if props & bit]
-            vb = min(present) if present else min(v for _, v in opts)
-            w = self._w
-            h2 = sum(w[j] * acc[j] for j in range(self.n)) + vb
+            vb = _INF
+            for bit, v in opts:
+                if props & bit and v < vb:
+                    vb = v
+            if vb == _INF:  # the spine tensor has no form yet: any of them
+                vb = self._spine_any[pos]
+            h2 = acc[self._jstar] + vb  # the weights are one-hot on the bottleneck device
             if h2 > h:
                 h = h2
         return h
-
-    def _spine_bound(self, comm_only: bool = False) -> list[list[tuple[int, float]]]:
-        """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
-
-        Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
-        spine is free to take any form; computation is counted on one device, the one with the most
-        computation left (a stage's max over devices is at least any one device's time); stages merge freely; tokens
-        (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
-        parameters with one consumer. Along the spine the forms must match: converting the spine
-        tensor costs the cheapest collective between the two forms.
-        """
-        g, th, cm = self.graph, self.theory, self.cost_model
-        n_ops = len(g.ops)
-        # weights on the device that has the most computation left even in the best case: any weights on
-        # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-        jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
-        self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
-        w_comp = (0.0,) * self.n if comm_only else self._w  # comm_only: the communication alone
-        inf = float("inf")
-        # the spine: from the loss backwards, through the input with the longest upstream path
-        depth = [0] * len(g.tensors)
-        for op in g.ops:
-            d = 1 + max((depth[t] for t in op.inputs), default=0)
-            for t in op.outputs:
-                depth[t] = d
-        spine_ops: dict[int, tuple[int, int]] = {}  # op -> (spine input, spine output)
-        t = g.loss
-        while g.tensors[t].producer is not None:
-            op = g.ops[g.tensors[t].producer]
-            acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
-            if not acts:
-                break
-            src = max(acts, key=lambda x: (depth[x], g.tensors[x].numel, -x))
-            spine_ops[op.id] = (src, t)
-            t = src
-        n_cons = [len(set(x.consumers)) for x in g.tensors]
-
-        def local(op_id: int, c: _Compiled) -> float:
-            v = sum(w_comp[j] * c.comp[j] for j in range(self.n))
-            op = g.ops[op_id]
-            for ti, f in zip(op.inputs, c.strategy.inputs):
-                tr = g.tensors[ti]
-                if tr.role == "param" and n_cons[ti] == 1:
-                    v += self._load_time(self._load(ti, f, c.strategy.sfb and f.kind == "I"))
-            if c.strategy.sfb:
-                v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
-            return v
-
-        conv_cache: dict[tuple[int, Form, Form], float] = {}
-
-        def conv(ti: int, a: Form, b: Form) -> float:
-            if a == b:
-                return 0.0
-            key = (ti, a, b)
-            v = conv_cache.get(key)
-            if v is None:
-                v = inf
-                for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                    cv = Conversion(ti, name, a, b)
-                    v = min(v, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
-                conv_cache[key] = v
-            return v
-
-        # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
-        spine_at: list[int | None] = [None] * (n_ops + 1)
-        V: list[dict[Form, float]] = [{} for _ in range(n_ops + 1)]
-        V[n_ops] = {f: 0.0 for f in th.forms[g.loss]}
-        spine_at[n_ops] = g.loss
-        cur = g.loss
-        for i in range(n_ops - 1, -1, -1):
-            comp = self._ops[i]
-            if i in spine_ops and spine_ops[i][1] == cur:
-                src, out = spine_ops[i]
-                op = g.ops[i]
-                k_in = op.inputs.index(src)
-                k_out = op.outputs.index(out)
-                nxt = V[i + 1]
-                row: dict[Form, float] = {}
-                locals_ = [local(i, c) for c in comp]
-                for f in th.forms[src]:
-                    best = inf
-                    for c, lc in zip(comp, locals_):
-                        cv = conv(src, f, c.strategy.inputs[k_in])
-                        if cv == inf:
-                            continue
-                        best = min(best, cv + lc + nxt.get(c.strategy.outputs[k_out], inf))
-                    row[f] = best
-                V[i] = row
-                cur = src
-            else:
-                m = min(local(i, c) for c in comp)
-                V[i] = {f: v + m for f, v in V[i + 1].items()}
-            spine_at[i] = cur
-        spine_opts: list[list[tuple[int, float]]] = []
-        for i in range(n_ops + 1):
-            ti = spine_at[i]
-            opts = [(self._bit[(ti, f)], v) for f, v in V[i].items() if v < inf and (ti, f) in self._bit]
-            # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
-            spine_opts.append(opts)
-        if not comm_only:
-            self._spine_opts = spine_opts
-        return spine_opts
 
     def _load(self, t: int, f: Form, sfb: bool) -> Load:
         """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
@@ -510,8 +414,8 @@ class Search:
         self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...], props: int
     ) -> float:
         """Duplex A* priority: an admissible bound of the duplex time (:func:`~hapnb.duplex.priority`)."""
-        spine = _spine_value(self._spine_opts[pos], props)
-        comm = _spine_value(self._spine_comm_opts[pos], props)
+        spine = spine_value(self._spine_opts[pos], props)
+        comm = spine_value(self._spine_comm_opts[pos], props)
         return priority(base, copen, acc, tail, self._rem[pos], self._w, spine, comm)
 
     def _dominated_duplex(
@@ -570,7 +474,7 @@ class Search:
                     low = have & -have
                     have ^= low
                     _, src = self._forms_of_bit[low]
-                    for name in _CONVERSIONS.get((src.kind, f.kind), ()):
+                    for name in CONVERSIONS.get((src.kind, f.kind), ()):
                         if name.startswith("grouped") and not self.options["grouped"]:
                             continue
                         opts.append((Conversion(t, name, src, f), bit, 1 << t))
@@ -983,11 +887,3 @@ class Search:
         from . import display
 
         return display.safe_html(display.search_html, self)
-
-
-def _spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:
-    """The spine bound for the spine tensor's present form (any form if none is present yet)."""
-    if not opts:
-        return None
-    present = [v for bit, v in opts if props & bit]
-    return min(present) if present else min(v for _, v in opts)

@@ -36,8 +36,9 @@ from .cluster import Cluster, Collective, Device
 from .forms import Form, parse_form
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
-from .synthesis import synthesize
+from .synthesis import context_of, replan, synthesize
 from .triples import Theory, theory
+from .tuning import WhatIf, WhyNot, rebuild_graph, what_if
 
 if TYPE_CHECKING:  # the run layer loads torch: imported inside the methods that need it
     from .run.launch import Job, JobResult
@@ -245,12 +246,10 @@ class Session:
             ratios = {d: lo for d, lo, hi in plan.ratio_pins if lo == hi and d in self.cluster.names}
         for d, v in (ratios or {}).items():
             self._locks[self._device(d)] = self._ratio(d, v)
-        if plan is None:
-            plan = self._synthesize(self.cluster)
-        self.plan: Plan = plan
+        self.plan: Plan = plan if plan is not None else self._synthesize(self.cluster)
         self.previous_plan: Plan | None = None
-        self.plans: list[Plan] = [plan]
-        self._values: dict[str, float] = self._plan_ratios(plan)
+        self.plans: list[Plan] = [self.plan]
+        self._values: dict[str, float] = self._plan_ratios(self.plan)
         self._values.update(self._locks)
         self.event: SearchEvent | None = None
         self.current = 0
@@ -270,14 +269,17 @@ class Session:
             self.cluster = plan.cluster if cluster is None else Cluster.resolve(cluster)
             self._model_spec = plan.model
             graph = plan.graph
-            if graph is None and plan.model_spec:
-                graph = self._rebuild_graph(plan)
             if graph is None:
-                raise ValueError(
-                    f"plan {plan.name!r} has no traced graph (it was loaded from JSON) and its model could "
-                    "not be rebuilt; pass the Graph, the nn.Module with example_inputs, or the zoo name"
-                )
-            self.theory = theory(graph)
+                try:
+                    graph = rebuild_graph(plan)
+                except Exception as e:  # noqa: BLE001 - any failure: say what to pass instead
+                    raise ValueError(
+                        f"plan {plan.name!r} has no traced graph (it was loaded from JSON) and its model could "
+                        f"not be rebuilt ({e}); pass the Graph, the nn.Module with example_inputs, or the zoo "
+                        "name"
+                    ) from None
+                plan = dataclasses.replace(plan, graph=graph)  # re-planning reuses the rebuilt graph
+            self.theory = context_of(plan).theory  # the plan's own (segmented as it was made)
         else:
             if cluster is None:
                 raise ValueError(
@@ -295,32 +297,33 @@ class Session:
         self.graph = self.theory.graph
         return plan
 
-    @staticmethod
-    def _rebuild_graph(plan: Plan) -> Any:
-        try:
-            from . import zoo
-            from .tracing import trace
-
-            model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec or {}))
-            g = trace(model, inputs, name=plan.name)
-            return g if g.fingerprint == plan.graph_fingerprint else None
-        except Exception:  # noqa: BLE001 - the caller explains what to pass instead
-            return None
-
     # ============================================================================ helpers
     def _form_pins(self) -> dict[str, Form]:
         return {k: parse_form(v) for k, v in self._pins.items()}
 
     def _synthesize(self, cluster: Cluster, locks: Mapping[str, float] | None = None) -> Plan:
+        """The plan for the pins, the locked ratios and ``cluster``: the first one synthesized, every later
+        one re-planned from the current plan (:meth:`hapnb.plan.Plan.replan`: what did not change is
+        reused, and the result is what a fresh synthesis gives)."""
         locks = self._locks if locks is None else locks
-        plan = synthesize(
-            self.theory,
-            cluster,
-            pins=self._form_pins(),
-            ratios=dict(locks) or None,
-            max_iterations=self.max_iterations,
-            check_memory=False,  # a view marks devices over their memory instead
-        )
+        plan = getattr(self, "plan", None)
+        if plan is None:
+            plan = synthesize(
+                self.theory,
+                cluster,
+                pins=self._form_pins(),
+                ratios=dict(locks) or None,
+                max_iterations=self.max_iterations,
+                check_memory=False,  # a view marks devices over their memory instead
+            )
+        else:
+            pins: dict[str, Any] = {k: None for k, _ in plan.pins if k not in self._pins}
+            pins.update(self._pins)
+            ratio_pins: dict[str, Any] = {d: None for d, _, _ in plan.ratio_pins if d not in locks}
+            ratio_pins.update(locks)
+            plan = replan(
+                plan, pins, ratio_pins, cluster, check_memory=False, max_iterations=self.max_iterations
+            )
         if self._model_spec:
             plan = dataclasses.replace(plan, model=self._model_spec)
         return plan
@@ -475,7 +478,8 @@ class Session:
             stats=self.search.stats,
             model=dict(self._model_spec) if self._model_spec else None,
         )
-        return self._set_plan(plan)
+        # the same model and synthesis settings: it re-plans with the current plan's context
+        return self._set_plan(dataclasses.replace(plan, context=self.plan.context))
 
     # ============================================================================ pins
     @property
@@ -584,9 +588,36 @@ class Session:
         return diff_plans(self.previous_plan, self.plan) if self.previous_plan is not None else None
 
     def resynthesize(self) -> Plan:
-        """Synthesize again with the pins, the locked ratios and the cluster; the new plan becomes the
-        current one (the old one is ``previous_plan``, see :attr:`diff`). On error nothing changes."""
+        """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plan.Plan.replan`: the
+        plan a fresh synthesis gives, reusing what did not change); the new plan becomes the current one
+        (the old one is ``previous_plan``, see :attr:`diff`). On error nothing changes."""
         return self._set_plan(self._synthesize(self.cluster))
+
+    # ============================================================================ tuning
+    def why_not(self, pins: Mapping[str, Form | str]) -> WhyNot:
+        """Why the current plan does not use these forms (:meth:`hapnb.plan.Plan.why_not`): the best plan
+        with them added to the session's pins and its cost, or where no program satisfies them. The
+        current plan does not change."""
+        for name, form in pins.items():
+            self._checked_pin(name, form)  # an unknown tensor or form: the session's own errors
+        return self.plan.why_not(pins)
+
+    def sensitivity(self) -> Any:
+        """What bounds the current plan's step (:meth:`hapnb.plan.Plan.sensitivity`)."""
+        return self.plan.sensitivity()
+
+    def what_if(
+        self,
+        *,
+        device: str | None = None,
+        collective: str | None = None,
+        link: bool = False,
+        factor: float = 1.1,
+    ) -> WhatIf:
+        """The current plan re-planned with one device, collective kind or the intra-machine link
+        ``factor`` times faster, next to the LP duals' prediction (:func:`hapnb.tuning.what_if`); the
+        session's cluster and plan do not change (edit the cluster and apply it for that)."""
+        return what_if(self.plan, device=device, collective=collective, link=link, factor=factor)
 
     # ============================================================================ cluster
     @property

@@ -58,9 +58,9 @@ from .plan import CommCost, Plan
 __all__ = [
     "Span",
     "Segment",
+    "iteration_time",
     "Timeline",
     "simulate",
-    "simulated_time",
     "STREAMS",
     "PHASES",
     "FORWARD_FRACTION",
@@ -390,13 +390,27 @@ def simulate(
     return _Overlap(plan, c, costs, bandwidth_sharing, _slowdowns(c, slowdown)).run(caps)
 
 
-def simulated_time(plan: Plan) -> float:
-    """``simulate(plan).iteration_s`` (with overlap, the plan's cluster) without building the timeline's
-    spans, segments and memory: what :func:`hapnb.synthesize` compares its candidates by."""
+def iteration_time(plan: Plan, slowdown: float | None = None) -> float:
+    """The overlap simulation's iteration time of ``plan`` on its own cluster — ``simulate(plan).iteration_s``
+    without building the timeline (spans, segments, memory over time): what :func:`hapnb.synthesize`
+    ranks its candidate programs by."""
     if not isinstance(plan, Plan) or not plan.costed:
-        return simulate(plan).iteration_s
+        return simulate(plan, slowdown=slowdown).iteration_s
     c = plan.cluster
-    sim = _Overlap(plan, c, _costs(plan, c), True, _slowdowns(c, None))
+    costs, gamma = _costs(plan, c), _slowdowns(c, slowdown)
+    # devices with the same computation per instruction, optimizer step and slowdown run the same
+    # timeline (they meet the others only in collectives, which span every device): simulate one of each
+    reps: dict[Any, int] = {}
+    for j in range(c.n):
+        key = (tuple(row[j] if row else None for row in costs.comp), costs.optimizer[j], gamma[j])
+        reps.setdefault(key, j)
+    keep = list(reps.values())
+    if len(keep) < c.n:
+        comp = tuple(tuple(row[j] for j in keep) if row else row for row in costs.comp)
+        costs = _Costs(comp, costs.comm, tuple(costs.optimizer[j] for j in keep))
+        gamma = tuple(gamma[j] for j in keep)
+    sim = _Overlap(plan, c, costs, True, gamma)
+    sim.n = len(keep)
     sim.build()
     return sim.loop()
 

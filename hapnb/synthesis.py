@@ -5,6 +5,14 @@
 its ratios as a Plan and checks that it fits in memory. :func:`baselines` packages the data-parallel and
 tensor-parallel programs under the same cost model, for comparison.
 
+Every plan :func:`synthesize` returns carries its :class:`SynthesisContext` (``plan.context``: the theory,
+the model spec, synthesize's arguments and a :class:`~hapnb.optimize.Memo` of searches, LPs and
+simulated times), shared by every plan :func:`replan` (``plan.replan(...)``) makes from it: a re-plan with
+other pins, ratio pins or cluster runs synthesize's own steps on the merged inputs and takes every
+search, LP and simulation whose inputs did not change from the memo, so it returns exactly the plan a
+fresh :func:`synthesize` would (timings aside). A plan loaded from JSON gets a context on its first
+re-plan (its model rebuilt once from the recorded spec).
+
 >>> import hapnb
 >>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)
 >>> plan.cost_s >= plan.lower_bound_s
@@ -18,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import plan as plan_module
 from .cluster import Cluster
 from .cost import CostModel
 from .duplex import duplex_cost
@@ -26,6 +35,7 @@ from .graph import Graph
 from .memory import largest_pieces
 from .optimize import (
     Candidate,
+    Memo,
     assign_segments,
     baseline_specs,
     keeps_ratio_pins,
@@ -35,11 +45,20 @@ from .optimize import (
 )
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
-from .simulation import simulated_time
+from .simulation import iteration_time
 from .tracing import resolve_model
 from .triples import Theory, theory
+from .tuning import rebuild_graph, sensitivity, why_not
 
-__all__ = ["synthesize", "baselines", "OutOfMemoryError", "out_of_memory"]
+__all__ = [
+    "synthesize",
+    "baselines",
+    "fixed_plan",
+    "replan",
+    "OutOfMemoryError",
+    "out_of_memory",
+    "SynthesisContext",
+]
 
 
 #: how many of the Q/B loop's candidates (best cost first) the overlap simulator compares for the final pick
@@ -98,11 +117,51 @@ def synthesize(
     if pick not in ("simulated", "cost"):
         raise ValueError(f"pick must be 'simulated' or 'cost', got {pick!r}")
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
-    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, **zoo_options)
+    traced: dict[str, Any] = {}  # how the graph was made (zoo models: build_s, trace_s, trace_path)
+    graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, traced, **zoo_options)
     t0 = time.perf_counter()
     if segments is not None:
         graph = assign_segments(graph, segments)
     th = model_or_graph if isinstance(model_or_graph, Theory) and segments is None else theory(graph)
+    args = dict(
+        ratios=ratios, options=dict(options or {}), max_iterations=max_iterations,
+        max_expansions=max_expansions, max_seconds=max_seconds, seed_baselines=seed_baselines,
+        check_memory=check_memory, progress=progress, duplex=duplex, pick=pick,
+        segments=_segments_label(segments),
+    )  # fmt: skip
+    return _synthesize(SynthesisContext(th, spec, args, traced), c, pins, t0)
+
+
+class SynthesisContext:
+    """What a plan was synthesized from and what re-planning reuses (not a value: it caches).
+
+    ``theory`` (the traced program, segmented), ``spec`` (how to rebuild the model, or None), ``args``
+    (synthesize's keyword arguments: ``ratios`` (ratio pins or fixed ratios), ``options``,
+    ``max_iterations``, ``max_expansions``, ``max_seconds``, ``seed_baselines``, ``check_memory``,
+    ``progress``, ``duplex``, ``pick``, ``segments``) and ``memo``, the searches, LPs and simulated times
+    computed so far (:class:`~hapnb.optimize.Memo`; also what :mod:`hapnb.tuning` reuses)."""
+
+    def __init__(
+        self,
+        theory: Theory,
+        spec: Mapping[str, Any] | None,
+        args: Mapping[str, Any],
+        traced: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.theory = theory
+        self.traced = dict(traced or {})  # how the graph was made (zoo models: build_s, trace_s, trace_path)
+        self.spec = dict(spec) if spec else None
+        self.args = dict(args)
+        self.memo = Memo()
+
+    def __repr__(self) -> str:
+        return f"SynthesisContext({self.theory.graph.name}, {self.memo!r})"
+
+
+def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | None, t0: float) -> Plan:
+    """:func:`synthesize` on a context's theory and arguments (the steps :func:`replan` repeats)."""
+    a = ctx.args
+    th, ratios, duplex, options = ctx.theory, a["ratios"], a["duplex"], a["options"]
     form_pins = parse_pins(pins)
     try:
         best = optimize(
@@ -111,51 +170,75 @@ def synthesize(
             form_pins,
             ratios,
             options=options,
-            max_iterations=max_iterations,
-            max_expansions=max_expansions,
-            max_seconds=max_seconds,
-            seed_baselines=seed_baselines,
-            progress=progress,
+            max_iterations=a["max_iterations"],
+            max_expansions=a["max_expansions"],
+            max_seconds=a["max_seconds"],
+            seed_baselines=a["seed_baselines"],
+            progress=a["progress"],
             duplex=duplex,
-            memory=check_memory,
+            memo=ctx.memo,
+            memory=a["check_memory"],
         )
     except NoProgramError as e:
-        if check_memory and "memory" in str(e):
+        if a["check_memory"] and "memory" in str(e):
             raise out_of_memory(th, c, form_pins) from e
         raise
 
-    def package(k: Candidate, stats: Mapping[str, Any]) -> Plan:
-        plan = make_plan(
-            th,
-            c,
-            k.program,
-            k.extra,
-            k.ratios,
-            history=best.history,
-            pins=form_pins,
-            ratio_pins=best.ratio_pins,
-            stats=stats,
-            model=spec,
-            options={**(options or {}), "segments": _segments_label(segments)},
-        )
-        if duplex:
-            plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
-        return dataclasses.replace(plan, simulated_s=simulated_time(plan))
+    frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
+    ck = ctx.memo.token(c)
+
+    def package(k: Candidate, stats: Mapping[str, Any], simulated_s: float | None = None) -> Plan:
+        """The candidate as a Plan with its simulated time (memoised on everything the plan depends on)."""
+
+        def make() -> Plan:
+            plan = make_plan(
+                th,
+                c,
+                k.program,
+                k.extra,
+                k.ratios,
+                history=best.history,
+                pins=form_pins,
+                ratio_pins=best.ratio_pins,
+                stats=stats,
+                model=ctx.spec,
+                options={**options, "segments": a["segments"]},
+            )
+            if duplex:
+                plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
+            sim = iteration_time(plan) if simulated_s is None else simulated_s
+            return dataclasses.replace(plan, simulated_s=sim)
+
+        key = (ck, k, duplex, best.history, best.ratio_pins, frozen_pins, freeze_mapping(stats), a["segments"],
+               freeze_mapping(options), freeze_mapping(ctx.spec))  # fmt: skip
+        return ctx.memo.get("plan", key, make)
+
+    def simulated(k: Candidate) -> tuple[float, Plan | None]:
+        """The candidate's simulated time (from the memo when simulated before) and its plan if made now."""
+        made: list[Plan] = []
+
+        def run() -> float:
+            made.append(package(k, best.stats))
+            return made[0].simulated_s  # type: ignore[return-value]
+
+        key = (ck, k.program, k.extra, k.ratios, k.cost_s, duplex)
+        return ctx.memo.get("simulate", key, run), (made[0] if made else None)
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
     own = Candidate(best.cost_s, best.program, best.extra, best.ratios, 0)
-    if pick == "cost" or not best.candidates:
+    if a["pick"] == "cost" or not best.candidates:
         top: Sequence[Candidate] = (own,)
     else:
         searched = [k for k in best.candidates if k.source == "search"][:FINAL_CANDIDATES]
         top = searched + [k for k in best.candidates if k.source != "search"]
-    plans = [package(k, best.stats) for k in top]
-    i = min(range(len(plans)), key=lambda i: (plans[i].simulated_s, plans[i].cost_s, i))
+    sims = [simulated(k) for k in top]
+    i = min(range(len(sims)), key=lambda i: (sims[i][0], top[i].cost_s, i))
+    chosen = sims[i][1] or package(top[i], best.stats, sims[i][0])
     # chosen: where the final program came from ("search", or e.g. "baseline dp_cp" when the simulator
     # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
-    stats = {**best.stats, "candidates_simulated": len(plans), "chosen": top[i].source, "cost_rank": i,
-             "pick": pick}  # fmt: skip
+    stats = {**best.stats, "candidates_simulated": len(sims), "chosen": top[i].source, "cost_rank": i,
+             "pick": a["pick"], **ctx.traced}  # fmt: skip
     if duplex and not isinstance(ratios, Sequence):
         # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
         k = top[i]
@@ -164,12 +247,115 @@ def synthesize(
         )
         if even != k.ratios and keeps_ratio_pins(even, best.ratio_pins, c.names):
             cost = duplex_cost(CostModel(th, c), k.program, even)
-            plans[i] = package(dataclasses.replace(k, ratios=even, cost_s=cost), best.stats)
+            chosen = package(dataclasses.replace(k, ratios=even, cost_s=cost), best.stats)
             stats["ratios_even_batch"] = True
-    plan = dataclasses.replace(plans[i], search=freeze_mapping(stats), synthesis_s=time.perf_counter() - t0)
-    if check_memory:
+    plan = dataclasses.replace(
+        chosen, search=freeze_mapping(stats), synthesis_s=time.perf_counter() - t0, context=ctx
+    )
+    if a["check_memory"]:
         _check_memory(plan)
     return plan
+
+
+@without_gc
+def replan(
+    plan: Plan,
+    pins: Mapping[str, Any] | None = None,
+    ratio_pins: Mapping[str, Any] | None = None,
+    cluster: Cluster | str | None = None,
+    **overrides: Any,
+) -> Plan:
+    """The plan :func:`synthesize` makes for ``plan``'s model with its pins, ratio pins and cluster
+    changed, reusing every search, LP and simulation whose inputs did not change (``plan.replan``).
+
+    ``pins``: tensor -> form, merged into the plan's pins (``None`` or ``"auto"`` removes a pin);
+    ``ratio_pins``: device -> ratio or ``(lo, hi)``, merged into the plan's ratio pins (``None`` removes
+    one); ``cluster``: another cluster (object, preset, JSON path or inline spec): ratio pins of devices it
+    lacks are dropped. ``overrides``: other synthesize arguments to change (e.g. ``check_memory=False``,
+    ``max_iterations=3``). The result equals ``synthesize(model, cluster, pins=merged pins,
+    ratios=merged ratio pins, ...)`` with the plan's other arguments, timings aside; it shares the
+    plan's context (and so its caches).
+
+    >>> import hapnb
+    >>> a = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
+    >>> b = a.replan(pins={"x": "I"})
+    >>> dict(b.pins), b.replan(pins={"x": None}).program == a.program
+    ({'x': 'I'}, True)
+    """
+    t0 = time.perf_counter()
+    ctx = context_of(plan)
+    unknown = sorted(set(overrides) - set(ctx.args) - {"ratios"})
+    if unknown:
+        raise TypeError(f"replan: unknown synthesize argument(s) {', '.join(unknown)}")
+    c = plan.cluster if cluster is None else Cluster.resolve(cluster)
+    merged_pins = dict(plan.pins)
+    for k, v in (pins or {}).items():
+        if v is None or v == "auto":
+            merged_pins.pop(k, None)
+        else:
+            merged_pins[k] = v
+    args = {**ctx.args, **overrides}
+    fixed = args["ratios"] is not None and not isinstance(args["ratios"], Mapping)
+    if fixed and (ratio_pins or (cluster is not None and c.n != plan.cluster.n)):
+        raise ValueError(
+            f"plan {plan.name!r} was made with fixed ratios (ratios=[...]), so it has no ratio pins to change "
+            "and no ratios for another number of devices: pass ratios=... (a mapping of ratio pins, or "
+            "None for the LP) to replan"
+        )
+    if not fixed:
+        # the plan's ratio pins on devices the cluster still has, then the asked ones (checked by name)
+        rp: dict[str, Any] = {d: (lo, hi) for d, lo, hi in plan.ratio_pins if d in c.names}
+        for k, v in (ratio_pins or {}).items():
+            if v is None:
+                rp.pop(k, None)
+            else:
+                rp[k] = v
+        if "ratios" not in overrides:
+            args["ratios"] = rp or None
+    run = ctx if args == ctx.args else _derived(ctx, args)
+    out = _synthesize(run, c, merged_pins, t0)
+    if plan.model and not ctx.spec:
+        out = dataclasses.replace(out, model=plan.model)  # the model spec a session recorded
+    return out
+
+
+def _derived(ctx: SynthesisContext, args: Mapping[str, Any]) -> SynthesisContext:
+    """A context with other arguments that shares ``ctx``'s theory and memo (every memo key names all
+    that a result depends on, so the memo stays valid)."""
+    out = SynthesisContext(ctx.theory, ctx.spec, args, ctx.traced)
+    out.memo = ctx.memo
+    return out
+
+
+def context_of(plan: Plan) -> SynthesisContext:
+    """The plan's :class:`SynthesisContext`; for a plan without one (loaded from JSON, or made by
+    :func:`hapnb.plan.make_plan` directly) one is made and kept on the plan: the graph is the plan's own or
+    its model rebuilt from the recorded spec (once), synthesize's arguments those the plan records
+    (pins, ratio pins, options, segments, duplex, pick) and the defaults for the rest."""
+    if plan.context is not None:
+        return plan.context
+    graph = plan.graph if plan.graph is not None else rebuild_graph(plan)
+    opts = dict(plan.options)
+    label = opts.get("segments", "none")
+    if label not in ("none", "layer"):
+        raise ValueError(
+            f"plan {plan.name!r} was made with custom ratio segments ({label}), which its JSON does not "
+            "record: synthesize it again with the same segments= to re-plan it"
+        )
+    th = theory(graph if label == "none" else assign_segments(graph, "layer"))
+    options = {k: v for k, v in opts.items() if isinstance(v, bool)}
+    ratios = {d: (lo, hi) for d, lo, hi in plan.ratio_pins} or None
+    args = dict(
+        ratios=ratios, options=options, max_iterations=10, max_expansions=30_000, max_seconds=None,
+        seed_baselines=True, check_memory=True, progress=False, duplex=plan.duplex,
+        pick=plan.stats.get("pick", "simulated"), segments=label,
+    )  # fmt: skip
+    ctx = SynthesisContext(th, plan.model_spec, args)
+    object.__setattr__(plan, "context", ctx)  # a cache field (not compared, not in JSON)
+    return ctx
+
+
+plan_module.register_tuning(replan=replan, why_not=why_not, sensitivity=sensitivity, context=context_of)
 
 
 def even_batch_ratios(ratios: tuple[tuple[float, ...], ...], batch: int) -> tuple[tuple[float, ...], ...]:
@@ -220,33 +406,54 @@ def baselines(
     th = model_or_graph if isinstance(model_or_graph, Theory) else theory(graph)
     out: dict[str, Plan] = {}
     for name, pins, ratios, opts in baseline_specs(th, c, {}):
-        t0 = time.perf_counter()
         try:
-            s = Search(th, c, ratios=ratios, pins=pins, options=opts)
-            res = s.run(max_expansions=max_expansions)
+            out[name] = fixed_plan(
+                th, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
+            )
         except (NoProgramError, ValueError):
             continue
-        st = s.stats
-        stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
-        stats["optimal"] = res.optimal
-        plan = make_plan(
-            th,
-            c,
-            res.program,
-            s.final_conversions(),
-            s.ratios,
-            pins=pins,
-            stats=stats,
-            model=spec,
-            options={**opts, "baseline": name},
-            synthesis_s=time.perf_counter() - t0,
-        )
-        out[name] = dataclasses.replace(plan, simulated_s=simulated_time(plan))
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
     ):
         del out["tp_ev"]  # no weight could be split: tensor parallelism does not apply
     return out
+
+
+def fixed_plan(
+    th: Theory,
+    c: Cluster,
+    pins: Mapping[str, Any],
+    ratios: Sequence[Sequence[float]],
+    options: Mapping[str, bool] | None = None,
+    *,
+    name: str = "fixed",
+    model: Mapping[str, Any] | None = None,
+    max_expansions: int | None = 30_000,
+) -> Plan:
+    """The plan of one A* search at fixed ``ratios`` (one row per segment; no LP) with form ``pins`` and
+    search ``options``, with its simulated time: how :func:`baselines` (and the strategies of
+    :func:`hapnb.compare`) package a fixed strategy. ``name`` is recorded as ``options["baseline"]``.
+    Raises :class:`~hapnb.search.NoProgramError` (or ValueError for bad pins) when no program exists."""
+    t0 = time.perf_counter()
+    opts = dict(options or {})
+    s = Search(th, c, ratios=ratios, pins=pins, options=opts)
+    res = s.run(max_expansions=max_expansions)
+    st = s.stats
+    stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
+    stats["optimal"] = res.optimal
+    plan = make_plan(
+        th,
+        c,
+        res.program,
+        s.final_conversions(),
+        s.ratios,
+        pins=parse_pins(pins),
+        stats=stats,
+        model=model,
+        options={**opts, "baseline": name},
+        synthesis_s=time.perf_counter() - t0,
+    )
+    return dataclasses.replace(plan, simulated_s=iteration_time(plan))
 
 
 def _is_param(th: Theory, name: str) -> bool:
@@ -349,8 +556,9 @@ def _graph_of(
     cluster: Cluster,
     example_inputs: Sequence[Any] | None = None,
     loss: Any = None,
+    timings: dict[str, Any] | None = None,
     **zoo: Any,
 ) -> tuple[Graph, dict[str, Any] | None]:
     if isinstance(model_or_graph, Theory):
         return model_or_graph.graph, None
-    return resolve_model(model_or_graph, cluster, example_inputs, loss, **zoo)
+    return resolve_model(model_or_graph, cluster, example_inputs, loss, timings, **zoo)

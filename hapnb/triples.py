@@ -30,13 +30,13 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .forms import Form, G, I, R, shard_lengths
 from .graph import Graph, Op, TensorRef
 from .rules import Strategy
 
-__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "COLLECTIVES", "LOADABLE_ROLES"]
+__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES"]
 
 Prop = tuple[int, Form]
 LOADABLE_ROLES = ("input", "param", "buffer", "const")
@@ -123,6 +123,32 @@ class _DimClasses:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
+class _Triples(Sequence):  # type: ignore[type-arg]
+    """The triples of a theory, made on first use: the search reads the theory's per-op strategies,
+    forms and dim classes, never the triples themselves (the displays and the checker do)."""
+
+    def __init__(self, make: Callable[[], list[Triple]]) -> None:
+        self._make: Callable[[], list[Triple]] | None = make
+        self._items: tuple[Triple, ...] = ()
+
+    def _all(self) -> tuple[Triple, ...]:
+        if self._make is not None:
+            self._items, self._make = tuple(self._make()), None
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[Triple]:
+        return iter(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
 @dataclass(eq=False)
 class Theory:
     """All triples of one program, indexed for the search and filterable for display."""
@@ -131,7 +157,7 @@ class Theory:
     collective_notes: ClassVar[Mapping[str, str]] = {k: v[2] for k, v in COLLECTIVES.items()}
 
     graph: Graph
-    triples: tuple[Triple, ...]
+    triples: Sequence[Triple]  # a tuple, or made on first use (theory())
     strategies: tuple[tuple[Strategy, ...], ...]  # per op
     forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
     units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
@@ -179,11 +205,12 @@ class Theory:
         """Integer shard lengths of ``tensor`` on ``dim`` for one segment's ``ratios``."""
         size = self.graph.tensors[tensor].shape[dim]
         unit, base = self.units.get((tensor, dim), (1, size))
-        key = (base, tuple(ratios))
-        cut = self._cuts.get(key)
-        if cut is None:  # many tensors share a base: cut each (base, ratios) once
-            cut = self._cuts[key] = shard_lengths(base, ratios)
-        return tuple(unit * n for n in cut)
+        # many tensors share a base length: cut each (base, ratios) once (plans and the cost model ask often)
+        key = (base, ratios if isinstance(ratios, tuple) else tuple(ratios))
+        lens = self._cuts.get(key)
+        if lens is None:
+            lens = self._cuts[key] = shard_lengths(base, key[1])
+        return tuple(unit * n for n in lens) if unit != 1 else lens
 
     def format(self, tr: Triple) -> str:
         return tr.format(self.graph)
@@ -249,6 +276,16 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
         for t, d in ms:
             units[(t, d)] = (g.tensors[t].shape[d] // base, base)
 
+    def make() -> list[Triple]:
+        return _all_triples(g, per_op, forms)
+
+    return Theory(g, _Triples(make), tuple(per_op), tuple(forms), units, _requires_grad(g))
+
+
+def _all_triples(
+    g: Graph, per_op: Sequence[tuple[Strategy, ...]], forms: Sequence[tuple[Form, ...]]
+) -> list[Triple]:
+    """Loader, compute and collective triples of ``g`` (the body of :func:`theory`'s triples)."""
     triples: list[Triple] = []
 
     def add(pre: Sequence[Prop], instr: Instr, post: Sequence[Prop]) -> None:
@@ -293,7 +330,29 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
             add(((t.id, R),), Instr("collective", "all_reduce", tensor=t.id, src=R, form=I), ((t.id, I),))
         if t.id == g.loss:
             add(((t.id, I),), Instr("collective", "to_partial", tensor=t.id, src=I, form=R), ((t.id, R),))
-    return Theory(g, tuple(triples), tuple(per_op), tuple(forms), units, _requires_grad(g))
+    return triples
+
+
+def dim_class(th: Theory, tensor: int, dim: int) -> tuple[tuple[int, int], ...]:
+    """The ``(tensor, dim)`` pairs in the same *dim class* as ``(tensor, dim)`` (see the module docstring:
+    the dims some chain of the theory's strategies shards as one partition), sorted; ``((tensor, dim),)``
+    when no strategy shards it.
+
+    >>> import torch, hapnb
+    >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+    >>> [(g.tensors[t].name, d) for t, d in dim_class(hapnb.theory(g), g.tensor("weight").id, 0)]
+    [('weight', 0), ('bias', 0), ('linear', 1)]
+    """
+    classes = _DimClasses()
+    for op, ss in zip(th.graph.ops, th.strategies):
+        for s in ss:
+            gdims = [
+                (t, f.dim) for t, f in zip(op.inputs + op.outputs, s.inputs + s.outputs) if f.kind == "G"
+            ]
+            for a in gdims[1:]:
+                classes.union(gdims[0], a)
+    root = classes.find((tensor, dim))
+    return tuple(sorted(k for k in list(classes.parent) if classes.find(k) == root)) or ((tensor, dim),)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -117,6 +117,7 @@ __all__ = [
     "FactoryError",
     "build",
     "build_spec",
+    "model_spec",
     "load_factory",
     "exported_ops",
     "zoo_options",
@@ -750,18 +751,8 @@ def build(
     >>> tuple(x.shape), str(spec)
     ((32, 4), 'mlp(devices=1 hidden=8 input=4 layers=1 seed=0)')
     """
-    if not isinstance(name, str):
-        raise ValueError(f"model name must be a string, got {name!r}")
-    given: dict[str, Any] = {"devices": devices, "seed": seed}
-    given.update({k: v for k, v in (("layers", layers), ("batch", batch), ("seq", seq)) if v is not None})
-    given.update(overrides)
-    for k, v in given.items():
-        if not _is_json_value(v):
-            raise ValueError(
-                f"option {k}={v!r} of model {name!r} is not a JSON value (number, string, bool or list); "
-                "plans must be able to record it"
-            )
-    spec = ModelSpec(name, tuple(given.items()))
+    spec = model_spec(name, devices=devices, layers=layers, batch=batch, seq=seq, seed=seed, **overrides)
+    given = {k: _thaw(v) for k, v in spec.options}
 
     if ":" in name:
         fkw = {k: v for k, v in given.items() if k not in ("devices", "seed")}
@@ -799,6 +790,23 @@ def build(
     model.train()
     model.zoo_config = dict(cfg)  # resolved options (defaults filled in), for display
     return model, inputs, spec
+
+
+def model_spec(name: str, **options: Any) -> ModelSpec:
+    """The :class:`ModelSpec` :func:`build` records for ``build(name, **options)``, made without building
+    (options are checked to be JSON values only): ``model_spec("bert", devices=2)`` is
+    ``bert(devices=2 seed=0)``."""
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {name!r}")
+    given: dict[str, Any] = {"devices": options.pop("devices", 8), "seed": options.pop("seed", 0)}
+    given.update({k: v for k, v in options.items() if v is not None or k not in ("layers", "batch", "seq")})
+    for k, v in given.items():
+        if not _is_json_value(v):
+            raise ValueError(
+                f"option {k}={v!r} of model {name!r} is not a JSON value (number, string, bool or list); "
+                "plans must be able to record it"
+            )
+    return ModelSpec(name, tuple(given.items()))
 
 
 def build_spec(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...], ModelSpec]:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 from synthetic import DP_PINS
 
 from hapnb import zoo
 from hapnb.plan import Plan
 from hapnb.synthesis import synthesize
+
+# the trace cache (hapnb.tracing.cache) of this test session: a fresh folder, not the user's, so tests
+# never read graphs cached by another checkout or run; subprocesses (CLI, notebooks) inherit it
+_CACHE = os.environ.setdefault("HAPNB_CACHE_DIR", tempfile.mkdtemp(prefix="hapnb-test-cache-"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_cache_folder():
+    yield
+    if _CACHE.startswith(tempfile.gettempdir()) and "hapnb-test-cache-" in _CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

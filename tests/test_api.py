@@ -14,13 +14,13 @@ import hapnb
 
 PUBLIC = [
     "Cluster", "Collective", "Device", "G", "Graph", "I", "NoProgramError", "OutOfMemoryError", "Partial",
-    "PinError", "PipelinePlan", "Plan", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
-    "collectives", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
+    "PinError", "PipelinePlan", "Plan", "pipeline", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
+    "collectives", "compare", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
     "FullShard", "ShardGradOp", "Storage", "parse_pin",  # issue 10: parameter storage pins (ZeRO-3 / ZeRO-2)
 ]  # fmt: skip
 
-FUNCTIONS = ["baselines", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "shard_lengths",
+FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "pipeline", "shard_lengths",
              "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 
@@ -88,12 +88,14 @@ CLI: dict[str, list[str]] = {
         "--backend", "--help", "--json", "--kind", "--measured", "--no-loo", "--nproc", "--output", "--steps",
         "--timeout", "--warmup", "--worker",
     ],
-    "compare": ["--batch", "--cluster", "--duplex", "--help", "--json", "--layers", "--model", "--pick", "--seq",
-                "--set", "--simulated"],
+    "compare": ["--batch", "--cluster", "--detail", "--duplex", "--help", "--json", "--layers", "--model", "--pick",
+                "--seq", "--set", "--simulated", "--strategies"],
     "demo": ["--help", "--no-verify", "--report"],
     "launch": ["--backend", "--bucket-cap-bytes", "--bundle-dir", "--first-bucket-cap-bytes", "--grad-sync",
                "--help", "--json", "--nnodes", "--no-interleave", "--node-rank", "--nproc", "--print-commands",
                "--rdzv", "--slurm", "--steps", "--timeout", "--wall-timeout", "--worker"],
+    "pipeline": ["--batch", "--budget", "--cluster", "--exhaustive", "--fold", "--help", "--json", "--layers",
+                 "--method", "--micro-batches", "--model", "--no-prune", "--output", "--schedule", "--seq", "--set"],
     "plan": ["--batch", "--cluster", "--duplex", "--help", "--json", "--layers", "--model", "--no-baselines",
              "--output", "--pick", "--pin", "--ratio-pin", "--ratios", "--report", "--seq", "--set"],
     "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",

@@ -13,7 +13,8 @@ from hapnb.cli import main
 
 SMALL = ["--model", "mlp", "--layers", "2", "--set", "hidden=64", "--set", "input=32", "--batch", "16"]
 PLAN_KEYS = {"cost_s", "lower_bound_s", "synthesis_s", "expansions", "iterations", "ratios", "program", "stages",
-             "baselines", "devices", "memory_bytes", "simulated_s", "duplex", "baselines_simulated_s"}  # fmt: skip
+             "baselines", "devices", "memory_bytes", "simulated_s", "duplex", "baselines_simulated_s", "optimal",
+             "phases"}  # fmt: skip
 
 
 def run(capsys, *argv):
@@ -70,14 +71,27 @@ def test_plan_with_pins_and_ratios(capsys):
 def test_compare_json(capsys):
     rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "paper-hetero-8", "--json")
     d = json.loads(out)
-    assert rc == 0 and {"hap", "dp_ev", "dp_cp"} <= set(d)
+    # {strategy: iteration_s}: tp_ev is "tp" here; ep (no experts) and fsdp (not available) are absent
+    assert rc == 0 and set(d) == {"hap", "dp_ev", "dp_cp", "tp", "pipeline"}
     rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "paper-hetero-8", "--json", "--simulated")
     sim = json.loads(out)
     assert rc == 0 and set(sim) == set(d)
     assert all(0 < sim[k] <= d[k] * (1 + 1e-9) for k in d)  # overlap never slower than the stage model
-    # HAP's plan is the candidate the simulator finds fastest: never slower, simulated, than a baseline
-    # (here the stage model prefers tensor parallelism, whose per-parameter all-reduces it overcharges)
-    assert sim["hap"] <= min(sim.values()) * (1 + 1e-9)
+    # HAP's plan is the candidate the simulator finds fastest: never slower, simulated, than an SPMD baseline
+    # (here the stage model prefers tensor parallelism, whose per-parameter all-reduces it overcharges);
+    # a pipeline is not among its candidates
+    assert sim["hap"] <= min(sim[k] for k in ("dp_ev", "dp_cp", "tp")) * (1 + 1e-9)
+    rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "2xV100", "--json", "--detail",
+                     "--strategies", "dp_ev,ep,hap")  # fmt: skip
+    detail = json.loads(out)
+    assert rc == 0 and [r["strategy"] for r in detail["strategies"]] == ["dp_ev", "ep", "hap"]
+    ep = detail["strategies"][1]
+    assert not ep["available"] and "no expert weights" in ep["note"] and ep["iteration_s"] is None
+    assert detail["strategies"][0]["fits"] is True and len(detail["strategies"][0]["memory_bytes"]) == 2
+    rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "2xV100", "--strategies", "hap,dp_ev")
+    assert rc == 0 and "stage model" in out and "dp_ev" in out
+    rc, _, err = run(capsys, "compare", *SMALL, "--cluster", "2xV100", "--strategies", "hap,tp_ev")
+    assert rc == 2 and "tp_ev" in err and "tp" in err
 
 
 def test_errors_are_clear(capsys):

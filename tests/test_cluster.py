@@ -573,3 +573,21 @@ def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
                 DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, **{rate: bad})
     with pytest.raises(ValueError, match="optimizer_per_tensor"):
         DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, optimizer_per_tensor=1)
+
+
+def test_device_model_scan_conv_and_wave_fields_round_trip():
+    from hapnb.cluster import H100_MODEL
+    from hapnb.devices import DeviceModel
+
+    new = dict(scan_flops=3e8, conv_eff=0.8, conv_half_flops=9e6, sm_count=132, gemm_tile=128)
+    m = DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, **new)
+    assert {k: m.to_json()[k] for k in new} == new
+    assert DeviceModel.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert "scan 0.3 GFLOP/s" in str(m) and "conv x 0.8" in str(m) and "132 SMs" in str(m)
+    plain = DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8)  # at their defaults the fields stay out of the JSON
+    assert not set(new) & set(plain.to_json()) and plain.gemm_wave_factor((1, 64, 64, 64)) == 1.0
+    assert (H100_MODEL.sm_count, H100_MODEL.gemm_tile) == (132, 128)
+    for bad in (dict(sm_count=0, gemm_tile=128), dict(gemm_tile=1.5, sm_count=132), dict(scan_flops=0.0),
+                dict(conv_half_flops=-1.0, conv_eff=0.5), dict(sm_count=True, gemm_tile=128)):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, **bad)

@@ -317,6 +317,80 @@ def test_pool_flops_prices_pooling_and_falls_back_to_vector_flops():
             assert pool.comp(op.id, s, r) == vec.comp(op.id, s, r)
 
 
+def _factory(name: str, **options):
+    import importlib
+
+    from hapnb.tracing import trace
+
+    model, inputs = getattr(importlib.import_module("examples.factories"), name)(**options)
+    g = trace(model, inputs)
+    return g, theory(g)
+
+
+def test_scan_flops_and_the_conv_curve_price_their_families_only():
+    from hapnb.devices import DeviceModel
+
+    base = dict(peak_flops=1e11, bandwidth_Bps=1e13, overlap=False, vector_flops=1e9)
+    for name, family, extra in (
+        ("cumulative_mix_lm", "scan", dict(scan_flops=1e7)),
+        ("small_convnet", "conv", dict(conv_eff=0.25, conv_half_flops=3e4)),
+    ):
+        g, th = _factory(name)
+        plain = CostModel(th, _cluster_of(_model(**base)))
+        own = CostModel(th, _cluster_of(m := _model(**base, **extra)))
+        r = ((1.0,),) * plain.n_segments
+        assert any(op.family == family for op in g.ops)
+        for op in g.ops:
+            s = th.strategies[op.id][0]
+            nbytes, kernels = own.op_traffic(op.id)
+            flops = s.scaled_flops + s.fixed_flops
+            if op.family == family == "scan":  # 12 flops per element, at scan_flops (not vector_flops)
+                assert flops == 3 * 12 * g.tensors[op.outputs[0]].numel and kernels == 21
+                assert own.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + flops / 1e7)
+                assert plain.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + flops / 1e9)
+            elif op.family == family == "conv":  # its own curve, not the matmul one
+                eff = 0.25 * op.flops / (op.flops + 3e4)
+                assert m.efficiency(op.flops, "conv") == pytest.approx(eff)
+                # the first conv's input (the images) needs no gradient: forward + weight gradient only
+                first = op.inputs[0] == g.ops[0].inputs[0]
+                assert own.grad_share(op.id) == pytest.approx(2 / 3 if first else 1.0)
+                assert kernels == (3 if first else 4)
+                work = flops * own.grad_share(op.id) / (1e11 * eff)
+                assert own.comp(op.id, s, r)[0] == pytest.approx(kernels * 1e-5 + work)
+            else:
+                assert own.comp(op.id, s, r) == plain.comp(op.id, s, r)
+    with pytest.raises(ValueError, match="conv_eff and conv_half_flops go together"):
+        DeviceModel(1e11, 1e10, 1e-6, 0.9, 1e6, conv_eff=0.5)
+    with pytest.raises(ValueError, match="sm_count and gemm_tile go together"):
+        DeviceModel(1e11, 1e10, 1e-6, 0.9, 1e6, sm_count=132)
+
+
+def test_gemm_dims_follow_the_sharded_dim_and_waves_price_the_reference_share():
+    import torch
+
+    from hapnb.cost import gemm_dims
+    from hapnb.tracing import trace
+
+    g = trace(torch.nn.Linear(512, 768), (torch.randn(4, 64, 512),), loss=lambda o: o.sum())
+    th = theory(g)
+    lin = g.ops[0]
+    dims = {str(s.inputs[:2]): gemm_dims(g, lin, s, 0.25) for s in th.strategies[lin.id]}
+    assert dims["(I, I)"] == (1.0, 256.0, 768.0, 512.0)  # replicated: the whole GEMM, x's rows folded
+    assert dims["(G(0), I)"] == (1.0, 64.0, 768.0, 512.0)  # batch-sharded: a quarter of the rows
+    assert dims["(I, G(0))"] == (1.0, 256.0, 192.0, 512.0)  # weight rows sharded: output columns
+    assert dims["(G(2), G(1))"] == (1.0, 256.0, 768.0, 128.0)  # contracted dim sharded: partial sums
+    assert gemm_dims(g, lin, th.strategies[lin.id][0], 1.0, gpus=2)[1] == 128.0  # a virtual device's GPUs
+    # a GPU with waves: the op's efficiency is the curve's times the wave factor at the reference share
+    wave = _model(peak_flops=1e12, kernel_s=1e-9, matmul_half_flops=0.0, sm_count=4, gemm_tile=128)
+    cm = CostModel(th, _cluster_of(wave, wave))
+    s = next(s for s in th.strategies[lin.id] if s.inputs[:2] == (G(0), I))
+    f = wave.gemm_wave_factor(gemm_dims(g, lin, s, 0.5))
+    assert f == pytest.approx(3 / (1 / (3 / 4) + 1 / (4 / 4) + 1))  # 1 x 6 tiles: 2 waves of 4, 6 of 8
+    const, coef = cm.op_linear(lin.id, s, 0)
+    assert cm.grad_share(lin.id) == pytest.approx(2 / 3)  # x is an input: no input-gradient GEMM
+    assert coef == pytest.approx(s.scaled_flops * 2 / 3 / (1e12 * 0.8 * f)) and const == 0.0
+
+
 def test_optimizer_per_tensor_charges_the_launches_per_local_parameter_tensor():
     from hapnb.cost import Load, Step
 
@@ -341,9 +415,14 @@ def test_cpu_refinements_keep_comp_linear_equal_to_step_comp():
         overlap=False,
         vector_flops=5e9,
         pool_flops=5e8,
+        scan_flops=1e8,
+        conv_eff=0.6,
+        conv_half_flops=1e6,
         optimizer_per_tensor=True,
     )
-    gpu = _model(peak_flops=1e13, bandwidth_Bps=1e12, kernel_s=1e-6, vector_flops=1e12)
+    gpu = _model(
+        peak_flops=1e13, bandwidth_Bps=1e12, kernel_s=1e-6, vector_flops=1e12, sm_count=8, gemm_tile=16
+    )
     cm = CostModel(th, _cluster_of(cpu, gpu))
     rnd = random.Random(3)
     for op in g.ops:

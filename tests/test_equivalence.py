@@ -64,8 +64,24 @@ def test_pinned_plans_equal_one_device(name: str, pins: dict) -> None:
 def test_model_code_outside_the_zoo(factory: str) -> None:
     c = hap.Cluster.parse("1xV100+2xP100")
     plan = hap.synthesize(factory, c)
-    if factory.endswith("cumulative_mix_lm"):
-        assert [t for _, t in plan.fallback_ops] == ["aten.logcumsumexp.default"]
+    assert not plan.fallback_ops  # logcumsumexp (cumulative_mix_lm) has a rule: a scan off its dim
+    _verify(plan, c.n)
+
+
+def test_an_op_without_a_rule_runs_replicated_and_the_plan_says_so() -> None:
+    import torch
+
+    class Mix(torch.nn.Module):  # torch.logaddexp has no sharding rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.logaddexp(self.a(x), self.b(x)).sum()
+
+    c = hap.Cluster.parse("1xV100+1xP100")
+    plan = hap.synthesize(hap.trace(Mix(), (torch.randn(6, 8),)), c)
+    assert [t for _, t in plan.fallback_ops] == ["aten.logaddexp.default"]
     _verify(plan, c.n)
 
 

@@ -31,6 +31,8 @@ EXPECTED = [
     "04_moe_uneven_experts.ipynb",
     "05_verify_and_launch.ipynb",
     "06_simulator_and_duplex.ipynb",
+    "07_pipelines_and_comparison.ipynb",
+    "08_tuning_a_big_model.ipynb",
 ]
 BUDGET_S = float(os.environ.get("HAPNB_NOTEBOOK_BUDGET_S", "90"))
 

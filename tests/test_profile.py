@@ -131,6 +131,13 @@ def test_profile_device_model_quick_is_sane() -> None:
         and p.pool[0] / p.pool[1] == pytest.approx(m.pool_flops)
     )
     assert len(p.matmul) >= 4 and all(w > 0 and t > 0 for w, t in p.matmul)
+    # logcumsumexp in the rules' flops (12 per element, x3 for training) and the conv curve of 3x3 chains
+    assert p.scan is not None and p.scan[0] == 3 * 12 * 4 * 32 * 64
+    assert m.scan_flops == pytest.approx(p.scan[0] / p.scan[1]) and m.scan_flops < m.vector_flops
+    assert m.conv_eff is not None and 0 < m.conv_eff <= 1 and m.conv_half_flops >= 0
+    assert "cpu clock" in m.source  # one thread on a CPU: timed on the process's CPU clock
+    with pytest.raises(ValueError, match="clock must be"):
+        profile_device_model("cpu", quick=True, clock="sundial")
     with pytest.raises(ValueError, match="device must be"):
         profile_device_model("tpu")
     with pytest.raises(ValueError, match="stat must be"):

@@ -55,6 +55,7 @@ def test_every_rule_passes_the_ground_truth_check():
         "aten.sum.dim_IntList",
         "aten.mean.dim",
         "aten.softmax.int",
+        "aten.logcumsumexp.default",
         "aten.triu.default",
         "aten.arange.default",
     ):
@@ -205,6 +206,14 @@ def test_flops_by_hand():
         "aten.einsum.default", [(2, 3, 4), (2, 3, 5, 6)], [(2, 5, 6, 4)], ("bsd,bsec->becd",)
     ) == (2 * 2 * 3 * 4 * 5 * 6)
     assert rules.flops("aten.view.default", [(4, 4)], [(16,)]) == 0
+    # logcumsumexp: per element exp + log1p (4 each) + min, max, subtract, add
+    assert rules.flops("aten.logcumsumexp.default", [(2, 3, 4)], [(2, 3, 4)], (1,)) == 12 * 24
+
+
+def test_logcumsumexp_is_a_scan_sharded_only_off_its_dim():
+    _, _, _, strats = _strats("aten.logcumsumexp.default", torch.randn(4, 6, 5), 1)
+    assert rules.family("aten.logcumsumexp.default") == "scan"
+    assert _forms(strats) == {((I,), (I,), False), ((G(0),), (G(0),), False), ((G(2),), (G(2),), False)}
 
 
 # ------------------------------------------------------------------------------ localize

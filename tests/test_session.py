@@ -245,7 +245,8 @@ def test_a_plan_loaded_from_json_is_rebuilt_from_its_zoo_model(tmp_path):
     loaded = Plan.load(s.plan.save(tmp_path / "p.json"))
     assert loaded.graph is None
     s2 = Session(loaded)
-    assert s2.graph.fingerprint == s.graph.fingerprint and s2.plan is loaded
+    assert s2.graph.fingerprint == s.graph.fingerprint and s2.plan == loaded
+    assert s2.plan.graph is s2.graph  # kept with the plan: re-planning does not rebuild the model again
     s2.run()
     # the search at the plan's ratios finds the stage-model optimum; the plan is the candidate the
     # simulator found fastest, never cheaper than that optimum

@@ -125,6 +125,7 @@ def test_triple_browser_filters_and_highlights(ex, th):
 
 
 def test_ratio_lock_resolves_lp_with_pin(ex):
+    ex.controls["auto_resynth"].value = False  # the manual flow: lock, then Re-synthesize
     old = ex.plan
     ex.set_ratio("p100-0", 0.02, lock=True)
     assert ex.ratio_locks == {"p100-0": 0.02}
@@ -256,7 +257,7 @@ def test_launch_streams_real_metrics_and_stop_ends_the_job(tiny_ex):
 def test_every_button_is_wired(ex):
     expected = {
         "step", "step_n", "run_to_complete", "run", "reset", "use_best", "resynthesize", "load_spec",
-        "apply_cluster", "verify", "launch", "stop",
+        "apply_cluster", "verify", "launch", "stop", "why_not", "what_if",
     }  # fmt: skip
     assert set(ex.buttons) == expected
     for b in ex.buttons.values():
@@ -346,6 +347,7 @@ def test_verify_button_shows_the_real_report(tiny_ex):
 
 def test_every_control_calls_the_session_and_renders(ex, monkeypatch):
     """The panel is a view: each button, field and selector calls one Session method and re-renders."""
+    ex.controls["auto_resynth"].value = False  # one control, one call (re-planning on change: test_tuning)
     calls: list[str] = []
     for name in (
         "step", "step_n", "run_to_complete", "run", "reset", "select", "use_best", "set_pin", "set_ratio",

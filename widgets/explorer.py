@@ -23,11 +23,17 @@ Tabs
 * **Triples**: the theory filtered by op / tensor / kind; triples enabled at the current search node
   are highlighted ("only enabled" hides the rest).
 * **Pins**: a form per parameter/input ("auto" = let the search choose), a ratio slider + lock per
-  device, Re-synthesize (new cost and the diff to the previous plan).
+  device; every change re-plans (``Plan.replan``: what did not change is reused) and shows the new cost
+  and the diff to the previous plan ("re-plan on every change" off: the Re-synthesize button does it).
+  "Why not?": the best plan with a chosen form for one tensor, its cost and where it differs, or why no
+  program has that form (``Plan.why_not``); the current plan does not change.
 * **Plan**: the plan (stages, memory), its Q/B history, and the bokeh Gantt chart (inline BokehJS in an
   iframe, no CDN); after a launch, measured step times are overlaid.
 * **Cluster**: presets, per-device TFLOP/s and memory, per-collective latency and bandwidth (edits go
-  to the session's draft cluster); Apply re-synthesizes on it.
+  to the session's draft cluster); Apply re-plans on it. "What bounds the step": the plan's sensitivity
+  (``Plan.sensitivity``: what +10 % flop/s of each device or bandwidth of each collective would save, by
+  the ratio LP's duals; computed when the tab is shown), and "What if?": one such change re-planned,
+  its cost next to the duals' prediction.
 * **Launch**: Verify (``hapnb.run.verify.verify``) and Launch (``hapnb.run.launch.launch``) with
   per-step time and loss streamed into a table.
 
@@ -36,9 +42,9 @@ State for scripts and tests lives in ``ex.session``; the Explorer mirrors it rea
 ``ex.ratio_locks``, ``ex.cluster``, ``ex.metrics``, ``ex.measured``; ``ex.last_error`` is the error the
 panel shows. Widgets are in ``ex.buttons[name]``, ``ex.controls[name]`` and ``ex.outputs[name]``.
 Methods (the buttons' actions): ``step``, ``step_n``, ``run_to_complete``, ``run``, ``reset``,
-``select``, ``use_best``, ``set_pin``, ``set_ratio``, ``resynthesize``, ``set_cluster``,
-``edit_device``, ``set_collective``, ``apply_cluster``, ``verify``, ``launch``, ``stop``,
-``filter_triples``. Methods raise on bad input; the buttons show the error in the panel instead.
+``select``, ``use_best``, ``set_pin``, ``set_ratio``, ``resynthesize``, ``why_not``, ``set_cluster``,
+``edit_device``, ``set_collective``, ``apply_cluster``, ``show_sensitivity``, ``what_if``, ``verify``,
+``launch``, ``stop``, ``filter_triples``. Methods raise on bad input; the buttons show the error in the panel instead.
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ from hapnb.forms import Form
 from hapnb.plan import Plan
 from hapnb.search import Search, SearchEvent, SearchNode
 from hapnb.session import AUTO, JobState, Progress, Session
+from hapnb.tuning import INTRA_MACHINE
 
 __all__ = ["Explorer"]
 
 GiB = 2**30
+_CLUSTER_TAB = 4  # index of the Cluster tab (its sensitivity is computed when it is shown)
 
 
 def _html(**layout: Any) -> W.HTML:
@@ -256,6 +264,19 @@ class Explorer:
         self.refresh()
         return plan
 
+    def why_not(self, pins: Mapping[str, Form | str] | None = None) -> Any:
+        """Why the plan does not use these forms (default: the "Why not?" tensor and form fields): shows
+        and returns the session's :class:`hapnb.tuning.WhyNot`; the plan does not change."""
+        if pins is None:
+            pins = {self.controls["why_tensor"].value: self.controls["why_form"].value}
+        self.controls["progress_label"].value = "re-planning with the pins..."
+        try:
+            answer = self.session.why_not(pins)
+        finally:
+            self._refresh_status()
+        self.outputs["why_not"].value = _scroll(display.safe_html(display.why_not_html, answer))
+        return answer
+
     # ============================================================================ cluster
     def set_cluster(self, cluster: Cluster | str, apply: bool = True) -> Cluster:
         """Load a cluster (object, preset name, JSON path or inline spec) into the editor; re-synthesize."""
@@ -288,6 +309,38 @@ class Explorer:
             self._refresh_status()
         self.refresh()
         return plan
+
+    def show_sensitivity(self) -> Any:
+        """Compute and show what bounds the plan's step (the Cluster tab does when it is shown)."""
+        sens = self.session.sensitivity()
+        self.outputs["sensitivity"].value = _scroll(display.safe_html(display.sensitivity_html, sens))
+        self._sensitivity_of = self.plan
+        return sens
+
+    def what_if(
+        self,
+        change: str | None = None,
+        percent: float | None = None,
+    ) -> Any:
+        """Re-plan with one device, collective kind or the intra-machine link faster by ``percent`` %
+        (defaults: the "What if?" fields; ``change`` is a device name, a collective kind or
+        ``"intra-machine"``) and show the re-planned cost next to the duals' prediction."""
+        change = self.controls["what_if"].value if change is None else change
+        percent = float(self.controls["what_if_pct"].value if percent is None else percent)
+        kw: dict[str, Any] = {"factor": 1.0 + percent / 100.0}
+        if change in self.cluster.names:
+            kw["device"] = change
+        elif change == INTRA_MACHINE:
+            kw["link"] = True
+        else:
+            kw["collective"] = change
+        self.controls["progress_label"].value = "re-planning..."
+        try:
+            answer = self.session.what_if(**kw)
+        finally:
+            self._refresh_status()
+        self.outputs["what_if"].value = display.safe_html(display.what_if_html, answer)
+        return answer
 
     # ============================================================================ triples
     def filter_triples(
@@ -417,6 +470,7 @@ class Explorer:
         for i, (t, _) in enumerate(tabs):
             tab.set_title(i, t)
         c["tabs"] = tab
+        tab.observe(lambda ch: self._guarded(self._refresh_sensitivity), names="selected_index")
         return W.VBox(
             [
                 self.outputs["header"],
@@ -510,7 +564,14 @@ class Explorer:
             self._observe(dd, lambda v, name=name: self._on_pin(name, v))
             c[f"pin:{name}"] = dd
             rows.append(dd)
-        c["auto_resynth"] = W.Checkbox(value=False, description="re-synthesize on every change", indent=False)
+        c["auto_resynth"] = W.Checkbox(value=True, description="re-plan on every change", indent=False)
+        names = list(self.session.pinnable())
+        c["why_tensor"] = W.Dropdown(options=names, description="why not", layout=W.Layout(width="auto"))
+        c["why_form"] = W.Dropdown(
+            options=self.session.pin_options(names[0])[1:] if names else [], layout=W.Layout(width="90px")
+        )
+        self._observe(c["why_tensor"], self._on_why_tensor)
+        self.outputs["why_not"] = _html()
         self.outputs["ratio_rows"] = W.VBox()
         self._build_ratio_rows()
         self.outputs["locks"] = _html()
@@ -536,8 +597,14 @@ class Explorer:
                     ]
                 ),
                 self.outputs["diff"],
+                W.HTML("<b>Why not?</b> the best plan with one more pin (the plan does not change)"),
+                W.HBox([c["why_tensor"], c["why_form"], self._button("why_not", "Why not?", self.why_not)]),
+                self.outputs["why_not"],
             ]
         )
+
+    def _on_why_tensor(self, name: str) -> None:
+        self.controls["why_form"].options = self.session.pin_options(name)[1:]
 
     def _on_pin(self, name: str, value: str) -> None:
         self.session.set_pin(name, value)
@@ -593,14 +660,30 @@ class Explorer:
         self._build_cluster_fields()
         self.outputs["draft"] = _html()
         self.outputs["cluster"] = _html()
+        self.outputs["sensitivity"] = _html()
+        self.outputs["what_if"] = _html()
+        c["what_if"] = W.Dropdown(
+            options=self._what_if_options(), description="what if", layout=W.Layout(width="auto")
+        )
+        c["what_if_pct"] = W.FloatText(value=10.0, description="faster %", layout=W.Layout(width="160px"))
+        self._sensitivity_of: Plan | None = None
         return W.VBox(
             [
                 W.HBox([c["preset"], c["spec"], self._button("load_spec", "Load", self._load_spec)]),
                 self.outputs["cluster_fields"],
                 self.outputs["draft"],
-                self._button("apply_cluster", "Apply (re-synthesize)", self.apply_cluster, icon="check"),
+                self._button("apply_cluster", "Apply (re-plan)", self.apply_cluster, icon="check"),
                 self.outputs["cluster"],
+                self.outputs["sensitivity"],
+                W.HBox([c["what_if"], c["what_if_pct"], self._button("what_if", "What if?", self.what_if)]),
+                self.outputs["what_if"],
             ]
+        )
+
+    def _what_if_options(self) -> list[str]:
+        cl = self.cluster
+        return [*cl.names, *(k for k, _ in cl.collectives)] + (
+            [INTRA_MACHINE] if any(d.gpus > 1 for d in cl.devices) else []
         )
 
     def _load_spec(self) -> None:
@@ -745,10 +828,22 @@ class Explorer:
         self._refresh_search()
         self._refresh_plan()
         self.outputs["cluster"].value = _scroll(display.safe_html(display.cluster_html, self.cluster))
+        if list(self.controls["what_if"].options) != self._what_if_options():
+            self.controls["what_if"].options = self._what_if_options()
+        self._refresh_sensitivity()
         if self._nproc_cluster != self.cluster:  # one rank per GPU of the applied cluster
             self._nproc_cluster = self.cluster
             self._sync(self.controls["nproc"], self.cluster.gpus)
         self._show_job(self.session.poll())
+
+    def _refresh_sensitivity(self) -> None:
+        """The sensitivity of the current plan, computed when the Cluster tab is shown (it solves LPs)."""
+        if self._sensitivity_of is self.plan:
+            return
+        if self.controls["tabs"].selected_index == _CLUSTER_TAB:
+            self.show_sensitivity()
+        else:
+            self.outputs["sensitivity"].value = "<div>(what bounds the step: shown with this tab)</div>"
 
     def _refresh_header(self) -> None:
         p, cl, pins = self.plan, self.cluster, self.session.pins

@@ -10,7 +10,9 @@ traceback.
 
 Modules: ``basics`` (escaping, tables, units, form notation), ``drawings`` (graphviz), ``tables`` (graph,
 cluster, theory, search HTML), ``plans`` (plan HTML, diffs, sharding, static timeline), ``charts`` (bokeh
-Gantt), ``report`` (a whole page).
+Gantt), ``report`` (a whole page), ``tuning`` (what bounds the step, why not, what if), ``comparison``
+(a strategy comparison: table and chart), ``pipeline_views`` (a pipeline plan: stages on the cluster,
+its schedule's Gantt chart).
 
 Renderers (all accept the value as first argument):
 
@@ -19,12 +21,17 @@ HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kin
                         ids), ``search_html``, ``frontier_html``, ``plan_html``, ``history_html``,
                         ``plan_diff_html(old, new)``, ``sharding_html(plan, tensor)``,
                         ``cluster_html``, ``gantt_svg`` (static timeline, no JavaScript),
-                        ``report_html(plan, baselines=...)`` (a whole self-contained page)
+                        ``report_html(plan, baselines=...)`` (a whole self-contained page),
+                        ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.tuning's values),
+                        ``comparison_html`` (hapnb.compare), ``pipeline_html`` (a PipelinePlan)
 graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
-                        depth=2, event=None)``, ``proof_dot(plan)``; ``svg(drawing)`` renders one to
-                        an SVG string (``None`` when the ``dot`` program is missing)
+                        depth=2, event=None)``, ``proof_dot(plan)``, ``pipeline_dot(pipeline_plan)``
+                        (its stages on the cluster); ``svg(drawing)`` renders one to an SVG string
+                        (``None`` when the ``dot`` program is missing)
 bokeh                   ``gantt(plan, measured=None)`` (a figure), ``gantt_html(plan)`` (a standalone
-                        page with inline BokehJS: no CDN, works offline)
+                        page with inline BokehJS: no CDN, works offline), ``comparison_chart(cmp)``
+                        (grouped bars per strategy), ``pipeline_gantt(timeline)`` (a pipeline's
+                        schedule)
 helpers                 ``enabled_triples(search, node)``: ids of the triples enabled at a search node
 ======================  =====================================================================
 
@@ -42,7 +49,9 @@ from __future__ import annotations
 
 from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_unit
 from .charts import gantt, gantt_html
+from .comparison import comparison_chart, comparison_html
 from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
+from .pipeline_views import pipeline_dot, pipeline_gantt, pipeline_html
 from .plans import forms_by_tensor, gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
 from .report import report_html
 from .tables import (
@@ -55,6 +64,7 @@ from .tables import (
     theory_html,
     triple_text,
 )
+from .tuning import sensitivity_html, what_if_html, why_not_html
 
 __all__ = [
     "safe_html",
@@ -73,6 +83,14 @@ __all__ = [
     "gantt_html",
     "gantt_svg",
     "report_html",
+    "sensitivity_html",
+    "why_not_html",
+    "what_if_html",
+    "comparison_html",
+    "comparison_chart",
+    "pipeline_html",
+    "pipeline_dot",
+    "pipeline_gantt",
     "graph_dot",
     "search_tree_dot",
     "proof_dot",

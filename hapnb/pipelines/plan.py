@@ -45,7 +45,15 @@ from typing import Any
 
 from ..cluster import Cluster
 
-__all__ = ["PIPELINE_FORMAT", "SCHEDULES", "PipelineStage", "PipelinePlan", "is_pipeline_json"]
+__all__ = [
+    "PIPELINE_FORMAT",
+    "SCHEDULES",
+    "PipelineStage",
+    "PipelinePlan",
+    "ScheduleSpan",
+    "PipelineTimeline",
+    "is_pipeline_json",
+]
 
 PIPELINE_FORMAT = 1
 #: the schedules a pipeline plan may name (torch.distributed.pipelining's GPipe and 1F1B)
@@ -137,6 +145,51 @@ class PipelineStage:
 
 
 @dataclass(frozen=True)
+class ScheduleSpan:
+    """One operation of a pipeline's schedule on one lane (a stage, or the transfer across a cut):
+    ``kind`` is ``forward``/``backward`` (a stage's micro-batch), ``send``/``send grad`` (a boundary
+    transfer of a micro-batch's activations / their gradient) or ``sync`` (a stage's gradient all-reduce
+    and optimizer step, once per iteration; ``micro_batch`` -1)."""
+
+    lane: str
+    kind: str
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class PipelineTimeline:
+    """A pipeline plan's iteration replayed operation by operation (:meth:`PipelinePlan.timeline`):
+    ``lanes`` top to bottom (stages and the transfers between them), ``spans``, and ``iteration_s`` (the
+    schedule's makespan plus the tail: the plan's ``stats["simulated_s"]``). ``exact`` is False for a
+    plan that does not record its boundary and tail times (made by hand or by an older planner): its
+    transfers and tails are then left out."""
+
+    name: str
+    schedule: str
+    micro_batches: int
+    lanes: tuple[str, ...]
+    spans: tuple[ScheduleSpan, ...]
+    iteration_s: float
+    exact: bool = True
+
+    def gantt(self, **kw: Any) -> Any:
+        """A bokeh Gantt chart of the schedule (:func:`hapnb.display.pipeline_gantt`)."""
+        from .. import display
+
+        return display.pipeline_gantt(self, **kw)
+
+    def __str__(self) -> str:
+        busy = {lane: sum(s.end_s - s.start_s for s in self.spans if s.lane == lane) for lane in self.lanes}
+        rows = [f"  {lane}: busy {busy[lane] * 1e3:.3f} ms" for lane in self.lanes]
+        return "\n".join(
+            [f"pipeline timeline {self.name}: {self.schedule}, {self.micro_batches} micro-batches, "
+             f"{self.iteration_s * 1e3:.3f} ms", *rows]
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """A pipeline template on a cluster: units, stages, schedule and its predicted time."""
 
@@ -218,6 +271,58 @@ class PipelinePlan:
     def split_points(self) -> tuple[str, ...]:
         """The module names where stages 1, 2, ... begin (what a runtime splits the model at)."""
         return tuple(self.units[s.units[0]] for s in self.stages[1:])
+
+    def timeline(self) -> PipelineTimeline:
+        """The schedule replayed operation by operation: every micro-batch's forward and backward on each
+        stage, the transfers across the cuts (asynchronous, a lane each) and each stage's tail after the
+        last backward, from the plan's per-stage times and the boundary and tail times the planner records
+        (``stats["boundary_s"]``, ``stats["tail_s"]``); the same simulation as ``stats["simulated_s"]``."""
+        from .timing import schedule_events
+
+        st = self.stats
+        links = list(st.get("boundary_s") or ())
+        tails = list(st.get("tail_s") or ())
+        S = len(self.stages)
+        exact = len(links) == S - 1 and len(tails) == S
+        if not exact:
+            links, tails = [0.0] * (S - 1), [0.0] * S
+        lanes: list[str] = []
+        kinds: list[tuple[str, str]] = []
+        F: list[float] = []
+        B: list[float] = []
+        for k, s in enumerate(self.stages):
+            lanes.append(f"stage {k}: {_device_span(s.devices)}")
+            kinds.append(("forward", "backward"))
+            F.append(s.forward_s)
+            B.append(s.backward_s)
+            if k < S - 1 and exact:  # as the planner simulates it: a transfer is a stage of its own
+                lanes.append(f"{k} \u2192 {k + 1}")
+                kinds.append(("send", "send grad"))
+                F.append(links[k])
+                B.append(links[k])
+        events = schedule_events(F, B, self.micro_batches, self.schedule)
+        spans = [
+            ScheduleSpan(lanes[j], kinds[j][0 if kind == "F" else 1], m, a, b) for kind, j, m, a, b in events
+        ]
+        end = max((s.end_s for s in spans), default=0.0)
+        stage_lanes = [lane for lane, kd in zip(lanes, kinds) if kd[0] == "forward"]
+        for lane, a in zip(stage_lanes, tails):
+            if a > 0:
+                spans.append(ScheduleSpan(lane, "sync", -1, end, end + a))
+        total = end + max(tails, default=0.0)
+        return PipelineTimeline(
+            self.name, self.schedule, self.micro_batches, tuple(lanes), tuple(spans), total, exact
+        )
+
+    def gantt(self, **kw: Any) -> Any:
+        """A bokeh Gantt chart of the plan's schedule (:meth:`timeline`; micro-batches' forward and backward
+        per stage over time)."""
+        return self.timeline().gantt(**kw)
+
+    def _repr_html_(self) -> str:
+        from .. import display
+
+        return display.safe_html(display.pipeline_html, self)
 
     def __str__(self) -> str:
         head = (
@@ -305,6 +410,13 @@ class PipelinePlan:
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not valid JSON ({e})") from None
         return PipelinePlan.from_json(data, source=str(p))
+
+
+def _device_span(devices: Sequence[str]) -> str:
+    """``v100-0, v100-1`` or, for many, ``v100-0 .. p100-5 (12)``."""
+    if len(devices) <= 3:
+        return ", ".join(devices)
+    return f"{devices[0]} .. {devices[-1]} ({len(devices)})"
 
 
 def is_pipeline_json(d: Any) -> bool:

@@ -14,7 +14,7 @@ module                     tables (families) and the algebra that makes them sou
 :mod:`.registry`           Strategy / LocalCall types, the table, flop formulas, the lookups (bottom)
 :mod:`.pointwise`          pointwise, linear, additive, multiplicative, select, convert: elementwise
 :mod:`.reductions`         reduction: kept dims shard; sum/mean of a sharded dim is a partial sum
-:mod:`.dimwise`            dimwise, norm: act along some dims, independent across the others
+:mod:`.dimwise`            dimwise, scan, norm: act along some dims, independent across the others
 :mod:`.einsum`             matmul, embedding: one einsum generator (kept -> G, contracted -> R)
 :mod:`.views`              view: data movement; the sharded dim moves with the op; linear
 :mod:`.creation`           creation, random: no tensor inputs; create the whole tensor or a slice

@@ -392,6 +392,8 @@ def _cases() -> list[tuple[str, Callable[[Any], tuple[tuple, dict]]]]:
     add("aten.log_softmax.int", lambda r: ((T(*bsh(r)), 1), {}))
     add("aten._softmax.default", lambda r: ((T(*bsh(r)), 2, False), {}))
     add("aten.cumsum.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.logcumsumexp.default", lambda r: ((T(*bsh(r)), 1), {}))
+    add("aten.logcumsumexp.default", lambda r: ((T(*bsh(r)), -1), {}))
     add("aten.topk.default", lambda r: ((T(*bsh(r)), 2, -1), {}))
     add("aten.one_hot.default", lambda r: ((torch.randint(0, 5, dims(r, 2)), 5), {}))
     add("aten.flip.default", lambda r: ((T(*bsh(r)), [1]), {}))

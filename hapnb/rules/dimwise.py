@@ -1,9 +1,10 @@
-"""Ops that act along some dims and are independent across the others: the ``dimwise`` and ``norm``
-tables.
+"""Ops that act along some dims and are independent across the others: the ``dimwise``, ``scan`` and
+``norm`` tables.
 
-Algebra: softmax normalizes along one dim, a scan (cumsum/cumprod) or sort/top-k runs along one dim,
-flip reverses some dims, and a layer/RMS norm takes statistics over the trailing ``normalized_shape``
-(group norm: per sample). Every *other* dim is independent, so ``G(d)`` for such a d passes through;
+Algebra: softmax normalizes along one dim, a scan (cumsum/cumprod; logcumsumexp, the ``scan`` table:
+transcendental, priced apart by the device model) or sort/top-k runs along one dim, flip reverses some
+dims, and a layer/RMS norm takes statistics over the trailing ``normalized_shape`` (group norm: per
+sample). Every *other* dim is independent, so ``G(d)`` for such a d passes through;
 the acted-on dims never shard (that would need the statistics/prefix across ranks). Linear members
 (cumsum, flip) also take ``R -> R``. Affine norm weight/bias stay ``I``.
 """
@@ -60,6 +61,20 @@ _register(
     "dimwise",
     lambda g, op: _gen_dimwise(g, op, dim_arg=1),
     reason="a scan / sort along one dim; independent across the others",
+)
+
+#: Forward flops per element of ``logcumsumexp``: each step is ``log(e^a + e^b)``, computed stably as
+#: ``max(a, b) + log1p(exp(min(a, b) - max(a, b)))``: two transcendentals at the tables' 4 flops each
+#: (exp, log1p) and four simple ops (min, max, subtract, add).
+LOGCUMSUMEXP_FLOPS = 2 * 4 + 4
+
+
+_register(
+    ["aten.logcumsumexp.default"],
+    "scan",
+    lambda g, op: _gen_dimwise(g, op, dim_arg=1),
+    flops=_f_scale(LOGCUMSUMEXP_FLOPS, _f_out),
+    reason="a running log-sum-exp along one dim (nonlinear scan); independent across the others",
 )
 _register(
     ["aten.topk.default"],

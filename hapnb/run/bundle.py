@@ -60,7 +60,7 @@ class Bundle:
 
 def program_inputs(g: Graph) -> tuple[torch.Tensor, ...] | None:
     """The example inputs kept by the graph's traced program (None when it keeps none, or keywords)."""
-    ex = getattr(g.program, "example_inputs", None)
+    ex = getattr(g.traced_program(), "example_inputs", None)
     if ex is None:
         return None
     args, kwargs = ex
@@ -125,7 +125,8 @@ def write_bundle(
     """
     g, inputs = resolve_graph(plan, model, example_inputs)
     half = half_graph(plan, g, inputs, model) if plan.duplex else None
-    if not isinstance(g.program, torch.export.ExportedProgram):
+    program = g.traced_program()
+    if not isinstance(program, torch.export.ExportedProgram):
         raise BundleError(
             f"{plan.name} was traced with the torch.fx fallback, which cannot be saved; bundles need a "
             "model that torch.export can capture"
@@ -137,7 +138,7 @@ def write_bundle(
     d.mkdir(parents=True, exist_ok=True)
     plan.save(d / "plan.json")
     plan.cluster.save(d / "cluster.json")
-    torch.export.save(g.program, d / "program.pt2")
+    torch.export.save(program, d / "program.pt2")
     torch.save([x.detach().cpu().contiguous() for x in inputs], d / "inputs.pt")
     meta = {
         "format": BUNDLE_FORMAT,
@@ -147,7 +148,7 @@ def write_bundle(
         "torch": torch.__version__,
     }
     if half is not None:
-        torch.export.save(half.program, d / "program_half.pt2")
+        torch.export.save(half.traced_program(), d / "program_half.pt2")
         meta["half_graph_fingerprint"] = half.fingerprint
     (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return d
@@ -201,8 +202,8 @@ def half_graph(plan: Plan, graph: Graph, inputs: Sequence[torch.Tensor], model: 
         from .. import zoo
 
         model = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec))[0]
-    if model is None and isinstance(graph.program, torch.export.ExportedProgram):
-        model = graph.program.module()
+    if model is None and isinstance(graph.traced_program(), torch.export.ExportedProgram):
+        model = graph.traced_program().module()
     if model is None:
         raise BundleError(f"plan {plan.name} is duplex: pass model=... to trace it at half the batch")
     try:

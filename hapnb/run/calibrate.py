@@ -228,6 +228,8 @@ class RunFeatures:
     param_bytes: float
     raw_memory: float  # predicted peak without allocator overhead
     params: int
+    #: per op, its GEMM's (batch, M, N, K) (:func:`hapnb.cost.gemm_dims`) or None: wave quantization
+    gemm: tuple[tuple[float, float, float, float] | None, ...] | None = None
 
 
 def _single_device_program(th: Any) -> list[Any]:
@@ -252,7 +254,7 @@ def run_features(run: Mapping[str, Any], defaults: Mapping[str, Any] | None = No
     import numpy as np
 
     from .. import zoo
-    from ..cost import MATMUL_FAMILIES, CostModel
+    from ..cost import MATMUL_FAMILIES, CostModel, gemm_dims
     from ..devices import DeviceModel
     from ..tracing import trace
     from ..triples import theory
@@ -277,14 +279,15 @@ def run_features(run: Mapping[str, Any], defaults: Mapping[str, Any] | None = No
         s = th.strategies[op.id][0]
         nbytes, kernels = cm.op_traffic(op.id)
         fam = op.family
-        rows.append((s.scaled_flops + s.fixed_flops, nbytes, kernels, op.flops, fam in MATMUL_FAMILIES,
-                     fam == "attention"))  # fmt: skip
+        flops = (s.scaled_flops + s.fixed_flops) * cm.grad_share(op.id)  # gradients autograd runs
+        rows.append((flops, nbytes, kernels, op.flops, fam in MATMUL_FAMILIES, fam == "attention"))
     a = np.array(rows, dtype=float).reshape(-1, 6)
     raw = float(cm.memory(_single_device_program(th), (), ((1.0,),) * cm.n_segments)[0])
     peak = run.get("peak_mem_bytes")
+    gemm = tuple(gemm_dims(g, op, th.strategies[op.id][0]) for op in g.ops)
     return RunFeatures(
         name, float(run["step_s_median"]), float(peak) if peak else None, a[:, 0], a[:, 1], a[:, 2],
-        a[:, 3], a[:, 4] > 0, a[:, 5] > 0, float(g.param_bytes), raw, n_params,
+        a[:, 3], a[:, 4] > 0, a[:, 5] > 0, float(g.param_bytes), raw, n_params, gemm,
     )  # fmt: skip
 
 
@@ -296,11 +299,28 @@ def predict_step_s(m: Any, f: RunFeatures) -> float:
     w = f.kernel_flops
     eff = np.where(f.matmul, m.matmul_eff * w / np.maximum(w + m.matmul_half_flops, 1e-30), 1.0)
     eff = np.where(f.matmul & (w <= 0), m.matmul_eff, eff)
+    if m.sm_count is not None and f.gemm is not None:
+        eff = np.where(f.matmul, eff * _wave_factors(m, f), eff)
     eff = np.where(f.attention, m.attention_eff, eff)
     work = np.maximum(f.flops / (m.peak_flops * eff), f.nbytes / m.bandwidth_Bps).sum()
     launch = (f.kernels * m.kernel_s).sum()
     opt = m.optimizer_kernels * m.kernel_s + m.optimizer_passes * f.param_bytes / m.bandwidth_Bps
     return float((max(launch, work) if m.overlap else launch + work) + opt)
+
+
+_WAVES: dict[tuple[int, int | None, int | None], tuple[Any, Any]] = {}
+
+
+def _wave_factors(m: Any, f: RunFeatures) -> Any:
+    """Per op, ``m.gemm_wave_factor`` of its GEMM dims (1 for the rest); cached per run and wave
+    parameters, which no fit moves."""
+    import numpy as np
+
+    key = (id(f), m.sm_count, m.gemm_tile)
+    hit = _WAVES.get(key)
+    if hit is None or hit[0] is not f:
+        hit = _WAVES[key] = (f, np.array([m.gemm_wave_factor(d) for d in (f.gemm or ())], dtype=float))
+    return hit[1]
 
 
 def _nelder_mead(fn: Any, x0: Any, step: float = 0.5, iters: int = 3000, tol: float = 1e-12) -> Any:

@@ -44,6 +44,7 @@ __all__ = [
     "batch_size",
     "half_inputs",
     "half_plan",
+    "loss_reduction",
     "loss_scale",
     "split_batch",
 ]
@@ -89,27 +90,38 @@ def loss_scale(graph: Graph) -> float:
     :class:`DuplexError` when the loss's last op says neither."""
     op = next((o for o in graph.ops if graph.loss in o.outputs), None)
     target = str(op.target) if op is not None else ""
-    if target.startswith("aten.mean."):
-        return 0.5
-    if target.startswith("aten.sum."):
-        return 1.0
-    fn = _aten(target)
-    schema = getattr(fn, "_schema", None)
-    if op is not None and schema is not None:
-        for k, a in enumerate(schema.arguments):
-            if a.name == "reduction":
-                args = tuple(op.args) if op.args is not None else ()
-                v = op.kwargs.get("reduction") if isinstance(op.kwargs, dict) else None
-                if v is None:
-                    v = args[k] if k < len(args) else a.default_value
-                if int(v) == 1:
-                    return 0.5
-                if int(v) == 2:
-                    return 1.0
+    how = loss_reduction(target, op.args, op.kwargs) if op is not None else None
+    if how is not None:
+        return 0.5 if how == "mean" else 1.0
     raise DuplexError(
         f"duplex: cannot tell whether the loss of {graph.name} ({target or 'no op'}) is a mean or a sum "
         "over the batch; pass loss_scale=0.5 (mean) or 1.0 (sum)"
     )
+
+
+def loss_reduction(target: str, args: Any, kwargs: Any) -> str | None:
+    """``"mean"`` or ``"sum"``: how the op ``target`` (``"aten.<op>.<overload>"``) that makes a loss
+    reduces over the batch (``aten.mean``/``aten.sum``, or a ``*_loss`` op's ``reduction`` argument);
+    None when it says neither. Micro-batched runs (duplex, pipelines) add their losses up by it.
+
+    >>> loss_reduction("aten.cross_entropy_loss.default", (None, None), {}), loss_reduction("aten.sum.default", (), {})
+    ('mean', 'sum')
+    """
+    if target.startswith("aten.mean."):
+        return "mean"
+    if target.startswith("aten.sum."):
+        return "sum"
+    schema = getattr(_aten(target), "_schema", None)
+    if schema is None:
+        return None
+    for k, a in enumerate(schema.arguments):
+        if a.name == "reduction":
+            pos = tuple(args) if args is not None else ()
+            v = kwargs.get("reduction") if isinstance(kwargs, dict) else None
+            if v is None:
+                v = pos[k] if k < len(pos) else a.default_value
+            return {1: "mean", 2: "sum"}.get(int(v))
+    return None
 
 
 def _aten(target: str) -> Any:

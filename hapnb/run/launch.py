@@ -54,8 +54,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..pipelines import PipelinePlan, is_pipeline_json
 from ..plan import Plan
 from .bundle import write_bundle
+from .pipelined import PIPELINE_WORKER_ARGV, prepare
 from .supervisor import Outcome, Supervisor, free_port, rank_envs
 from .worker import WORKER_ARGV
 
@@ -71,6 +73,7 @@ __all__ = [
     "plan_bundle",
     "slurm_script",
     "step_times",
+    "worker_for",
 ]
 
 #: The per-rank worker: ``python -m hapnb.run.worker BUNDLE --steps N --backend B``.
@@ -356,7 +359,18 @@ def _plan_devices(path: Path) -> int | None:
 def _prepare_bundle(
     plan_or_bundle: Any, bundle_dir: str | os.PathLike[str] | None
 ) -> tuple[Path, Path | None, int | None]:
-    """(bundle directory, temporary dir to remove afterwards or None, devices of its plan or None)."""
+    """(bundle directory, temporary dir to remove afterwards or None, devices of its plan or None).
+    A pipeline plan needs no bundle (its ranks rebuild the model from its spec): its JSON file stands in."""
+    pipe = _pipeline_plan(plan_or_bundle)
+    if pipe is not None:
+        prepare(pipe, trace=False)  # a plan that cannot run fails here, before any rank starts
+        if not isinstance(plan_or_bundle, PipelinePlan):
+            return Path(plan_or_bundle).expanduser(), None, len(pipe.devices)
+        tmp = Path(tempfile.mkdtemp(prefix="hapnb-pipeline-")) if bundle_dir is None else None
+        folder = Path(bundle_dir) if bundle_dir is not None else tmp
+        assert folder is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        return pipe.save(folder / "pipeline.json"), tmp, len(pipe.devices)
     if isinstance(plan_or_bundle, Plan):
         tmp = None
         if bundle_dir is None:
@@ -386,6 +400,30 @@ def _prepare_bundle(
         f"{str(path)!r} is neither a bundle directory nor a plan JSON file; make one with "
         "`hapnb plan ... -o plan.json` or hapnb.run.bundle.write_bundle(plan, dir)"
     )
+
+
+def _pipeline_plan(plan_or_bundle: Any) -> PipelinePlan | None:
+    """The pipeline plan ``plan_or_bundle`` is or names (a JSON file with ``"kind": "pipeline"``), else None."""
+    if isinstance(plan_or_bundle, PipelinePlan):
+        return plan_or_bundle
+    if isinstance(plan_or_bundle, (str, os.PathLike)):
+        path = Path(plan_or_bundle).expanduser()
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+            if is_pipeline_json(data):
+                return PipelinePlan.from_json(data, source=str(path))
+    return None
+
+
+def worker_for(plan_or_bundle: Any, worker: Sequence[str] = DEFAULT_WORKER) -> tuple[str, ...]:
+    """The rank command for ``plan_or_bundle``: ``worker``, except that a pipeline plan replaces the
+    default SPMD worker by :data:`hapnb.run.pipelined.PIPELINE_WORKER_ARGV`."""
+    if tuple(worker) == DEFAULT_WORKER and _pipeline_plan(plan_or_bundle) is not None:
+        return PIPELINE_WORKER_ARGV
+    return tuple(worker)
 
 
 def plan_bundle(
@@ -453,7 +491,9 @@ def launch(
     """Start ``nproc`` ranks of ``plan_or_bundle`` on this node and return the running :class:`Job`.
 
     ``plan_or_bundle``: a :class:`~hapnb.plan.Plan` (written as a bundle first, to ``bundle_dir`` or a
-    temporary folder removed when the job ends), a bundle directory, or a plan JSON file. ``nproc``
+    temporary folder removed when the job ends), a bundle directory, or a plan JSON file; or a pipeline
+    plan (:class:`~hapnb.pipelines.PipelinePlan` or its JSON file), whose ranks run
+    :mod:`hapnb.run.pipelined` (one per plan device; the worker's metrics lines also carry ``stage``). ``nproc``
     defaults to the plan's devices (divided by ``nnodes``). Each rank runs ``python *worker BUNDLE
     --steps N --backend B *extra_args`` with torchrun's environment variables (see the module
     docstring). ``env`` adds/overrides environment variables of every rank. Multi-node: run the same
@@ -470,6 +510,7 @@ def launch(
         )
     if nnodes > 1 and rdzv is None:
         raise ValueError(f"a {nnodes}-node launch needs rdzv='HOST:PORT' (node 0's address and a free port)")
+    worker = worker_for(plan_or_bundle, worker)
     bundle, tmp, devices = _prepare_bundle(plan_or_bundle, bundle_dir)
     try:
         if nproc is None:

@@ -8,11 +8,11 @@
   ``3 x`` the sum of the forward ``flops`` that :func:`hapnb.trace` gives each op, exactly what the cost
   model charges (backward = 2x forward; paper §3.2, hap-reference §3.2). The result is an *effective*
   throughput: the cost model's flops divided by real time, not the hardware's peak.
-* **Device model** (:func:`profile_device_model`): the roofline parameters of
-  :class:`~hapnb.devices.DeviceModel` (matmul efficiency curve over sizes, memory bandwidth, per-kernel
-  overhead, attention efficiency, Adam step; on a CPU the vector and pooling rates and Adam per parameter
-  tensor), fitted with numpy (:func:`fit_matmul_curve`); its
-  ``source`` names the device, the date and the torch version.
+* **Device model** (:func:`profile_device_model`, in :mod:`hapnb.run.device_profile`): the roofline
+  parameters of :class:`~hapnb.devices.DeviceModel` (matmul and conv efficiency curves over sizes,
+  memory bandwidth, per-kernel overhead, attention efficiency, Adam step; on a CPU the vector, pooling
+  and scan rates and Adam per parameter tensor), fitted with numpy (:func:`fit_matmul_curve`); its
+  ``source`` names the device, the threads and clock, the date and the torch version.
 * **Collectives** (:func:`profile_collectives`): ``nproc`` local ranks (gloo on CPU, NCCL on GPUs) time
   each collective kind at several sizes (barrier before each call, median over repeats of the slowest
   rank's time) with the same torch.distributed calls the runtime makes, and :func:`fit_collective`
@@ -61,16 +61,32 @@ from typing import Any
 
 from ..cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
 from ..devices import DeviceModel
+from .device_profile import (
+    BANDWIDTH_ELEMENTS,
+    CLOCKS,
+    CONV_PROBES,
+    MATMUL_SIZES,
+    POOL_SHAPE,
+    SCAN_SHAPE,
+    VECTOR_ELEMENTS,
+    DeviceModelProfile,
+    device_name,
+    fit_matmul_curve,
+    profile_device_model,
+)
 from .supervisor import run_local
 
 __all__ = [
     "BANDWIDTH_ELEMENTS",
     "BENCHMARKS",
+    "CONV_PROBES",
+    "CLOCKS",
     "CollectiveFit",
     "DeviceModelProfile",
     "DeviceProfile",
     "MATMUL_SIZES",
     "POOL_SHAPE",
+    "SCAN_SHAPE",
     "ProfileError",
     "VECTOR_ELEMENTS",
     "collective_sizes",
@@ -268,322 +284,6 @@ def _profile(
     flops = math.fsum(d[1] for d in details)
     step_s = math.fsum(d[2] for d in details)
     return DeviceProfile(name, kind, flops / step_s, mem, machine, step_s, flops, details, model)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Device model (the roofline parameters of hapnb.devices.DeviceModel)
-
-#: Square matmul sizes ``n`` (``n x n @ n x n``) timed for the efficiency curve, per (device type, quick).
-MATMUL_SIZES: Mapping[tuple[str, bool], tuple[int, ...]] = {
-    ("cpu", True): (16, 32, 64, 128),
-    ("cpu", False): (16, 32, 64, 128, 192, 256, 384, 512),
-    ("cuda", True): (64, 256, 1024, 2048),
-    ("cuda", False): (64, 128, 256, 512, 1024, 2048, 4096, 8192),
-}
-#: Elements per tensor of the GELU / tanh forward + backward that measure ``vector_flops`` (CPU, quick).
-VECTOR_ELEMENTS: Mapping[bool, int] = {True: 1 << 16, False: 1 << 18}
-#: Input shape of the ``max_pool2d`` forward + backward that measures ``pool_flops`` (CPU, quick).
-POOL_SHAPE: Mapping[bool, tuple[int, ...]] = {True: (8, 16, 16, 16), False: (16, 32, 32, 32)}
-#: Elements per tensor of the elementwise ``c = a + b`` that measures memory bandwidth (3 tensors move).
-BANDWIDTH_ELEMENTS: Mapping[tuple[str, bool], int] = {
-    ("cpu", True): 1 << 21, ("cpu", False): 1 << 23, ("cuda", True): 1 << 24, ("cuda", False): 1 << 26,
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DeviceModelProfile:
-    """What :func:`profile_device_model` measured: the :class:`~hapnb.devices.DeviceModel` and the raw
-    timings it was fitted from (``matmul``: (flops, seconds) per ``mm``/``addmm`` call; ``linear``:
-    (forward flops, seconds / 3) of a Linear forward + backward; ``kernel_s``: per kernel of a
-    fwd+bwd chain of one-element ops; ``bandwidth``: (bytes, seconds) of ``c = a + b``; ``attention``:
-    (training flops, seconds) of one SDPA fwd+bwd; ``adam``: (parameter bytes, seconds) of an Adam step;
-    ``vector``, ``pool``, CPU only: (training flops in the rules' units, seconds) of GELU and tanh, and of
-    max-pool, fwd+bwd)."""
-
-    model: DeviceModel
-    matmul: tuple[tuple[float, float], ...]
-    linear: tuple[tuple[float, float], ...]
-    kernel_s: float
-    bandwidth: tuple[float, float]
-    attention: tuple[float, float] | None
-    adam: tuple[float, float] | None
-    vector: tuple[float, float] | None = None  # CPU: (rules' training flops, seconds) of GELU + tanh
-    pool: tuple[float, float] | None = None  # CPU: (rules' training flops, seconds) of max-pool fwd+bwd
-
-    def __str__(self) -> str:
-        return f"device model: {self.model}"
-
-
-def fit_matmul_curve(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``(rate, half_flops)`` of the curve ``achieved = rate * w / (w + half_flops)`` fitted to ``points``
-    of (``w`` flops per call, seconds per call).
-
-    The curve means ``seconds = (w + half_flops) / rate``, a line in ``w``; it is fitted by least squares
-    on the *relative* residual ``(c + s w) / t - 1`` (every size counts alike), then ``rate = 1 / s`` and
-    ``half_flops = c / s`` (0 when the intercept comes out negative: refitted through the origin).
-
-    >>> pts = [(w, (w + 1e6) / 1e11) for w in (1e5, 1e6, 1e7, 1e8)]
-    >>> rate, half = fit_matmul_curve(pts)
-    >>> round(rate / 1e9, 6), round(half / 1e6, 6)
-    (100.0, 1.0)
-    """
-    import numpy as np
-
-    pts = [(float(w), float(t)) for w, t in points]
-    if len({w for w, _ in pts}) < 2:
-        raise ValueError(f"fitting the matmul curve needs timings at >= 2 sizes, got {len(pts)} point(s)")
-    if any(not (w > 0 and t > 0 and math.isfinite(w) and math.isfinite(t)) for w, t in pts):
-        raise ValueError(f"fitting the matmul curve: flops and seconds must be finite and > 0: {pts}")
-    w = np.array([p[0] for p in pts])
-    t = np.array([p[1] for p in pts])
-    a = np.stack([1 / t, w / t], axis=1)
-    (c, s), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
-    if c < 0 or s <= 0:  # through the origin: seconds = w / rate
-        c, s = 0.0, float(np.sum(w / t) / np.sum((w / t) ** 2))
-    return float(1 / s), float(c / s)
-
-
-def _timer(device: Any, stat: str = "min") -> Any:
-    """``time(fn, inner, repeats) -> seconds per call`` on ``device`` (CUDA synchronised): the ``stat``
-    ("min" or "median") over the repeats."""
-    import torch
-
-    reduce_fn = {"median": statistics.median, "min": min}.get(stat)
-    if reduce_fn is None:
-        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
-
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def time_it(fn: Any, inner: int = 1, repeats: int = 5, warmup: int = 1) -> float:
-        times = []
-        for i in range(warmup + repeats):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            sync()
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) / inner)
-        return reduce_fn(times)
-
-    return time_it
-
-
-def _inner(seconds_per_call: float, budget_s: float) -> int:
-    return max(1, min(10_000, int(budget_s / max(seconds_per_call, 1e-9))))
-
-
-def device_name(device: Any) -> str:
-    """A human name of a torch device: the GPU's name, or the CPU's model name from /proc/cpuinfo."""
-    import platform
-
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} (CPU)"
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return f"{platform.processor() or platform.machine() or 'unknown'} (CPU)"
-
-
-def profile_device_model(
-    device: str | None = None,
-    *,
-    quick: bool = False,
-    threads: int | None = None,
-    repeats: int | None = None,
-    sizes: Sequence[int] | None = None,
-    stat: str = "min",
-) -> DeviceModelProfile:
-    """Measure the local device's :class:`~hapnb.devices.DeviceModel` parameters (``device``: "cpu",
-    "cuda", "cuda:1" or None = CUDA when available; ``threads``: torch threads on CPU, default unchanged).
-
-    * ``peak_flops``: the best rate of ``torch.mm`` / ``torch.addmm`` of ``n x n`` matrices (``sizes``,
-      default :data:`MATMUL_SIZES`; ``2 n^3`` flops each);
-    * matmul efficiency: a Linear layer's forward + backward as training runs it (``4n x n`` inputs to
-      ``n`` and to ``4n`` outputs: addmm, the two gradient mm with transposed operands, the bias sum),
-      a third of its time per forward flop; :func:`fit_matmul_curve` gives the asymptotic rate
-      (``matmul_eff`` = rate / peak) and ``matmul_half_flops``. The cost model applies the curve to
-      forward + backward flops, so it must see the training pattern, which on a CPU runs well below
-      square ``mm``;
-    * ``bandwidth_Bps``: ``c = a + b`` on :data:`BANDWIDTH_ELEMENTS` floats (``3 x`` the tensor bytes move);
-    * ``kernel_s``: a chain of 200 multiplications of one-element tensors, forward + backward (2 kernels
-      per op), so it includes autograd's per-op cost as the cost model's kernel counts do;
-    * ``attention_eff``: ``F.scaled_dot_product_attention`` forward + backward, the rules' flops (x3 for
-      training) over time, as a fraction of ``peak_flops``;
-    * ``optimizer_passes``: a ``torch.optim.Adam`` step over one large parameter, seconds x bandwidth over
-      the parameter bytes; ``optimizer_kernels``: an Adam step over one one-element parameter, in kernels
-      (CUDA: foreach Adam, once per step); on a CPU (single-tensor Adam, ``optimizer_per_tensor``) the
-      extra time per extra one-element parameter tensor (steps over 1 and 33 tensors), in kernels;
-    * ``vector_flops`` (CPU only; None on CUDA, where elementwise ops are memory bound): GELU and tanh
-      forward + backward on :data:`VECTOR_ELEMENTS` floats, the rules' flops (4 per element, x3 for
-      training) over time: transcendentals are compute bound on a CPU core; ``pool_flops`` likewise
-      from ``max_pool2d`` (2x2, with indices for the backward) forward + backward on
-      :data:`POOL_SHAPE` (the rules: 1 flop per input element).
-
-    ``overlap``: true on CUDA (the host runs ahead of the GPU), false on a CPU (one thread dispatches
-    and computes, so the cost model adds launch and work per op). Memory overhead and constant stay 0 (``hapnb calibrate --measured`` fits them from measured peaks).
-    Each timing repeats short calls to ~20 ms (5 ms quick) and takes the ``stat`` over ``repeats``
-    (default 3 quick, 7 otherwise): the fastest (``"min"``, the default: on a shared machine other work
-    only ever adds time) or the median.
-    """
-    import datetime
-
-    import torch
-    import torch.nn.functional as F
-
-    try:
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-    repeats = repeats or (3 if quick else 7)
-    budget = 0.005 if quick else 0.02
-    old_threads = torch.get_num_threads()
-    if threads is not None and dev.type == "cpu":
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-    try:
-        time_it = _timer(dev, stat)
-
-        def timed(fn: Any) -> float:
-            return time_it(fn, _inner(time_it(fn, 1, 1, 1), budget), repeats)
-
-        mm_points, train_points = [], []
-        for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
-            with torch.no_grad():
-                a, b, c = (torch.randn(n, n, device=dev) for _ in range(3))
-                bias = torch.randn(n, device=dev)
-                mm_points.append((2.0 * n**3, timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))))
-                addmm = lambda a=a, b=b, c=c, bias=bias: torch.addmm(bias, a, b, out=c)  # noqa: E731
-                mm_points.append((2.0 * n**3, timed(addmm)))
-            for rows, out in ((4 * n, n), (4 * n, 4 * n)):  # tokens x hidden -> hidden, -> 4 hidden
-                train_points.append((2.0 * rows * n * out, timed(_linear_step(rows, n, out, dev)) / 3))
-        peak = max(w / t for w, t in mm_points)
-        rate, half = fit_matmul_curve(train_points)
-        peak = max(peak, rate)
-        with torch.no_grad():
-            n = BANDWIDTH_ELEMENTS[(dev.type, quick)]
-            x, y, z = (torch.randn(n, device=dev) for _ in range(3))
-            bw_point = (3.0 * 4 * n, timed(lambda: torch.add(x, y, out=z)))
-            x = y = z = torch.empty(0)
-        bandwidth = bw_point[0] / bw_point[1]
-
-        chain = 200
-        x = torch.ones(1, device=dev, requires_grad=True)
-
-        def tiny_chain() -> None:
-            y = x
-            for _ in range(chain):
-                y = y * 1.0001
-            y.backward()
-
-        kernel_s = timed(tiny_chain) / (2 * chain)
-
-        shape = (2, 4, 64, 32) if quick else (4, 8, 128, 64)  # batch, heads, seq, head dim
-        q, k, v = (torch.randn(shape, device=dev, requires_grad=True) for _ in range(3))
-
-        def attention() -> None:
-            F.scaled_dot_product_attention(q, k, v).sum().backward()
-
-        lead, L, E = shape[0] * shape[1], shape[2], shape[3]
-        att_flops = 3.0 * (2 * lead * L * L * (2 * E) + 5 * lead * L * L)  # the rules' sdpa flops, x3
-        att_t = timed(attention)
-        attention_eff = min(1.0, max(1e-3, att_flops / att_t / peak))
-
-        big = torch.nn.Parameter(torch.zeros(n // 4, device=dev))
-        big.grad = torch.randn_like(big)  # not zeros: Adam on zero gradients runs ~2x slower on a CPU
-        opt = torch.optim.Adam([big], lr=1e-4)
-        adam_big = timed(opt.step)
-        passes = max(1.0, adam_big * bandwidth / (4.0 * big.numel()))
-        one = torch.nn.Parameter(torch.zeros(1, device=dev))
-        one.grad = torch.randn_like(one)
-        opt1 = torch.optim.Adam([one], lr=1e-4)
-        adam_one = timed(opt1.step)
-        opt_kernels = max(1.0, adam_one / kernel_s)
-        vector_flops, vec_point, pool_flops, pool_point = None, None, None, None
-        if dev.type == "cpu":  # single-tensor Adam: its kernels per parameter tensor
-            many = [torch.nn.Parameter(torch.zeros(1)) for _ in range(33)]
-            for p in many:
-                p.grad = torch.randn_like(p)
-            per_tensor = (timed(torch.optim.Adam(many, lr=1e-4).step) - adam_one) / 32
-            opt_kernels = max(1.0, per_tensor / kernel_s)
-            v = torch.randn(VECTOR_ELEMENTS[quick], requires_grad=True)
-            ones = torch.ones_like(v)
-
-            def transcendental() -> None:
-                v.grad = None
-                F.gelu(v).backward(ones)
-                torch.tanh(v).backward(ones)
-
-            vec_point = (2 * 3.0 * 4 * v.numel(), timed(transcendental))  # the rules: 4 flops/element
-            vector_flops = vec_point[0] / vec_point[1]
-            img = torch.randn(POOL_SHAPE[quick], requires_grad=True)
-
-            def pool() -> None:
-                img.grad = None
-                F.max_pool2d(img, 2).sum().backward()
-
-            pool_point = (3.0 * img.numel(), timed(pool))
-            pool_flops = pool_point[0] / pool_point[1]
-    finally:
-        torch.set_num_threads(old_threads)
-    date = datetime.date.today().isoformat()
-    nthreads = f", {threads or old_threads} threads" if dev.type == "cpu" else ""
-    model = DeviceModel(
-        peak_flops=peak,
-        bandwidth_Bps=bandwidth,
-        kernel_s=kernel_s,
-        matmul_eff=min(1.0, rate / peak),
-        matmul_half_flops=half,
-        attention_eff=attention_eff,
-        optimizer_passes=passes,
-        optimizer_kernels=opt_kernels,
-        overlap=dev.type != "cpu",  # a CPU runs its own kernels: dispatch and work add up per op
-        optimizer_per_tensor=dev.type == "cpu",  # CPU Adam is single-tensor (not foreach)
-        vector_flops=vector_flops,
-        pool_flops=pool_flops,
-        source=f"profile: {device_name(dev)}{nthreads}, {date}, torch {torch.__version__}",
-    )
-    return DeviceModelProfile(
-        model,
-        tuple(mm_points),
-        tuple(train_points),
-        kernel_s,
-        bw_point,
-        (att_flops, att_t),
-        (4.0 * big.numel(), adam_big),
-        vec_point,
-        pool_point,
-    )
-
-
-def _linear_step(rows: int, inner: int, out: int, dev: Any) -> Any:
-    """One ``F.linear`` forward + backward as training runs it (addmm, two mm for the gradients, the
-    bias-gradient sum; gradients reset to None first, as ``zero_grad(set_to_none=True)`` does)."""
-    import torch
-    import torch.nn.functional as F
-
-    x = torch.randn(rows, inner, device=dev, requires_grad=True)
-    w = torch.randn(out, inner, device=dev, requires_grad=True)
-    b = torch.randn(out, device=dev, requires_grad=True)
-    g = torch.randn(rows, out, device=dev)
-
-    def step() -> None:
-        x.grad = w.grad = b.grad = None
-        F.linear(x, w, b).backward(g)
-
-    return step
 
 
 # ----------------------------------------------------------------------------------------------------

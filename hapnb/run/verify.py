@@ -30,6 +30,7 @@ import torch
 from ..codegen import generate, reference_module, reference_params
 from ..expand import expand_virtual, has_virtual
 from ..graph import Graph
+from ..pipelines import PipelinePlan
 from ..plan import Plan
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
@@ -284,7 +285,7 @@ def _checks(
 
 
 def verify(
-    plan: Plan,
+    plan: Plan | PipelinePlan,
     nproc: int | None = None,
     steps: int = 3,
     *,
@@ -296,7 +297,7 @@ def verify(
     atol: float | None = None,
     timeout: float | None = None,
     stall_timeout: float = 300.0,
-    optimizer: str = "sgd",
+    optimizer: str | None = None,
     lr: float | None = None,
     keep: str | os.PathLike[str] | None = None,
     progress: ProgressFn | None = None,
@@ -323,7 +324,31 @@ def verify(
     and ``interleave`` go to the workers (:func:`hapnb.run.worker.run_worker`): replicated gradients are
     all-reduced in async buckets by default (``"sync"``: inside autograd), and the gradients are read
     after the buckets are waited for. A duplex plan (``plan.duplex``) runs as two micro-batches per rank.
+    ``optimizer``: ``"sgd"`` (default) or ``"adam"``.
+
+    A :class:`~hapnb.pipelines.PipelinePlan` runs one rank per plan device (:mod:`hapnb.run.pipelined`,
+    Adam by default, the model rebuilt from the plan's spec) and is compared by model parameter name, a
+    stage's weights on each of its devices; ``model``, ``example_inputs``, ``worker`` and the grad-sync
+    options are for SPMD plans only.
     """
+    rtol = (1e-7 if dtype == "float64" else 1e-3) if rtol is None else rtol
+    atol = (1e-9 if dtype == "float64" else 1e-5) if atol is None else atol
+    if isinstance(plan, PipelinePlan):
+        if (grad_sync, bucket_cap, first_bucket_cap, interleave) != ("buckets", None, None, True):
+            raise ValueError(
+                "grad_sync, bucket caps and interleave apply to SPMD plans, not to pipeline plans"
+            )
+        if model is not None or example_inputs is not None or tuple(worker) != WORKER_ARGV:
+            raise ValueError(
+                f"pipeline plan {plan.name}: its ranks rebuild the model from the plan's spec "
+                f"({plan.model_spec}) and run hapnb.run.pipelined; model, example_inputs and worker are "
+                "for SPMD plans"
+            )
+        return _verify_pipeline(
+            plan, nproc, steps, backend=backend, dtype=dtype, rtol=rtol, atol=atol, timeout=timeout,
+            stall_timeout=stall_timeout, optimizer=optimizer or "adam", lr=lr, keep=keep, progress=progress,
+        )  # fmt: skip
+    optimizer = optimizer or "sgd"
     t0 = time.perf_counter()
     n = plan.cluster.gpus
     if nproc is None:
@@ -338,8 +363,6 @@ def verify(
         raise ValueError(f"plan {plan.name} is for {what}; verify it with nproc={n}, not {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < n:
         raise ValueError(f"backend nccl needs {n} CUDA devices, this machine has {torch.cuda.device_count()}")
-    rtol = (1e-7 if dtype == "float64" else 1e-3) if rtol is None else rtol
-    atol = (1e-9 if dtype == "float64" else 1e-5) if atol is None else atol
     work = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="hapnb-verify-"))
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
@@ -393,10 +416,75 @@ def verify(
             bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress
         )
         checks = _checks(bundle.graph, recs, ref, steps, rtol, atol)
-        ok = all(c.ok for c in checks)
-        return VerifyReport(
-            ok, plan.name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0, rtol, atol
-        )
+        return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(
+    name: str, n: int, steps: int, dtype: str | None, checks: Sequence[TensorCheck], t0: float, rtol: float,
+    atol: float,
+) -> VerifyReport:  # fmt: skip
+    return VerifyReport(
+        all(c.ok for c in checks), name, n, steps, dtype or "native", tuple(checks), time.perf_counter() - t0,
+        rtol, atol,
+    )  # fmt: skip
+
+
+def _verify_pipeline(
+    plan: PipelinePlan, nproc: int | None, steps: int, *, backend: str, dtype: str, rtol: float,
+    atol: float, timeout: float | None, stall_timeout: float, optimizer: str, lr: float | None,
+    keep: str | os.PathLike[str] | None, progress: ProgressFn | None,
+) -> VerifyReport:  # fmt: skip
+    """:func:`verify` for a pipeline plan: its ranks (:func:`hapnb.run.pipelined.run_ranks`) against the
+    single-device program of the same model and batch."""
+    from ..tracing import trace
+    from .pipelined import prepare, run_ranks
+
+    t0 = time.perf_counter()
+    n = len(plan.devices)
+    model, inputs = prepare(plan, n if nproc is None else nproc)  # clear errors before any rank starts
+    work = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="hapnb-verify-"))
+    try:
+        out = work / "ranks"
+        outcome = run_ranks(
+            plan, work, steps, backend=backend, dtype=dtype, optimizer=optimizer, lr=lr, dropout=False,
+            verify_out=out, stall_s=stall_timeout, wall_s=timeout,
+            on_heartbeat=(lambda _r, rec: progress(rec)) if progress is not None else None,
+            limit_names=("stall_timeout (--stall-timeout)", "timeout (--timeout)"),
+        )  # fmt: skip
+        if not outcome.ok:
+            raise VerifyError(f"verify {plan.name} on {n} ranks: {outcome.status}: {outcome.error}", outcome)
+        recs = [
+            torch.load(out / f"rank{r}.pt", weights_only=True)
+            for r in range(n)
+            if (out / f"rank{r}.pt").is_file()
+        ]
+        if not recs:
+            raise VerifyError(
+                f"verify {plan.name}: the ranks exited cleanly but left no results in {out}", outcome
+            )
+        ref = run_reference(
+            trace(model, inputs, name=plan.name), inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype,
+            progress=progress,
+        )  # fmt: skip
+        losses = torch.tensor(recs[0]["losses"], dtype=torch.float64)
+        checks = [_compare("loss", "", losses, torch.tensor(ref["losses"], dtype=torch.float64), rtol, atol)]
+        for kind, part in (("grad", "grads"), ("weight", "weights")):
+            for name, want in ref[part].items():
+                copies = [r[part][name] for r in recs if name in r[part]]
+                if copies:  # a stage on several devices: every copy must match
+                    checks.append(
+                        max((_compare(kind, name, c, want, rtol, atol) for c in copies), key=lambda c: c.rel)
+                    )
+                elif name in ref["grads"] or kind == "grad":
+                    checks.append(
+                        TensorCheck(
+                            kind, name, float("inf"), float("inf"), False, "missing in the pipeline run"
+                        )
+                    )
+        return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -60,7 +60,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main"]
+__all__ = [
+    "WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
+    "rank_options", "init_group",
+]  # fmt: skip
 
 #: How to start this worker: ``python *WORKER_ARGV BUNDLE ...``.
 WORKER_ARGV: tuple[str, ...] = ("-m", "hapnb.run.worker")
@@ -207,23 +210,8 @@ def run_worker(
             f"the plan in {bundle_dir} is for {plan.cluster.n} GPUs ({', '.join(plan.devices)}) "
             f"but the job has {world_size} ranks; start it with --nproc-per-node {plan.cluster.n}"
         )
-    created = False
     phase("connect")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            raise RuntimeError(
-                "MASTER_PORT is not set: run the worker under torchrun (or set MASTER_ADDR/PORT)"
-            )
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
-        created = True
-    elif dist.get_rank() != rank or dist.get_world_size() != world_size:
-        raise ValueError(
-            f"the initialised process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
-            f"not {rank}/{world_size}"
-        )
+    created = init_group(backend, rank, world_size, timeout_s)
     sink = _Sink(metrics_out, rank)
     try:
         if backend == "nccl":
@@ -328,6 +316,25 @@ def run_worker(
             dist.destroy_process_group()
 
 
+def init_group(backend: str, rank: int, world_size: int, timeout_s: float) -> bool:
+    """Join the default process group from the environment (``env://``, as torchrun sets it) unless one
+    is initialised already (then it must be ``rank`` of ``world_size``); True when this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise ValueError(
+                f"the initialised process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"not {rank}/{world_size}"
+            )
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError("MASTER_PORT is not set: run the rank under torchrun (or set MASTER_ADDR/PORT)")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
 def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True, **gen: Any) -> Any:
     """Rank ``rank``'s half-batch program of the duplex ``plan`` (physical) from ``bundle``:
     ``(program, runner, loss_scale, (micro_batch0, micro_batch1))`` with the micro-batches as full
@@ -347,24 +354,31 @@ def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True
     return prog, DuplexRunner(prog.module, interleave=interleave), loss_scale(bundle.graph), micro
 
 
+def rank_options(ap: argparse.ArgumentParser) -> None:
+    """The options every hapnb rank command takes (this worker and :mod:`hapnb.run.pipelined`)."""
+    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
+    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
+    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
+    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
+    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hapnb.run.worker",
         description="Run one rank of a hapnb plan bundle (start it under torchrun).",
     )
     ap.add_argument("bundle", help="bundle folder (plan.json + program.pt2 + inputs.pt)")
-    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (adam 1e-3, sgd 0.05)")
-    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    rank_options(ap)
     ap.add_argument(
         "--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch"
     )
-    ap.add_argument("--no-dropout", action="store_true", help="replace dropout by identity")
-    ap.add_argument("--dtype", default=None, help="cast weights and inputs (e.g. float64)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
-    g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
     ap.add_argument(
         "--grad-sync",
         default="buckets",
@@ -378,17 +392,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-interleave", action="store_true", help="duplex plans: run the two micro-batches one by one"
     )
-    ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     return ap
+
+
+def rank_main(entry: str, run: Callable[[], Any]) -> int:
+    """Run a rank command's body: exit status 0, or 1 with ``entry``'s name, the rank and the traceback
+    on stderr (what the process supervisor quotes)."""
+    try:
+        run()
+    except Exception:
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write(f"{entry} rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: ``python -m hapnb.run.worker BUNDLE ...``; exit status 1 on any error."""
     args = _parser().parse_args(argv)
     metrics: Any = args.metrics if args.metrics is not None else args.metrics_fd
-    try:
-        run_worker(
+    return rank_main(
+        "hapnb.run.worker",
+        lambda: run_worker(
             args.bundle,
             None,
             None,
@@ -407,13 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bucket_cap=args.bucket_cap_bytes,
             first_bucket_cap=args.first_bucket_cap_bytes,
             interleave=not args.no_interleave,
-        )
-    except Exception:
-        rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"hapnb.run.worker rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        return 1
-    return 0
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""Re-planning benchmark: ``plan.replan(...)`` against a fresh ``hapnb.synthesize`` with the same inputs.
+
+For one model and cluster (default BERT-12 at the paper's configuration on ``paper-hetero-8``) it
+synthesizes the base plan, then times, for each edit, a fresh synthesis with the edited inputs
+(``synthesis_s``: graph -> plan, tracing excluded) and ``base.replan(...)`` with the same edit (wall and
+CPU seconds, median of ``--repeat`` runs, each re-plan from a fresh copy of the base plan's context so
+that no edit is timed with its own answer already in the memo), and checks that the two plans are
+equal (timings aside). Edits: one pin, the pin removed again (every search answered from the memo), a
+ratio lock, a device 10 % faster, the all-reduce bandwidth 10 % higher. Also: ``plan.sensitivity()``
+and ``plan.why_not(...)`` on the base plan. Writes a JSON file and prints a Markdown table.
+
+    python benchmarks/replan.py [--model bert] [--layers 12] [--cluster paper-hetero-8] [--repeat 3]
+                                [--out docs/benchmarks-replan.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import hapnb
+from hapnb.optimize import Memo
+from hapnb.tuning import faster
+
+
+def timeless(p: hapnb.Plan) -> hapnb.Plan:
+    """The plan without the fields that hold timings."""
+    return dataclasses.replace(
+        p,
+        synthesis_s=0.0,
+        history=tuple(dataclasses.replace(r, search_s=0.0, balance_s=0.0) for r in p.history),
+        search=tuple((k, v) for k, v in p.search if k not in ("search_s", "balance_s")),
+    )
+
+
+def timed(fn: Any) -> tuple[Any, float, float]:
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def snapshot(memo: Memo) -> Memo:
+    """A copy of the memo's tables (the per-ratio cost dicts too: searches add to them)."""
+    out = Memo(memo.limit, memo.limits)
+    out.tables = {k: dict(v) for k, v in memo.tables.items()}
+    out.tables["shared"] = {
+        k: {n: dict(d) for n, d in v.items()} for k, v in out.tables.get("shared", {}).items()
+    }
+    return out
+
+
+def fresh_context(base: hapnb.Plan) -> hapnb.Plan:
+    """The base plan with a copy of its context as synthesize left it (so no edit meets its own answer)."""
+    ctx = copy.copy(base.context)
+    ctx.memo = snapshot(PRISTINE)
+    return dataclasses.replace(base, context=ctx)
+
+
+PRISTINE: Any = None
+
+
+def main() -> None:
+    global PRISTINE
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bert")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--cluster", default="paper-hetero-8")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default="docs/benchmarks-replan.json")
+    ns = ap.parse_args()
+    opts = {"layers": ns.layers}
+    base = hapnb.synthesize(ns.model, ns.cluster, **opts)
+    PRISTINE = snapshot(base.context.memo)
+    c = base.cluster
+    params = [
+        p for p in dict(base.options)["params"] if p.endswith("linear1.weight") or p.endswith(".weight")
+    ]
+    pin_name = (
+        next(p for p in params if ".3." in p and "linear1" in p)
+        if ns.model == "bert"
+        else params[len(params) // 2]
+    )
+    form = "G1" if "G1" not in base.form_of(pin_name) else "G0"
+    edits = [
+        ("one pin", dict(pins={pin_name: form}), dict(pins={pin_name: form})),
+        ("ratio lock", dict(ratio_pins={c.names[0]: 0.2}), dict(ratios={c.names[0]: 0.2})),
+        ("device +10 % flop/s", dict(cluster=faster(c, device=c.names[0])), dict(cluster=faster(c, device=c.names[0]))),
+        ("all_reduce +10 % bandwidth", dict(cluster=faster(c, collective="all_reduce")),
+         dict(cluster=faster(c, collective="all_reduce"))),
+    ]  # fmt: skip
+    rows = []
+    th = base.context.theory  # fresh syntheses from the traced program: tracing is not timed
+    for label, edit, fresh_kw in edits:
+        cl = fresh_kw.pop("cluster", ns.cluster)
+        fresh = [timed(lambda cl=cl, kw=fresh_kw: hapnb.synthesize(th, cl, **kw)) for _ in range(ns.repeat)]
+        same = hapnb.synthesize(ns.model, cl, **fresh_kw, **opts)  # from the zoo: records the model too
+        runs = [timed(lambda edit=edit: fresh_context(base).replan(**edit)) for _ in range(ns.repeat)]
+        new = runs[0][0]
+        row = {
+            "edit": label,
+            "fresh_wall_s": statistics.median(r[1] for r in fresh),
+            "fresh_cpu_s": statistics.median(r[2] for r in fresh),
+            "replan_wall_s": statistics.median(r[1] for r in runs),
+            "replan_cpu_s": statistics.median(r[2] for r in runs),
+            "equal_to_fresh": timeless(new) == timeless(same),
+            "cost_s": new.cost_s,
+            "memo": repr(new.context.memo),
+        }
+        rows.append(row)
+        if label == "one pin":  # the pin taken back: every search, LP and simulation is in the memo
+            again = [timed(lambda new=new: new.replan(pins={pin_name: None})) for _ in range(ns.repeat)]
+            rows.append({
+                "edit": "the pin removed again",
+                "fresh_wall_s": base.synthesis_s,
+                "fresh_cpu_s": None,
+                "replan_wall_s": statistics.median(r[1] for r in again),
+                "replan_cpu_s": statistics.median(r[2] for r in again),
+                "equal_to_fresh": timeless(again[0][0]) == timeless(base),
+                "cost_s": again[0][0].cost_s,
+                "memo": repr(again[0][0].context.memo),
+            })  # fmt: skip
+    sens = [timed(lambda: fresh_context(base).sensitivity()) for _ in range(ns.repeat)]
+    why = [timed(lambda: fresh_context(base).why_not({pin_name: form})) for _ in range(ns.repeat)]
+    out = {
+        "model": ns.model,
+        "layers": ns.layers,
+        "cluster": ns.cluster,
+        "devices": c.n,
+        "pin": f"{pin_name}={form}",
+        "base_synthesis_s": base.synthesis_s,
+        "rows": rows,
+        "sensitivity_wall_s": statistics.median(r[1] for r in sens),
+        "why_not_wall_s": statistics.median(r[1] for r in why),
+        "loadavg": os.getloadavg(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
+    Path(ns.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(
+        f"{ns.model}-{ns.layers} on {ns.cluster} ({c.n} devices); pin {pin_name}={form}; load {out['loadavg']}"
+    )
+    print("| edit | fresh synthesize wall / CPU (s) | replan wall / CPU (s) | equal to fresh |")
+    print("|---|---:|---:|---|")
+    for r in rows:
+        cpu = "-" if r["fresh_cpu_s"] is None else f"{r['fresh_cpu_s']:.3f}"
+        print(
+            f"| {r['edit']} | {r['fresh_wall_s']:.3f} / {cpu} | {r['replan_wall_s']:.3f} / {r['replan_cpu_s']:.3f} | "
+            f"{'yes' if r['equal_to_fresh'] else 'NO'} |"
+        )
+    print(f"sensitivity {out['sensitivity_wall_s']:.3f} s, why_not {out['why_not_wall_s']:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,703 @@
+"""Tuning a plan: why the search did not choose some forms, and what bounds the step.
+
+* :func:`why_not` (``plan.why_not(pins)``): the best plan with ``pins`` added (a re-plan), its cost and
+  the difference against the chosen plan block by block (op ranges where both plans start a stage), or,
+  when no program satisfies the pins, the pin or op where the search found none and why.
+* :func:`sensitivity` (``plan.sensitivity()``): the ratio LP of the plan's program, solved with its dual
+  values: the devices whose computation is tight in each stage, and what a faster device (+10 % flop/s),
+  a faster collective kind (+10 % bandwidth) or a faster intra-machine link would save, to first order
+  (:func:`hapnb.balance.lp_changes`: the LP's dual that is right for each change, the LP being degenerate).
+  A plan whose ratios are not the LP's optimum (fixed ratios, a baseline program at its own ratios, a
+  duplex plan's even micro-batches) is priced at its own ratios instead (``basis="fixed ratios"``).
+* :func:`what_if`: one such change applied and the plan re-planned (``plan.replan(cluster=...)``), the
+  re-planned cost next to the dual's prediction.
+
+Savings are of ``plan.cost_s`` (the stage model, or the duplex time), the number the search and the LP
+optimise. The values render as text and HTML (:mod:`hapnb.display`). This module reaches synthesis only
+through the plan's own methods (:meth:`~hapnb.plan.Plan.replan` and the registered context lookup).
+
+>>> import hapnb
+>>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
+>>> s = plan.sensitivity()
+>>> s.basis, len(s.devices) == 4
+('lp', True)
+>>> plan.why_not({"x": "I"}).other.cost_s >= plan.cost_s
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .balance import lp_changes, parse_ratio_pins, ratio_lp, row_role, solve_lp
+from .cluster import Cluster, Collective
+from .cost import Conversion, CostModel, Load, Step
+from .duplex import duplex_cost
+from .forms import Form, parse_form
+from .graph import Graph
+from .optimize import without_gc
+from .plan import Plan, tuning_function
+from .search import NoProgramError, PinError, Search
+from .triples import Theory
+
+__all__ = [
+    "Sensitivity",
+    "DeviceBound",
+    "LinkBound",
+    "StageBound",
+    "WhyNot",
+    "BlockDiff",
+    "WhatIf",
+    "sensitivity",
+    "why_not",
+    "what_if",
+    "faster",
+    "program_steps",
+    "rebuild_graph",
+    "INTRA_MACHINE",
+]
+
+#: the name of the intra-machine link (virtual devices' inner gradient sync) in sensitivity reports
+INTRA_MACHINE = "intra-machine"
+
+_TIGHT = 1e-9  # relative slack under which a row counts as tight
+
+
+# ============================================================================================ helpers
+
+
+def rebuild_graph(plan: Plan) -> Graph:
+    """The plan's traced program, rebuilt from its recorded model spec (the zoo name or factory and its
+    options); raises ValueError when the plan records none, or the rebuilt program is not the one the
+    plan was made for (its graph fingerprint differs)."""
+    from . import zoo
+    from .tracing import trace
+
+    spec = plan.model_spec
+    if not spec:
+        raise ValueError(
+            f"plan {plan.name!r} records no model to rebuild (made from a Graph or an nn.Module): re-plan "
+            "the plan object synthesize returned, or synthesize again from the model"
+        )
+    model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+    g = trace(model, inputs, name=plan.name)
+    if g.fingerprint != plan.graph_fingerprint:
+        raise ValueError(
+            f"plan {plan.name!r}: the model rebuilt from its spec {spec} traces to a different program "
+            f"(fingerprint {g.fingerprint} instead of {plan.graph_fingerprint}); was it made by another "
+            "version of the model? Synthesize it again"
+        )
+    return g
+
+
+def _context(plan: Plan) -> Any:
+    """The plan's synthesis context (:func:`hapnb.synthesis.context_of`, registered with the plan)."""
+    return tuning_function("context")(plan)
+
+
+def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conversion, ...]]:
+    """The plan's program as the search's steps (and the collectives after the last one), read back from
+    its instructions: loads and collectives belong to the computation that follows them, which runs the
+    strategy of that name. Inverse of :func:`hapnb.plan.make_plan`."""
+    g = th.graph
+    ops = {op.name: op for op in g.ops}
+    tid = {t.name: t.id for t in g.tensors}
+    steps: list[Step] = []
+    loads: list[Load] = []
+    convs: list[Conversion] = []
+    for ins in plan.program:
+        if ins.kind == "load":
+            loads.append(Load(tid[ins.tensor], parse_form(ins.form), ins.name == "load_sfb"))
+        elif ins.kind == "collective":
+            if ins.name == "reshard":
+                dst, _, seg = ins.form.partition("@")
+                convs.append(
+                    Conversion(tid[ins.tensor], "reshard", parse_form(ins.src), parse_form(dst), int(seg))
+                )
+            else:
+                convs.append(Conversion(tid[ins.tensor], ins.name, parse_form(ins.src), parse_form(ins.form)))
+        else:
+            op = ops[ins.op]
+            outs = tuple(f for _, f in ins.outputs)
+            strategy = next(
+                s
+                for s in th.strategies[op.id]
+                if s.name == ins.name and tuple(str(f) for f in s.outputs) == outs
+            )
+            steps.append(Step(op.id, strategy, tuple(loads), tuple(convs)))
+            loads, convs = [], []
+    return tuple(steps), tuple(convs)
+
+
+def faster(
+    cluster: Cluster,
+    *,
+    device: str | None = None,
+    collective: str | None = None,
+    link: bool = False,
+    factor: float = 1.1,
+) -> Cluster:
+    """``cluster`` with one thing ``factor`` times faster: a device's throughput (its ``flops`` and, with a
+    device model, the model's peak and vector flop/s), a collective kind's bandwidth, or the intra-machine
+    link (``link=True``).
+
+    >>> c = faster(Cluster.parse("2xV100"), device="v100-0", factor=2.0)
+    >>> c.devices[0].flops / c.devices[1].flops
+    2.0
+    """
+    if sum(x is not None and x is not False for x in (device, collective, link or None)) != 1:
+        raise ValueError("faster: name exactly one of device=, collective=, link=True")
+    if not factor > 0:
+        raise ValueError(f"faster: factor must be > 0, got {factor}")
+    name = f"{cluster.name} ({_change_label(device, collective, link, factor)})"
+    if device is not None:
+        j = cluster.index(device)
+        d = cluster.devices[j]
+        model = d.model
+        if model is not None:
+            model = dataclasses.replace(
+                model,
+                peak_flops=model.peak_flops * factor,
+                vector_flops=None if model.vector_flops is None else model.vector_flops * factor,
+                pool_flops=None if model.pool_flops is None else model.pool_flops * factor,
+            )
+        devices = list(cluster.devices)
+        devices[j] = dataclasses.replace(d, flops=d.flops * factor, model=model)
+        return cluster.replace(name=name, devices=tuple(devices))
+    if collective is not None:
+        old = cluster.collective(collective)
+        return cluster.with_collectives(
+            {collective: Collective(old.latency_s, old.bandwidth_Bps * factor)}
+        ).replace(name=name)
+    return cluster.replace(name=name, intra_machine_Bps=cluster.intra_machine_Bps * factor)
+
+
+def _change_label(device: str | None, collective: str | None, link: bool, factor: float) -> str:
+    pct = f"{(factor - 1) * 100:+.3g} %"
+    if device is not None:
+        return f"{device} flop/s {pct}"
+    if collective is not None:
+        return f"{collective} bandwidth {pct}"
+    return f"{INTRA_MACHINE} bandwidth {pct}"
+
+
+class _Shown:
+    """A tuning answer: ``str()`` is its :meth:`summary`, a notebook shows its renderer's HTML."""
+
+    _renderer: ClassVar[str] = ""
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        from . import display
+
+        return display.safe_html(getattr(display, self._renderer), self)
+
+
+# ============================================================================================ sensitivity
+
+
+@dataclass(frozen=True)
+class DeviceBound:
+    """One device in a :class:`Sensitivity`: ``saving_s``, what ``factor`` x its flop/s would save;
+    ``tight_stages``, the stages whose computation maximum it attains; ``binding_s``, its computation in
+    those stages."""
+
+    device: str
+    saving_s: float
+    tight_stages: tuple[int, ...]
+    binding_s: float
+
+
+@dataclass(frozen=True)
+class LinkBound:
+    """One collective kind (or the intra-machine link) in a :class:`Sensitivity`: ``time_s``, its
+    communication in the plan's step; ``saving_s``, what ``factor`` x its bandwidth would save."""
+
+    name: str
+    time_s: float
+    saving_s: float
+
+
+@dataclass(frozen=True)
+class StageBound:
+    """One stage in a :class:`Sensitivity`: its communication and computation maximum, the devices
+    whose computation attains the maximum (``tight``), and the devices whose shard sets the time of a
+    ratio-dependent collective (``comm_tight``)."""
+
+    stage: int
+    comm_s: float
+    comp_s: float
+    tight: tuple[str, ...]
+    comm_tight: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sensitivity(_Shown):
+    """What bounds a plan's step (:func:`sensitivity`). ``basis``: ``"lp"`` (first order by the ratio LP's
+    duals: the ratios re-balance with the change) or ``"fixed ratios"`` (the plan's ratios are not the
+    LP's optimum: its cost re-priced at those ratios). ``factor``: the speed-up each saving is for.
+    ``other``: other tight LP rows with their dual values (seconds per unit of the row), e.g. ratio
+    pins or constraints a later LP adds."""
+
+    _renderer: ClassVar[str] = "sensitivity_html"
+
+    plan: str
+    cluster: str
+    cost_s: float
+    factor: float
+    basis: str
+    devices: tuple[DeviceBound, ...]
+    links: tuple[LinkBound, ...]
+    stages: tuple[StageBound, ...] = ()
+    other: tuple[tuple[str, float], ...] = ()
+    solver: str = ""
+
+    def saving(self, device: str | None = None, collective: str | None = None, link: bool = False) -> float:
+        """The predicted saving (seconds) of one change, as :func:`faster` names it."""
+        if device is not None:
+            return next(d.saving_s for d in self.devices if d.device == device)
+        name = INTRA_MACHINE if link else collective
+        for x in self.links:
+            if x.name == name:
+                return x.saving_s
+        return 0.0  # a collective the plan does not use
+
+    @property
+    def binding(self) -> tuple[str, ...]:
+        """Devices and links by predicted saving, largest first (those that save anything)."""
+        items = [(d.saving_s, d.device) for d in self.devices] + [(x.saving_s, x.name) for x in self.links]
+        return tuple(n for s, n in sorted(items, key=lambda t: (-t[0], t[1])) if s > 1e-12 * self.cost_s)
+
+    def lines(self, limit: int = 4) -> list[str]:
+        """A few lines for :meth:`hapnb.plan.Plan.summary`: what saves most per +10 %."""
+        pct = f"+{(self.factor - 1) * 100:.3g} %"
+        devs = sorted(self.devices, key=lambda d: (-d.saving_s, d.device))[:limit]
+        links = sorted(self.links, key=lambda x: (-x.saving_s, x.name))[:limit]
+        out = [
+            f"  what bounds the step ({'first order by the ratio LP duals' if self.basis == 'lp' else 'at fixed ratios'}):",
+            f"    {pct} flop/s saves: " + ", ".join(f"{d.device} {d.saving_s * 1e3:.3g} ms" for d in devs),
+        ]
+        if links:
+            out.append(
+                f"    {pct} bandwidth saves: "
+                + ", ".join(f"{x.name} {x.saving_s * 1e3:.3g} ms" for x in links)
+            )
+        return out
+
+    def summary(self) -> str:
+        pct = f"+{(self.factor - 1) * 100:.3g} %"
+        lines = [
+            f"What bounds the step of {self.plan} on {self.cluster} ({self.cost_s * 1e3:.4g} ms; "
+            + (
+                "first order by the ratio LP's duals, ratios re-balanced"
+                if self.basis == "lp"
+                else "at the plan's fixed ratios"
+            )
+            + ")",
+            f"  {'device':<14} {'saves per ' + pct + ' flop/s':>26} {'tight in stages':>16} {'binding computation':>20}",
+        ]
+        for d in self.devices:
+            lines.append(
+                f"  {d.device:<14} {d.saving_s * 1e3:>23.4g} ms {len(d.tight_stages):>9}/{len(self.stages) or '-':<6}"
+                f" {d.binding_s * 1e3:>17.4g} ms"
+            )
+        if self.links:
+            lines.append(f"  {'link':<14} {'saves per ' + pct + ' bandwidth':>26} {'time in step':>16}")
+            for x in self.links:
+                lines.append(f"  {x.name:<14} {x.saving_s * 1e3:>23.4g} ms {x.time_s * 1e3:>13.4g} ms")
+        for name, pi in self.other:
+            lines.append(f"  tight row {name}: dual {pi:.4g}")
+        return "\n".join(lines)
+
+
+@without_gc
+def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
+    """What bounds ``plan``'s step (see the module docstring); cached in the plan's context."""
+    ctx = _context(plan)
+    r = ctx.args.get("ratios")
+    fixed = r is not None and not isinstance(r, Mapping)  # made with ratios=[...]: no LP re-balances them
+    key = (
+        plan.cluster,
+        plan.program,
+        plan.ratios,
+        plan.ratio_pins,
+        plan.duplex,
+        plan.cost_s,
+        float(factor),
+        fixed,
+    )
+    return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed))
+
+
+def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
+    """Device -> the first device the LP cannot tell it from: the same kind, flop/s, memory, GPUs, device
+    model and ratio pin (the LP is then symmetric in the two, so a change to either saves the same),
+    unless the program re-cuts tensors between ratio segments (a reshard's cost depends on the devices'
+    order)."""
+    names = plan.cluster.names
+    if any(cv.name == "reshard" for st in steps for cv in st.conversions):
+        return {d: d for d in names}
+    pins = {d: (lo, hi) for d, lo, hi in plan.ratio_pins}
+    first: dict[Any, str] = {}
+    out = {}
+    for d in plan.cluster.devices:
+        key = (d.kind, d.flops, d.memory_bytes, d.gpus, d.model, pins.get(d.name))
+        out[d.name] = first.setdefault(key, d.name)
+    return out
+
+
+def _changes(plan: Plan, twins: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """The changes a sensitivity prices: a device of each kind the LP can tell apart (:func:`_twins`),
+    every collective kind the plan uses, and the intra-machine link when a device is a machine of
+    several GPUs."""
+    out: list[tuple[str, dict[str, Any]]] = [(d, {"device": d}) for d in plan.cluster.names if twins[d] == d]
+    used = _link_times(plan)
+    out += [(k, {"collective": k}) for k, _ in plan.cluster.collectives if used.get(k, 0.0) > 0]
+    if any(d.gpus > 1 for d in plan.cluster.devices):
+        out.append((INTRA_MACHINE, {"link": True}))
+    return out
+
+
+def _link_times(plan: Plan) -> dict[str, float]:
+    """Seconds of communication per collective kind in the plan's step (from its priced instructions)."""
+    out: dict[str, float] = {}
+    for ins in plan.program:
+        for cc in ins.comm:
+            out[cc.kind] = out.get(cc.kind, 0.0) + cc.time_s
+    return out
+
+
+def _cost_at(cm: CostModel, steps: Sequence[Step], ratios: Any, duplex: bool) -> float:
+    return duplex_cost(cm, steps, ratios) if duplex else cm.evaluate(steps, ratios).cost_s
+
+
+def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitivity:
+    steps, _ = program_steps(plan, th)
+    c = plan.cluster
+    cm = CostModel(th, c)
+    pins = parse_ratio_pins({d: (lo, hi) for d, lo, hi in plan.ratio_pins}, c.names)
+    twins = _twins(plan, steps)
+    changes = _changes(plan, twins)
+    clusters = [faster(c, factor=factor, **kw) for _, kw in changes]
+    lp = ratio_lp(cm, steps, pins, duplex=plan.duplex)
+    sol = solve_lp(lp, pins)
+    # the plan's ratios are the LP's optimum (to the solvers' precision: CBC's goes through a file)
+    at_lp = not fixed and abs(sol.cost - plan.cost_s) <= 1e-5 * max(abs(plan.cost_s), 1e-15)
+    if at_lp:
+        others = [
+            ratio_lp(CostModel(th, c2), steps, pins, duplex=plan.duplex, unit=lp.unit) for c2 in clusters
+        ]
+        changed = lp_changes(lp, sol, others)
+        savings = []
+        for ch, other in zip(changed, others):
+            if ch is None:  # the LP's structure changed with the edit: re-solve it (exact)
+                ch = solve_lp(other, pins).cost - sol.cost
+            savings.append(-ch)
+    else:
+        savings = [
+            plan.cost_s - _cost_at(CostModel(th, c2), steps, plan.ratios, plan.duplex) for c2 in clusters
+        ]
+    # a faster device or link never makes the optimum worse: what is below zero is the solver's rounding
+    tiny = 1e-9 * abs(plan.cost_s)
+    saving = {name: 0.0 if abs(s) <= tiny else s for (name, _), s in zip(changes, savings)}
+    saving.update({d: saving[t] for d, t in twins.items()})
+    stages, tight_of = _stage_bounds(plan, steps, cm, lp, sol, at_lp)
+    devices = tuple(
+        DeviceBound(
+            d,
+            saving[d],
+            tuple(k for k, names in tight_of.items() if d in names),
+            sum(
+                plan.stages[k].comp_s[j]
+                for k, names in tight_of.items()
+                if d in names and k < len(plan.stages)
+            ),
+        )
+        for j, d in enumerate(c.names)
+    )
+    times = _link_times(plan)
+    links = tuple(
+        LinkBound(name, times.get(name, 0.0) if name != INTRA_MACHINE else 0.0, saving[name])
+        for name, _ in changes
+        if name not in c.names
+    )
+    other = ()
+    if at_lp and not plan.duplex:
+        other = tuple(
+            (name, pi)
+            for name, pi in sorted(sol.duals.items())
+            if row_role(name)[0] == "other" and abs(pi) > 1e-12
+        )
+    return Sensitivity(plan.name, c.name, plan.cost_s, factor, "lp" if at_lp else "fixed ratios", devices, links,
+                       stages, other, sol.solver)  # fmt: skip
+
+
+def _stage_bounds(
+    plan: Plan, steps: Sequence[Step], cm: CostModel, lp: Any, sol: Any, at_lp: bool
+) -> tuple[tuple[StageBound, ...], dict[int, tuple[str, ...]]]:
+    """Per plan stage: the devices whose computation is tight (the LP's rows where the plan is the LP's
+    optimum and the LP is the plain one, else the stage's own maximum)."""
+    names = plan.cluster.names
+    stage_of_step = {}
+    for sc in cm.evaluate(steps, plan.ratios).stages:
+        for i in sc.steps:
+            stage_of_step[i] = sc.index
+    tight: dict[int, set[str]] = {}
+    comm: dict[int, set[str]] = {}
+    if at_lp and not plan.duplex:
+        groups = cm.stages(steps)
+        rows = lp.rows()
+        for name, slack in sol.slacks.items():
+            role, k, j, _ = row_role(name)
+            if role not in ("comp", "comm") or k >= len(groups):
+                continue
+            row = rows[name]
+            scale = max(1.0, abs(sum(abs(a) * sol.values.get(v.name, 0.0) for v, a in row.items())))
+            if abs(slack) <= _TIGHT * scale:
+                stage = stage_of_step[groups[k][0]]
+                (tight if role == "comp" else comm).setdefault(stage, set()).add(names[j])
+    else:
+        for st in plan.stages:
+            mx = max(st.comp_s) if st.comp_s else 0.0
+            tight[st.index] = {names[j] for j, x in enumerate(st.comp_s) if mx > 0 and x >= mx * (1 - _TIGHT)}
+    tight_of = {k: tuple(d for d in names if d in v) for k, v in tight.items()}
+    stages = tuple(
+        StageBound(
+            st.index,
+            st.comm_s,
+            max(st.comp_s) if st.comp_s else 0.0,
+            tight_of.get(st.index, ()),
+            tuple(d for d in names if d in comm.get(st.index, set())),
+        )
+        for st in plan.stages
+    )
+    return stages, tight_of
+
+
+# ============================================================================================ what if
+
+
+@dataclass(frozen=True)
+class WhatIf(_Shown):
+    """One "what if" edit (:func:`what_if`): ``predicted_s``, the saving the LP's duals predict (None when
+    the change is not one :func:`sensitivity` prices), and the plan re-planned on the edited cluster."""
+
+    _renderer: ClassVar[str] = "what_if_html"
+
+    change: str
+    cost_s: float
+    predicted_s: float | None
+    replanned: Plan = field(compare=False, repr=False)
+
+    @property
+    def replanned_s(self) -> float:
+        """The saving the re-plan achieves (it may also change the program)."""
+        return self.cost_s - self.replanned.cost_s
+
+    def summary(self) -> str:
+        pred = "-" if self.predicted_s is None else f"{self.predicted_s * 1e3:.4g} ms"
+        return (
+            f"{self.change}: re-planned {self.replanned.cost_s * 1e3:.4g} ms (saves {self.replanned_s * 1e3:.4g} ms); "
+            f"the duals predicted {pred}"
+        )
+
+
+@without_gc
+def what_if(
+    plan: Plan,
+    *,
+    device: str | None = None,
+    collective: str | None = None,
+    link: bool = False,
+    factor: float = 1.1,
+) -> WhatIf:
+    """Apply one change (:func:`faster`) and re-plan: the re-planned cost next to the dual's prediction
+    (the prediction comes from :func:`sensitivity` at the same factor)."""
+    c2 = faster(plan.cluster, device=device, collective=collective, link=link, factor=factor)
+    new = plan.replan(cluster=c2)
+    pred = sensitivity(plan, factor).saving(device=device, collective=collective, link=link)
+    return WhatIf(_change_label(device, collective, link, factor), plan.cost_s, pred, new)
+
+
+# ============================================================================================ why not
+
+
+@dataclass(frozen=True)
+class BlockDiff:
+    """An op range where both plans start a stage at its first op and after its last: the stages each plan
+    spends on it (``*_s`` seconds, ``*_stages`` count) and what they communicate."""
+
+    first: int
+    last: int
+    ops: str  # "linear_3 .. add_7 (layers.1)"
+    chosen_s: float
+    other_s: float
+    chosen_stages: int
+    other_stages: int
+    chosen_comm: tuple[str, ...]
+    other_comm: tuple[str, ...]
+
+    @property
+    def delta_s(self) -> float:
+        return self.other_s - self.chosen_s
+
+
+@dataclass(frozen=True)
+class WhyNot(_Shown):
+    """The answer of :func:`why_not`: the asked ``pins`` and either ``other``, the best plan with them
+    (``blocks``: where it differs from the chosen plan), or ``reason`` (and ``where``: the pin or op) why
+    no program satisfies them. ``already``: the chosen plan already gives those forms."""
+
+    _renderer: ClassVar[str] = "why_not_html"
+
+    pins: tuple[tuple[str, str], ...]
+    cost_s: float
+    other: Plan | None = field(default=None, compare=False, repr=False)
+    reason: str = ""
+    where: str = ""
+    blocks: tuple[BlockDiff, ...] = ()
+    already: bool = False
+
+    @property
+    def possible(self) -> bool:
+        return self.other is not None
+
+    @property
+    def delta_s(self) -> float | None:
+        """How much slower the best program with the pins is (None when there is none)."""
+        return None if self.other is None else self.other.cost_s - self.cost_s
+
+    def summary(self) -> str:
+        asked = ", ".join(f"{t}={f}" for t, f in self.pins)
+        if self.other is None:
+            return (
+                f"why not {asked}? No program satisfies it"
+                + (f" (at {self.where})" if self.where else "")
+                + f": {self.reason}"
+            )
+        head = (
+            f"why not {asked}? The best plan with it costs {self.other.cost_s * 1e3:.4g} ms against "
+            f"{self.cost_s * 1e3:.4g} ms ({self.delta_s * 1e3:+.4g} ms)"  # type: ignore[operator]
+        )
+        if self.already:
+            head += "; the chosen plan already gives these forms"
+        lines = [head]
+        for b in self.blocks:
+            lines.append(
+                f"  {b.ops}: {b.chosen_s * 1e3:.4g} ms in {b.chosen_stages} stage(s) -> {b.other_s * 1e3:.4g} ms "
+                f"in {b.other_stages} ({b.delta_s * 1e3:+.4g} ms)"
+                + (f"; communicates {', '.join(b.other_comm)}" if b.other_comm else "")
+            )
+        return "\n".join(lines)
+
+
+@without_gc
+def why_not(plan: Plan, pins: Mapping[str, Form | str]) -> WhyNot:
+    """Why the search did not choose ``pins`` (tensor -> form): see :class:`WhyNot`."""
+    if not pins:
+        raise ValueError("why_not needs at least one pin, e.g. {'layers.0.linear1.weight': 'G1'}")
+    asked = tuple(sorted((str(t), str(parse_form(f) if isinstance(f, str) else f)) for t, f in pins.items()))
+    th = _context(plan).theory
+    already = all(f in _forms(plan, t) for t, f in asked)
+    try:
+        other = plan.replan(pins=dict(asked))
+    except PinError as e:
+        return WhyNot(asked, plan.cost_s, reason=str(e), where=_pin_where(str(e)), already=already)
+    except NoProgramError as e:
+        where, why = _diagnose(plan, th, dict(asked))
+        return WhyNot(asked, plan.cost_s, reason=why or str(e), where=where, already=already)
+    except RuntimeError as e:  # e.g. the plan with the pins does not fit in memory, or the LP fails
+        return WhyNot(asked, plan.cost_s, reason=str(e), already=already)
+    return WhyNot(asked, plan.cost_s, other, blocks=_blocks(plan, other, th.graph), already=already)
+
+
+def _forms(plan: Plan, tensor: str) -> set[str]:
+    return set(plan.form_of(tensor))
+
+
+def _pin_where(message: str) -> str:
+    """The op a PinError names (``op NAME (target)``), or the pin."""
+    if " op " in message:
+        return message.split(" op ", 1)[1].split(" ", 1)[0]
+    return message.split(":", 1)[0].removeprefix("pin ").strip()
+
+
+def _diagnose(plan: Plan, th: Theory, pins: Mapping[str, str], max_steps: int = 20_000) -> tuple[str, str]:
+    """Step a search under the merged pins at the plan's ratios until it gives up, and name the op after
+    the deepest partial program with the reasons its children were pruned."""
+    merged = {**dict(plan.pins), **pins}
+    options = {k: v for k, v in dict(plan.options).items() if isinstance(v, bool)}
+    s = Search(
+        th,
+        plan.cluster,
+        ratios=plan.ratios,
+        pins={k: parse_form(v) for k, v in merged.items()},
+        options=options,
+    )
+    deepest, reasons = -1, []
+    for _ in range(max_steps):
+        ev = s.step()
+        if ev.popped is None:
+            break
+        if not ev.popped.complete and not ev.children:  # a dead end: every child was pruned
+            pos = ev.popped.position
+            if pos > deepest:
+                deepest, reasons = pos, []
+            if pos == deepest:
+                reasons += [r for _, r in ev.pruned if r not in reasons]
+        if ev.done:
+            break
+    if deepest < 0:
+        return "", ""
+    op = th.graph.ops[deepest]
+    where = f"op {op.name} ({op.target}{', ' + op.module if op.module else ''})"
+    return where, f"after {deepest} ops every way to run {op.name} was pruned: " + "; ".join(reasons[:6])
+
+
+def _starts(plan: Plan) -> list[tuple[int, int]]:
+    """(index of its first computation, stage) for every stage of the plan, in order."""
+    out = []
+    k = 0
+    first: dict[int, int] = {}
+    for ins in plan.program:
+        if ins.kind == "compute":
+            first.setdefault(ins.stage, k)
+            k += 1
+    for st in plan.stages:
+        if st.index in first:
+            out.append((first[st.index], st.index))
+    return out
+
+
+def _blocks(a: Plan, b: Plan, g: Graph) -> tuple[BlockDiff, ...]:
+    """The two plans' stages grouped by op ranges both plans start a stage at; only ranges that differ."""
+    sa, sb = _starts(a), _starts(b)
+    common = sorted({p for p, _ in sa} & {p for p, _ in sb}) + [len(g.ops)]
+    stage = {st.index: st for st in a.stages}, {st.index: st for st in b.stages}
+
+    def within(starts: list[tuple[int, int]], lo: int, hi: int, which: int) -> list[Any]:
+        return [stage[which][k] for p, k in starts if lo <= p < hi]
+
+    out = []
+    for lo, hi in zip(common, common[1:]):
+        xa, xb = within(sa, lo, hi, 0), within(sb, lo, hi, 1)
+        ta, tb = sum(s.time_s for s in xa), sum(s.time_s for s in xb)
+        ca = tuple(w for s in xa for w in s.comm)
+        cb = tuple(w for s in xb for w in s.comm)
+        if abs(ta - tb) <= 1e-12 * max(ta, tb, 1e-30) and ca == cb and len(xa) == len(xb):
+            continue
+        first, last = g.ops[lo], g.ops[hi - 1]
+        mod = first.module or last.module
+        ops = first.name if lo == hi - 1 else f"{first.name} .. {last.name}"
+        out.append(
+            BlockDiff(lo, hi - 1, ops + (f" ({mod})" if mod else ""), ta, tb, len(xa), len(xb), ca, cb)
+        )
+    return tuple(out)
