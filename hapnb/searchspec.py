@@ -17,7 +17,7 @@ from .forms import Form, Storage, parse_pin
 from .graph import Graph
 from .triples import Theory
 
-__all__ = ["PinError", "normalize_ratios", "resolve_pins"]
+__all__ = ["PinError", "normalize_ratios", "resolve_pins", "pin_choices"]
 
 
 class PinError(ValueError):
@@ -84,6 +84,22 @@ def resolve_pins(th: Theory, pins: Mapping[str, Form | Storage | str]) -> dict[i
             )
         out[t.id] = form
     return out
+
+
+def pin_choices(th: Theory, t: int) -> tuple[Form | Storage, ...]:
+    """Every pin :func:`resolve_pins` accepts for tensor ``t``: its forms, then for a parameter each
+    sharded storage (ZeRO-3, then ZeRO-2, per dim it can be sharded on).
+
+    >>> import hapnb
+    >>> from hapnb.tracing import zoo_graph
+    >>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=4, batch=4)[0])
+    >>> [str(p) for p in pin_choices(th, th.graph.tensor("layers.0.bias").id)]
+    ['I', 'G0', 'zero3(0)', 'zero2(0)']
+    """
+    forms = th.forms[t]
+    if th.graph.tensors[t].role != "param":
+        return tuple(forms)
+    return (*forms, *(Storage(z, f.dim) for f in forms if f.kind == "G" for z in (3, 2)))
 
 
 def _module_output(g: Graph, name: str) -> Any:

@@ -268,7 +268,8 @@ def replan(
     """The plan :func:`synthesize` makes for ``plan``'s model with its pins, ratio pins and cluster
     changed, reusing every search, LP and simulation whose inputs did not change (``plan.replan``).
 
-    ``pins``: tensor -> form, merged into the plan's pins (``None`` or ``"auto"`` removes a pin);
+    ``pins``: tensor -> form or parameter storage (``"zero3(0)"``, :class:`~hapnb.forms.FullShard`), merged
+    into the plan's pins (``None`` or ``"auto"`` removes a pin);
     ``ratio_pins``: device -> ratio or ``(lo, hi)``, merged into the plan's ratio pins (``None`` removes
     one); ``cluster``: another cluster (object, preset, JSON path or inline spec): ratio pins of devices it
     lacks are dropped. ``overrides``: other synthesize arguments to change (e.g. ``check_memory=False``,
