@@ -193,12 +193,17 @@ def apply_ratio_pins(
 @dataclass(frozen=True)
 class RatioLP:
     """The ratio LP of one program, built and not solved: the PuLP problem, the ratio variables ``r[s][j]``
-    and ``unit``, the objective's units per second (1 for the plain LP; the duplex LP is scaled)."""
+    and ``unit``, the objective's units per second (1 for the plain LP; the duplex LP is scaled); with
+    memory rows, their parts and slack (pass them to :func:`ratio_lp` for the same LP on a changed cluster)."""
 
     prob: Any
     r: tuple[tuple[Any, ...], ...]
     unit: float = 1.0
     duplex: bool = False
+    memory: MemoryLinear | None = (
+        None  # the memory rows' parts (ratio_lp(memory=)), to build a changed LP alike
+    )
+    memory_slack: tuple[float, ...] = ()
 
     def rows(self) -> dict[str, Any]:
         """The LP's constraints by name."""
@@ -259,11 +264,13 @@ def ratio_lp(
     reps = [c[0] for c in classes] if classes is not None else range(n)
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
+    slack = tuple(memory_slack) if memory_slack else (0.0,) * n
     if memory is not None:
-        _memory_caps(prob, cm, memory, r, memory_slack or (0.0,) * n)
+        _memory_caps(prob, cm, memory, r, slack)
     rt = tuple(tuple(row) for row in r)
+    mem = dict(memory=memory, memory_slack=slack if memory is not None else ())
     if duplex:
-        return RatioLP(prob, rt, _duplex_objective(prob, cm, program, r, unit), True)
+        return RatioLP(prob, rt, _duplex_objective(prob, cm, program, r, unit), True, **mem)
     objective = []
     constant = 0.0
     groups = cm.stages(program)
@@ -296,7 +303,7 @@ def ratio_lp(
                 continue
             objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r, reps=reps))
     prob += pulp.lpSum(objective) + constant
-    return RatioLP(prob, rt)
+    return RatioLP(prob, rt, **mem)
 
 
 def balance(

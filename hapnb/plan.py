@@ -334,7 +334,8 @@ class Plan:
 
     def sensitivity(self, factor: float = 1.1) -> Any:
         """What bounds the step: binding devices per stage and what a device or collective ``factor``
-        times faster would save, from the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
+        times faster (or a device whose memory caps its ratio, ``factor`` times larger) would save, from
+        the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
         return tuning_function("sensitivity")(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
