@@ -34,7 +34,7 @@ from .balance import (
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
-from .forms import Form, G, I, parse_pin
+from .forms import Form, FullShard, G, I, parse_pin
 from .graph import Graph
 from .memory import overflow
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
@@ -48,6 +48,7 @@ __all__ = [
     "assign_segments",
     "parse_pins",
     "baseline_specs",
+    "fsdp_pins",
     "without_gc",
     "Memo",
 ]
@@ -230,12 +231,7 @@ def baseline_specs(
     nseg = 1 + max((op.segment for op in th.graph.ops), default=0)
     even = tuple(tuple(1.0 / c.n for _ in range(c.n)) for _ in range(nseg))
     cp = normalize_ratios(None, c, nseg)
-    dp_pins: dict[str, Form] = {}
-    for t in g.tensors:
-        if t.role == "param":
-            dp_pins[t.name] = I
-        elif t.role == "input":
-            dp_pins[t.name] = G(0) if G(0) in th.forms[t.id] else I
+    dp_pins = _dp_pins(th)
     tp_pins = {t.name: I for t in g.tensors if t.role == "input"}
     plain = {"sfb": False, "grouped": False}
     out = []
@@ -243,6 +239,42 @@ def baseline_specs(
         merged = {**pins, **user_pins}
         out.append((name, merged, r, plain))
     return out
+
+
+def _dp_pins(th: Theory) -> dict[str, Form]:
+    """Data parallel: parameters replicated, inputs split on the batch dim (when they can be)."""
+    out: dict[str, Form] = {}
+    for t in th.graph.tensors:
+        if t.role == "param":
+            out[t.name] = I
+        elif t.role == "input":
+            out[t.name] = G(0) if G(0) in th.forms[t.id] else I
+    return out
+
+
+def fsdp_pins(
+    th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fully sharded data parallel (ZeRO-3 / PyTorch FSDP's FULL_SHARD): the data-parallel pins with every
+    parameter stored sharded and all-gathered before each use (:func:`~hapnb.forms.FullShard`), on the
+    dim whose largest shard at ``ratios`` (one row) is the smallest (parameters that cannot be split stay
+    replicated); ``user_pins`` win.
+
+    >>> import hapnb
+    >>> from hapnb.tracing import zoo_graph
+    >>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0])
+    >>> {k: str(v) for k, v in fsdp_pins(th, [0.5, 0.5]).items()}["layers.0.weight"]  # [8, 6]: 4 rows
+    'zero3(0)'
+    """
+    out: dict[str, Any] = dict(_dp_pins(th))
+    for t in th.graph.tensors:
+        gs = [f for f in th.forms[t.id] if f.kind == "G"]
+        if t.role == "param" and gs:
+            best = min(
+                gs, key=lambda f: (max(th.lengths(t.id, f.dim, ratios)) / t.shape[f.dim] * t.numel, f.dim)
+            )
+            out[t.name] = FullShard(best.dim)
+    return {**out, **(user_pins or {})}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from . import plan as plan_module
 from .cluster import Cluster
 from .cost import CostModel
 from .duplex import duplex_cost
-from .forms import FullShard
 from .graph import Graph
 from .memory import largest_pieces
 from .optimize import (
@@ -38,6 +37,7 @@ from .optimize import (
     Memo,
     assign_segments,
     baseline_specs,
+    fsdp_pins,
     keeps_ratio_pins,
     optimize,
     parse_pins,
@@ -502,19 +502,10 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     parallel with every parameter stored sharded and gathered before each use, ZeRO-3 / FSDP; and the
     cheapest program ignoring memory), what it needs per device, the smallest uniform capacity that would
     hold it, and what fills the fullest device."""
-    g = th.graph
     cm = CostModel(th, c)
-    lean: dict[str, Any] = dict(pins or {})
-    for t in g.tensors:
-        gs = [f for f in th.forms[t.id] if f.kind == "G"]
-        if t.name in lean or not gs:
-            continue
-        if t.role == "param":
-            lean[t.name] = FullShard(gs[0].dim)
-        elif t.role == "input":
-            lean[t.name] = gs[0]
     caps = [d.memory_bytes for d in c.devices]
     ratios = [x / sum(caps) for x in caps]
+    lean = fsdp_pins(th, ratios, pins)
     head = "no program fits in device memory (the search pruned every candidate that does not fit)"
     tried = []
     for what, pins_, opts in (
