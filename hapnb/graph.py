@@ -2,11 +2,9 @@
 
 :mod:`hapnb.tracing` builds a Graph from a PyTorch model; this module holds only the frozen values.
 
->>> import torch, hapnb
->>> m = torch.nn.Sequential(torch.nn.Linear(4, 3))
->>> g = hapnb.trace(m, (torch.randn(8, 4),), loss=lambda out: out.sum())
->>> [op.target for op in g.ops]
-['aten.linear.default', 'aten.sum.default']
+>>> t = TensorRef(0, "fc1.weight", (3, 4), "torch.float32", "param", requires_grad=True)
+>>> t.ndim, t.numel, t.nbytes
+(2, 12, 48)
 """
 
 from __future__ import annotations

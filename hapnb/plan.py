@@ -32,7 +32,7 @@ from .triples import Theory
 
 __all__ = [
     "CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping",
-    "register_tuning",
+    "register_tuning", "save_json", "load_json",
 ]  # fmt: skip
 
 PLAN_FORMAT = 1
@@ -516,20 +516,29 @@ class Plan:
             raise ValueError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        p = Path(path)
-        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return p
+        return save_json(path, self.to_json())
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no plan file at {p}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        return Plan.from_json(data, source=str(p))
+        return Plan.from_json(load_json(path, "plan"), source=str(path))
+
+
+def save_json(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as indented JSON (a plan file); returns the path."""
+    p = Path(path)
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    return p
+
+
+def load_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON object in a ``what`` file (e.g. "plan"), with errors that name the file."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {what} file at {p}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
 
 
 def _freeze(v: Any) -> Any:

@@ -35,7 +35,6 @@ True
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster import Cluster
+from ..plan import load_json, save_json
 
 __all__ = [
     "PIPELINE_FORMAT",
@@ -396,20 +396,11 @@ class PipelinePlan:
             raise ValueError(f"{source}: malformed pipeline plan ({type(e).__name__}: {e})") from None
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        p = Path(path)
-        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return p
+        return save_json(path, self.to_json())
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> PipelinePlan:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no pipeline plan file at {p}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        return PipelinePlan.from_json(data, source=str(p))
+        return PipelinePlan.from_json(load_json(path, "pipeline plan"), source=str(path))
 
 
 def _device_span(devices: Sequence[str]) -> str:
