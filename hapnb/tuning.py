@@ -36,7 +36,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .balance import MemoryCapError, lp_changes, memory_lp, parse_ratio_pins, ratio_lp, row_role, solve_lp
+from .balance import (
+    MemoryCapError,
+    device_classes,
+    lp_changes,
+    memory_lp,
+    parse_ratio_pins,
+    ratio_lp,
+    row_role,
+    solve_lp,
+)
 from .cluster import Cluster, Collective
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import duplex_cost
@@ -400,19 +409,19 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
 
 
 def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
-    """Device -> the first device the LP cannot tell it from: the same kind, flop/s, memory, GPUs, device
-    model and ratio pin (the LP is then symmetric in the two, so a change to either saves the same),
-    unless the program re-cuts tensors between ratio segments (a reshard's cost depends on the devices'
-    order)."""
+    """Device -> the first device the LP cannot tell it from: of one class of
+    :func:`hapnb.balance.device_classes` (the same flop/s, device model, GPUs and memory) and with the same
+    ratio pin (the LP is then symmetric in the two, so a change to either saves the same), unless the
+    program re-cuts tensors between ratio segments (a reshard's cost depends on the devices' order)."""
     names = plan.cluster.names
     if any(cv.name == "reshard" for st in steps for cv in st.conversions):
         return {d: d for d in names}
     pins = {d: (lo, hi) for d, lo, hi in plan.ratio_pins}
-    first: dict[Any, str] = {}
     out = {}
-    for d in plan.cluster.devices:
-        key = (d.kind, d.flops, d.memory_bytes, d.gpus, d.model, pins.get(d.name))
-        out[d.name] = first.setdefault(key, d.name)
+    for cls in device_classes(plan.cluster):
+        first: dict[Any, str] = {}
+        for j in cls:
+            out[names[j]] = first.setdefault(pins.get(names[j]), names[j])
     return out
 
 
