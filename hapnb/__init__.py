@@ -18,7 +18,20 @@ import importlib
 from typing import Any
 
 from .cluster import Cluster, Collective, Device
-from .forms import G, I, Partial, R, Replicate, Shard, parse_form, shard_lengths
+from .forms import (
+    FullShard,
+    G,
+    I,
+    Partial,
+    R,
+    Replicate,
+    Shard,
+    ShardGradOp,
+    Storage,
+    parse_form,
+    parse_pin,
+    shard_lengths,
+)
 
 __version__ = "0.1.0"
 
@@ -53,7 +66,7 @@ _LAZY = {
 
 __all__ = [
     "Cluster", "Collective", "Device", "G", "I", "R", "Partial", "Replicate", "Shard", "parse_form",
-    "shard_lengths", *sorted(_LAZY),
+    "shard_lengths", "FullShard", "ShardGradOp", "Storage", "parse_pin", *sorted(_LAZY),
 ]  # fmt: skip
 
 

@@ -20,7 +20,11 @@ Sensitivity: :func:`ratio_lp` builds the LP without solving it, :func:`solve_lp`
 every constraint's dual value (``pi``: seconds of optimum per unit of the row's right-hand side) and
 slack, and :func:`lp_changes` prices changes of the cost model to first order by the LP's duals (the
 envelope theorem, with the dual that is right for each change: the ratio LP is degenerate, so its duals
-are not unique), whatever rows the LP has. :func:`row_role` names what a row of the plain LP stands for.
+are not unique), whatever rows the LP has. :func:`row_role` names what a row of the LP stands for.
+
+Memory (:func:`memory_lp`, :func:`balance_in_memory`): ``ratio_lp(..., memory=)`` adds every device's
+memory cap as rows ``mem_opt_j`` and ``mem_bwd_j`` (the peak of the optimizer step and of the backward,
+linear in the ratios, in GiB): their duals say what a GiB more of that device's memory would save.
 
 >>> shares = proportional_ratios([2.0, 1.0, 1.0])
 >>> [round(x, 3) for x in shares]
@@ -37,12 +41,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .cluster import Cluster
 from .cost import CostModel, Step
 from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
+from .memory import MemoryLinear, lean_linear, memory_linear
 
 __all__ = [
     "RatioPin",
     "balance",
+    "balance_in_memory",
+    "memory_lp",
+    "memory_start_ratios",
+    "MemoryCapError",
     "proportional_ratios",
     "solver_name",
     "BalanceResult",
@@ -53,6 +63,7 @@ __all__ = [
     "solve_lp",
     "lp_changes",
     "row_role",
+    "device_classes",
 ]
 
 
@@ -182,12 +193,17 @@ def apply_ratio_pins(
 @dataclass(frozen=True)
 class RatioLP:
     """The ratio LP of one program, built and not solved: the PuLP problem, the ratio variables ``r[s][j]``
-    and ``unit``, the objective's units per second (1 for the plain LP; the duplex LP is scaled)."""
+    and ``unit``, the objective's units per second (1 for the plain LP; the duplex LP is scaled); with
+    memory rows, their parts and slack (pass them to :func:`ratio_lp` for the same LP on a changed cluster)."""
 
     prob: Any
     r: tuple[tuple[Any, ...], ...]
     unit: float = 1.0
     duplex: bool = False
+    memory: MemoryLinear | None = (
+        None  # the memory rows' parts (ratio_lp(memory=)), to build a changed LP alike
+    )
+    memory_slack: tuple[float, ...] = ()
 
     def rows(self) -> dict[str, Any]:
         """The LP's constraints by name."""
@@ -216,25 +232,45 @@ def ratio_lp(
     *,
     duplex: bool = False,
     unit: float | None = None,
+    memory: MemoryLinear | None = None,
+    memory_slack: Sequence[float] | None = None,
+    symmetric: bool = False,
 ) -> RatioLP:
     """Build the ratio LP of ``program`` under the cost model ``cm`` (see the module docstring).
     ``unit`` (duplex only): the objective's units per second; default: one over the duplex time at
-    throughput-proportional ratios (pass the base LP's ``unit`` to compare a perturbed LP with it)."""
+    throughput-proportional ratios (pass the base LP's ``unit`` to compare a perturbed LP with it).
+    ``memory`` (the program's :func:`hapnb.memory.memory_linear`): every device's memory caps the ratios,
+    less ``memory_slack[j]`` bytes (rows ``mem_opt_j`` and ``mem_bwd_j``, see :func:`balance_in_memory`).
+    ``symmetric``: identical devices (:func:`device_classes`) share one ratio variable and one row per
+    constraint (one segment, no duplex, no ratio pins): the LP is convex and symmetric in them, so some
+    optimum is symmetric and the cost is the same, from an LP as large as the number of device kinds
+    (its rows name the first device of each class)."""
     import pulp
 
     n, S = cm.n, cm.n_segments
     names = [d.name for d in cm.cluster.devices]
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
     prob = pulp.LpProblem("hapnb_ratios", pulp.LpMinimize)
-    r = [
-        [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)]
-        for s in range(S)
-    ]
+    classes = device_classes(cm.cluster) if symmetric and S == 1 and not duplex and not ratio_pins else None
+    if classes is not None:
+        shared = [prob.add_variable(f"r_0_{c[0]}", 0.0, 1.0) for c in classes]
+        of = {j: shared[k] for k, c in enumerate(classes) for j in c}
+        r = [[of[j] for j in range(n)]]
+    else:
+        r = [
+            [prob.add_variable(f"r_{s}_{j}", *bounds.get(names[j], (0.0, 1.0))) for j in range(n)]
+            for s in range(S)
+        ]
+    reps = [c[0] for c in classes] if classes is not None else range(n)
     for s in range(S):
         prob += pulp.lpSum(r[s]) == 1, f"simplex_{s}"
+    slack = tuple(memory_slack) if memory_slack else (0.0,) * n
+    if memory is not None:
+        _memory_caps(prob, cm, memory, r, slack)
     rt = tuple(tuple(row) for row in r)
+    mem = dict(memory=memory, memory_slack=slack if memory is not None else ())
     if duplex:
-        return RatioLP(prob, rt, _duplex_objective(prob, cm, program, r, unit), True)
+        return RatioLP(prob, rt, _duplex_objective(prob, cm, program, r, unit), True, **mem)
     objective = []
     constant = 0.0
     groups = cm.stages(program)
@@ -257,7 +293,7 @@ def ratio_lp(
                 const[j] += step_const[j]
         P = prob.add_variable(f"P_{k}", 0)
         objective.append(P)
-        for j in range(n):
+        for j in reps:
             _at_least(
                 prob, f"comp_{k}_{j}", P, [(r[s][j], coef[s][j]) for s in range(S) if coef[s][j]], const[j]
             )
@@ -265,9 +301,9 @@ def ratio_lp(
             if tm.slope == 0.0:
                 constant += tm.const
                 continue
-            objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r))
+            objective.append(_comm_epigraph(prob, f"M_{k}_{c}", tm, r, reps=reps))
     prob += pulp.lpSum(objective) + constant
-    return RatioLP(prob, rt)
+    return RatioLP(prob, rt, **mem)
 
 
 def balance(
@@ -281,6 +317,13 @@ def balance(
     :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found)."""
     t0 = time.perf_counter()
     sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex), ratio_pins)
+    return _result(cm, program, sol, duplex, t0)
+
+
+def _result(
+    cm: CostModel, program: Sequence[Step], sol: LPSolution, duplex: bool, t0: float
+) -> BalanceResult:
+    """A solved LP as a :class:`BalanceResult`: its ratios, costed by the cost model (or duplex time)."""
     cost = duplex_cost(cm, program, sol.ratios) if duplex else cm.evaluate(program, sol.ratios).cost_s
     return BalanceResult(sol.ratios, cost, time.perf_counter() - t0, sol.solver)
 
@@ -426,22 +469,28 @@ class _Tangent:
 
 
 def row_role(name: str) -> tuple[str, int, int, int]:
-    """What a row of the plain ratio LP stands for: ``("comp", stage, device, -1)`` (device j's computation
+    """What a row of the ratio LP stands for: ``("comp", stage, device, -1)`` (device j's computation
     bounds stage k's maximum), ``("comm", stage, device, term)`` (device j's shard bounds the time of the
-    stage's ``term``-th collective), ``("simplex", segment, -1, -1)``, or ``("other", -1, -1, -1)`` (any
-    other row, e.g. of the duplex LP or a constraint added later; its dual still counts in
-    :func:`lp_changes`).
+    stage's ``term``-th collective), ``("simplex", segment, -1, -1)``, ``("memory", -1, device, phase)``
+    (device j's memory cap in the optimizer step, phase 0, or the backward, phase 1: :func:`memory_lp`),
+    ``("memory", segment, device, 2)`` (a row of device j's largest-output epigraph), or ``("other", -1,
+    -1, -1)`` (any other row, e.g. of the duplex LP; its dual still counts in :func:`lp_changes`).
 
-    >>> row_role("comp_3_1"), row_role("M_2_0_5"), row_role("mem_0")
-    (('comp', 3, 1, -1), ('comm', 2, 5, 0), ('other', -1, -1, -1))
+    >>> row_role("comp_3_1"), row_role("M_2_0_5"), row_role("mem_bwd_4"), row_role("P_0_2")
+    (('comp', 3, 1, -1), ('comm', 2, 5, 0), ('memory', -1, 4, 1), ('other', -1, -1, -1))
     """
     parts = name.split("_")
+    digits = all(p.isdigit() for p in parts[2:])
     if parts[0] == "comp" and len(parts) == 3 and all(p.isdigit() for p in parts[1:]):
         return ("comp", int(parts[1]), int(parts[2]), -1)
     if parts[0] == "M" and len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
         return ("comm", int(parts[1]), int(parts[3]), int(parts[2]))
     if parts[0] == "simplex" and len(parts) == 2 and parts[1].isdigit():
         return ("simplex", int(parts[1]), -1, -1)
+    if parts[0] == "mem" and digits and len(parts) == 3 and parts[1] in ("opt", "bwd"):
+        return ("memory", -1, int(parts[2]), 0 if parts[1] == "opt" else 1)
+    if parts[0] == "mem" and digits and len(parts) == 4 and parts[1] == "L":
+        return ("memory", int(parts[3]), int(parts[2]), 2)
     return ("other", -1, -1, -1)
 
 
@@ -486,8 +535,9 @@ def _at_least(prob, name: str, X, terms, const: float) -> None:  # noqa: ANN001
     prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, name))
 
 
-def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa: ANN001
-    """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares)."""
+def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0, reps=None) -> object:  # noqa: ANN001
+    """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares);
+    ``reps``: the devices that need a row (one per class of identical devices; default all)."""
     import pulp
 
     n = len(r[0])
@@ -503,9 +553,22 @@ def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0) -> object:  # noqa
             share = pulp.lpSum(x for x in (u[j], u[j + 1]) if x is not None)
             prob += M >= unit * tm.const + unit * tm.slope * share, f"{name}_{j}"
     else:
-        for j in range(n):
+        for j in range(n) if reps is None else reps:
             _at_least(prob, f"{name}_{j}", M, [(r[tm.segment][j], unit * tm.slope)], unit * tm.const)
     return M
+
+
+def device_classes(cluster: Cluster) -> list[list[int]]:
+    """Devices the cost and memory models cannot tell apart (same throughput, device model, GPUs and
+    memory), as lists of indices in device order.
+
+    >>> device_classes(Cluster.parse("2xV100+1xP100+1xV100"))
+    [[0, 1, 3], [2]]
+    """
+    groups: dict[Any, list[int]] = {}
+    for j, d in enumerate(cluster.devices):
+        groups.setdefault((d.flops, repr(d.model), d.gpus, d.memory_bytes), []).append(j)
+    return list(groups.values())
 
 
 def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r, unit: float | None = None) -> float:  # noqa: ANN001
@@ -566,3 +629,131 @@ def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r, unit: flo
         objective.append(_epigraph(prob, "T_opt", [(*cm.optimizer_linear(program), unit)], r))
     prob += pulp.lpSum(objective) + constant
     return unit
+
+
+class MemoryCapError(RuntimeError):
+    """No ratios fit a program in every device's memory (within the ratio pins)."""
+
+
+def memory_lp(
+    cm: CostModel,
+    program: Sequence[Step],
+    extra: Sequence[Any] = (),
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
+    rounds: int = 4,
+    symmetric: bool = True,
+) -> tuple[RatioLP, LPSolution]:
+    """The ratio LP with every device's memory capped (:func:`ratio_lp` ``memory=``), solved: the two
+    phases of :mod:`hapnb.memory` (backward and optimizer step) as linear constraints on the ratios (a
+    G-form tensor's local bytes are its bytes times the device's ratio; the largest output through one
+    epigraph variable per device). Integer shard lengths can round a shard up, so a device whose exact
+    peak (:meth:`CostModel.memory`) still exceeds its memory gets its cap lowered by that excess and the LP
+    is solved again (up to ``rounds`` times). Returns the last LP and its solution (what a sensitivity
+    reads its duals from, ``symmetric=False``); raises :class:`MemoryCapError` when no ratios fit."""
+    ml = memory_linear(cm, program, extra)
+    devs = cm.cluster.devices
+    slack = [0.0] * cm.n
+    for _ in range(rounds):
+        lp = ratio_lp(
+            cm, program, ratio_pins, duplex=duplex, memory=ml, memory_slack=slack, symmetric=symmetric
+        )
+        try:
+            sol = solve_lp(lp, ratio_pins)
+        except RuntimeError as e:
+            raise MemoryCapError(f"no ratios fit this program in device memory ({e})") from None
+        peak = cm.memory(program, extra, sol.ratios)
+        over = [m * d.gpus - d.memory_bytes for m, d in zip(peak, devs)]
+        if max(over) <= 0:
+            return lp, sol
+        slack = [s + (1.25 * o + 4096 if o > 0 else 0.0) for s, o in zip(slack, over)]
+    raise MemoryCapError(f"no ratios fit this program in device memory after {rounds} rounds of rounding")
+
+
+def balance_in_memory(
+    cm: CostModel,
+    program: Sequence[Step],
+    extra: Sequence[Any] = (),
+    ratio_pins: Sequence[RatioPin] = (),
+    *,
+    duplex: bool = False,
+    rounds: int = 4,
+) -> BalanceResult:
+    """:func:`balance` with every device's memory capped (:func:`memory_lp`; identical devices share
+    their ratio). Raises :class:`MemoryCapError` when no ratios fit."""
+    t0 = time.perf_counter()
+    _, sol = memory_lp(cm, program, extra, ratio_pins, duplex=duplex, rounds=rounds)
+    return _result(cm, program, sol, duplex, t0)
+
+
+def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float]) -> None:  # noqa: ANN001
+    """Each device's peak (both phases, :func:`hapnb.memory.peak_raw`) at most its memory, in GiB."""
+    import pulp
+
+    gib = 2.0**30
+
+    def part(p: tuple[float, dict[int, float]], j: int) -> Any:
+        return p[0] / gib + pulp.lpSum(c / gib * r[s][j] for s, c in p[1].items() if c)
+
+    # devices that share their ratio variables (ratio_lp(symmetric=True)) need one row, with the most slack
+    rows: dict[tuple[int, ...], int] = {}
+    for j in range(cm.n):
+        key = tuple(id(r[s][j]) for s in range(len(r)))
+        k = rows.setdefault(key, j)
+        if slack[j] > slack[k]:
+            rows[key] = j
+    for j in sorted(rows.values()):
+        d = cm.cluster.devices[j]
+        m = d.model
+        sc = 1.0 + (m.memory_overhead if m is not None else 0.0)
+        c0 = (m.memory_const_bytes * d.gpus if m is not None else 0.0) / gib
+        cap = (d.memory_bytes - slack[j]) / gib
+        L = prob.add_variable(f"mem_L_{j}", ml.L_const / gib)
+        for s, c in ml.L_coef.items():
+            prob += L >= c / gib * r[s][j], f"mem_L_{j}_{s}"
+        P, In, A, X = (part(x, j) for x in (ml.P, ml.In, ml.A, ml.X))
+        prob += sc * (5.0 * P + In) + c0 <= cap, f"mem_opt_{j}"
+        prob += sc * (3.0 * P + In + A + 2.0 * L + ml.F / gib + X) + c0 <= cap, f"mem_bwd_{j}"
+
+
+def memory_start_ratios(
+    cm: CostModel,
+    pins: Mapping[int, Any],
+    ratio_pins: Sequence[RatioPin] = (),
+    margin: float = 0.8,
+    start: Sequence[float] | None = None,
+) -> tuple[float, ...] | None:
+    """Ratios ``start`` (default throughput-proportional) moved so that a lean program
+    (:func:`hapnb.memory.lean_linear`) takes at most ``margin`` of every device's memory: each device's
+    ratio is capped where its lean peak reaches that, the rest spread in proportion to ``start``
+    (:func:`apply_ratio_pins`); unchanged where no cap binds. The memory-aware search starts there (a
+    search at ratios where not even a lean program fits would only prove that slowly). None when even the
+    caps leave less than the whole batch (no ratios give the lean program room)."""
+    ml = lean_linear(cm, pins)
+    names = [d.name for d in cm.cluster.devices]
+    (p0, p1), (i0, i1), (a0, a1) = ((p[0], sum(p[1].values())) for p in (ml.P, ml.In, ml.A))  # one row
+    l0, l1 = ml.L_const, max(ml.L_coef.values(), default=0.0)
+    hi = []
+    for d in cm.cluster.devices:
+        m = d.model
+        sc = 1.0 + (m.memory_overhead if m is not None else 0.0)
+        room = (margin * d.memory_bytes - (m.memory_const_bytes * d.gpus if m is not None else 0.0)) / sc
+        r = 1.0
+        for c0, c1 in ((5 * p0 + i0, 5 * p1 + i1), (3 * p0 + i0 + a0 + 2 * l0, 3 * p1 + i1 + a1 + 2 * l1)):
+            if c0 > room:
+                return None
+            if c1 > 0:
+                r = min(r, (room - c0) / c1)
+        hi.append(max(0.0, r))
+    if sum(hi) < 1.0:
+        return None
+    bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
+    caps = [
+        RatioPin(n, min(bounds.get(n, (0.0, 1.0))[0], h), min(bounds.get(n, (0.0, 1.0))[1], h))
+        for n, h in zip(names, hi)
+    ]
+    row = tuple(start) if start is not None else proportional_ratios(cm.flops)
+    if all(r <= h + 1e-12 for r, h in zip(row, hi)):
+        return row
+    return apply_ratio_pins(row, caps, names, [max(r, 1e-9) for r in row])

@@ -51,7 +51,8 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=FORM",
-        help="pin a tensor's form, e.g. --pin layers.0.fc1.weight=G1 (I, R, Gd, Shard(d), Replicate)",
+        help="pin a tensor's form, e.g. --pin layers.0.fc1.weight=G1 (I, R, Gd, Shard(d), Replicate), or a "
+        "parameter's storage: zero3(d) / fsdp(d) (sharded, gathered before each use) or zero2(d)",
     )
     p.add_argument("--ratios", help="fixed ratios r1,r2,... (one per device; no LP)")
     p.add_argument(
@@ -308,14 +309,17 @@ def _value(v: str) -> Any:
 
 
 def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    from .forms import parse_form
+    from .forms import parse_pin
 
     pins = {}
     for item in ns.pin or []:
         if "=" not in item:
             raise SystemExit(f"hapnb: --pin {item!r}: expected NAME=FORM, e.g. layers.0.fc1.weight=G1")
         k, v = item.rsplit("=", 1)
-        pins[k] = parse_form(v)
+        try:
+            pins[k] = parse_pin(v)
+        except ValueError as e:
+            raise SystemExit(f"hapnb: --pin {item!r}: {e}") from None
     ratios: Any = None
     if ns.ratios:
         ratios = [float(x) for x in ns.ratios.split(",")]

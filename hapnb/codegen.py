@@ -357,9 +357,12 @@ def generate(
 
     # ------------------------------------------------------------- what is loaded in which forms
     load_forms: dict[str, list[tuple[Form, bool]]] = {}
+    zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
     for ins in plan.program:
         if ins.kind == "load":
-            f = parse_form(ins.form)
+            f = parse_form(
+                ins.src if ins.name.startswith("load_zero") else ins.form
+            )  # ZeRO: the stored shard
             load_forms.setdefault(ins.tensor, [])
             if (f, ins.name == "load_sfb") not in load_forms[ins.tensor]:
                 load_forms[ins.tensor].append((f, ins.name == "load_sfb"))
@@ -515,6 +518,17 @@ def generate(
                 raise CodegenError(f"{where}: {t.name} is not an input, parameter, buffer or constant")
             rec = records[t.name]
             sfb = ins.name == "load_sfb"
+            if ins.name in ("load_zero2", "load_zero3"):  # stored sharded, all-gathered before use
+                stored = parse_form(ins.src)
+                if f != I or stored.kind != "G" or not rec.sharded or rec.dim != stored.dim:
+                    raise CodegenError(
+                        f"{where}: {ins.name} needs {t.name} stored as one shard {stored} and used as I; "
+                        f"the program also loads it as {rec.form}"
+                    )
+                ls = lengths(t.name, stored.dim, where)
+                fn = C.gather_param if ins.name == "load_zero3" else C.all_gather
+                env[key] = emit(fn, (attr(t.name), stored.dim, ls), name=tname(t.name, f))
+                continue
             if f.kind == "G" and rec.sharded:
                 env[key] = attr(t.name)
             elif f.kind == "G":
@@ -638,7 +652,10 @@ def generate(
         if not dropout:
             cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
         out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
-        nd = emit(call.fn, cargs, ckw, out_name)
+        if zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
+            nd = emit(C.regathered(call.fn), cargs, ckw, out_name)
+        else:
+            nd = emit(call.fn, cargs, ckw, out_name)
         if op.output_items:
             for tid, item, f in zip(op.outputs, op.output_items, out_forms):
                 env[(tid, f)] = emit(operator.getitem, (nd, item), name=tname(g.tensors[tid].name, f))

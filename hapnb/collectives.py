@@ -18,6 +18,8 @@ function                      forward           backward (of the gradient)
 :func:`shard`                 ``I -> G(d)``     nothing (plain autograd of a slice)
 :func:`replicate`             identity          all-reduce (replicated parameters)
 :func:`to_partial`            ``I -> R``        rank 0 keeps the gradient, others get 0
+:func:`gather_param`          ``G(d) -> I``     reduce-scatter; ops under :func:`regathering` gather it
+                                                again for their backward instead of keeping it (ZeRO-3)
 ============================  ================  =====================================
 
 ``padded=True`` collectives pad every slice to ``max(lengths)`` and use one equal-size collective
@@ -61,6 +63,9 @@ __all__ = [
     "shard",
     "replicate",
     "to_partial",
+    "gather_param",
+    "regathering",
+    "regathered",
     "all_gather_async",
     "reduce_scatter_async",
     "all_reduce_async",
@@ -647,6 +652,88 @@ def to_partial(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """
     g = _group_ctx(group)
     return x if g.rank == 0 else x * 0
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3: gathered parameters are not kept for the backward
+# --------------------------------------------------------------------------------------------------
+
+_REGATHER = "_hapnb_regather"
+
+
+def gather_param(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:
+    """ZeRO-3 / FSDP: :func:`all_gather` (padded) of a parameter's shard ``x``, with the result marked so
+    that ops run under :func:`regathering` do not keep it for the backward: they keep a token and the
+    backward all-gathers the shard again. Backward of the gather itself: the reduce-scatter of the
+    gradient into the shard, as for :func:`all_gather`.
+
+    >>> w = torch.arange(4.0, requires_grad=True)
+    >>> y = regathering(torch.mul, gather_param(w, 0, (4,)), 2.0)
+    >>> y.sum().backward(); w.grad.tolist()
+    [2.0, 2.0, 2.0, 2.0]
+    """
+    out = all_gather(x, dim, lengths, padded=True, group=group)
+    setattr(out, _REGATHER, (x, dim, tuple(lengths), group))
+    return out
+
+
+@dataclass(frozen=True)
+class _Token:
+    """What autograd keeps instead of a gathered parameter (or a view of it)."""
+
+    source: tuple[Any, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _pack(t: torch.Tensor) -> Any:
+    base = t._base if t._base is not None else t
+    src = getattr(base, _REGATHER, None)
+    if src is None:
+        return t
+    return _Token(src, tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    if not isinstance(x, _Token):
+        return x
+    shard, dim, lengths, group = x.source
+    with torch.no_grad():
+        full = all_gather(shard.detach(), dim, lengths, padded=True, group=group)
+    return full.as_strided(x.size, x.stride, full.storage_offset() + x.offset)
+
+
+def regathering(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` where autograd keeps a token instead of any tensor from :func:`gather_param`
+    (or a view of one): the backward all-gathers that parameter again (same ranks, same order), so the
+    gathered copy lives only while ``fn`` runs in the forward and while its backward runs. Other saved
+    tensors are kept as usual. Generated programs call every op this way when a plan stores a parameter
+    ZeRO-3 (``load_zero3``)."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        return fn(*args, **kwargs)
+
+
+_REGATHERED: dict[Any, Callable[..., Any]] = {}
+
+
+def regathered(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under :func:`regathering` (one named function per ``fn``, so a generated fx program can
+    call it as an op).
+
+    >>> regathered(torch.add).__name__
+    'regathered_add'
+    """
+    w = _REGATHERED.get(fn)
+    if w is None:
+
+        def w(*args: Any, **kwargs: Any) -> Any:
+            return regathering(fn, *args, **kwargs)
+
+        name = "regathered_" + "".join(ch if ch.isalnum() else "_" for ch in getattr(fn, "__name__", "op"))
+        w.__name__ = w.__qualname__ = name
+        _REGATHERED[fn] = w
+    return w
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ strategy      what it is, and how its row is computed
 ``ep``        expert parallel as DeepSpeed-MoE runs it (MoE models only): expert weights sharded on their
               expert dim with even ratios, the expert count padded to a multiple of the devices (every
               device holds ``ceil(E/n)`` expert slots), everything else data parallel (even ratios)
-``fsdp``      fully sharded data parallel (parameters sharded, gathered before use): not available yet
-              (the theory has no gather-before-use programs for parameters); the row says so
+``fsdp``      fully sharded data parallel as PyTorch FSDP (FULL_SHARD) / ZeRO-3 runs it: the ``dp_ev`` pins
+              with every parameter stored sharded (:func:`hapnb.optimize.fsdp_pins`), all-gathered before
+              each use in the forward and again in the backward, its gradient reduce-scattered; even ratios
 ``pipeline``  a heterogeneous pipeline (Ditto: node folding + DP recovery, 1F1B, :func:`hapnb.pipeline`)
 ============  ==============================================================================================
 
@@ -64,7 +65,7 @@ from typing import Any
 from .cluster import Cluster
 from .forms import G
 from .graph import Graph
-from .optimize import baseline_specs
+from .optimize import baseline_specs, fsdp_pins
 from .plan import Plan, freeze_mapping
 from .search import NoProgramError
 from .synthesis import baselines, fixed_plan, synthesize
@@ -440,10 +441,16 @@ def _ep(x: _Inputs) -> StrategyResult:
 
 
 def _fsdp(x: _Inputs) -> StrategyResult:
-    return _absent(
-        "fsdp",
-        "not available: the theory has no programs that gather sharded parameters before use yet",
-    )
+    c = x.cluster
+    _, _, ratios, opts = next(s for s in baseline_specs(x.theory, c, {}) if s[0] == "dp_ev")
+    pins = fsdp_pins(x.theory, ratios[0])
+    try:
+        plan = fixed_plan(x.theory, c, pins, ratios, opts, name="fsdp", model=x.spec,
+                          max_expansions=x.max_expansions)  # fmt: skip
+    except (NoProgramError, ValueError) as e:
+        return _absent("fsdp", f"no fully sharded program: {str(e).splitlines()[0][:200]}")
+    sharded = sum(1 for i in plan.program if i.kind == "load" and i.name == "load_zero3")
+    return _spmd_row("fsdp", plan, f"{sharded} parameters stored sharded (ZeRO-3), even ratios")
 
 
 def _pipeline(x: _Inputs) -> StrategyResult:

@@ -34,12 +34,14 @@ step (Adam, foreach) is memory-bound work over the device's parameters, gradient
 per local parameter tensor with ``optimizer_per_tensor``: single-tensor Adam, a CPU), charged once per
 iteration to the last stage.
 
-Memory (:meth:`CostModel.memory_breakdown`): per device, parameters, gradients and Adam's two states by
-each tensor's stored form, inputs, the activations autograd saves for the backward
-(:data:`SAVED_FOR_BACKWARD`), a transient of twice the largest local activation during the backward,
-and the device model's allocator overhead. The peak is the larger of the backward phase (states +
-saved activations + transient, gradients growing as activations are freed) and the optimizer phase
-(parameters, gradients, states and one parameter-sized foreach temporary).
+Memory (:meth:`CostModel.memory_breakdown`, the model in :mod:`hapnb.memory`): per device, parameters,
+gradients and Adam's two states by each parameter's *stored* form, inputs, the activations autograd saves
+for the backward (:data:`SAVED_FOR_BACKWARD`), ZeRO-2's gathered copies, a transient of twice the largest
+local activation (plus the largest re-gathered parameter) during the backward, and the device model's
+allocator overhead. The peak is the larger of the backward phase and the optimizer phase. A parameter
+stored sharded and all-gathered before use (:class:`Load` ``zero`` 2 or 3, ZeRO / FSDP) costs an
+all-gather in the forward and a reduce-scatter of its gradient (ZeRO-3: another all-gather in the
+backward), :meth:`CostModel.zero_terms`.
 
 The search, the LP and :func:`evaluate` all use these same terms.
 """
@@ -47,13 +49,15 @@ The search, the LP and :func:`evaluate` all use these same terms.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
 from .cluster import Cluster
-from .forms import Form
+from .forms import Form, I
 from .graph import Graph, Op
+from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
+from .memory import is_alias as _is_alias
 from .rules import Strategy
 from .triples import Theory
 
@@ -101,31 +105,6 @@ MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
 #: scans at their own rates if measured, :meth:`~hapnb.devices.DeviceModel.vector_rate`): transcendental
 #: pointwise ops, pooling, transcendental scans, the loss (log-softmax + nll), ops without a rule.
 VECTOR_FAMILIES = frozenset({"pointwise", "pool", "scan", "loss", "unknown"})
-#: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
-#: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
-#: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
-#: element), ``none``. ReLU keeps its output; other pointwise ops their inputs. Not listed: ``in``.
-SAVED_FOR_BACKWARD: Mapping[str, str] = MappingProxyType(
-    {
-        "matmul": "in",
-        "linear": "in0",
-        "conv": "in0",
-        "attention": "qkvo",
-        "embedding": "ids",
-        "norm": "norm",
-        "loss": "loss",
-        "additive": "none",
-        "view": "none",
-        "select": "none",
-        "creation": "none",
-        "convert": "none",
-        "random": "none",
-        "reduction": "none",
-        "dimwise": "out",
-    }
-)
-#: The memory breakdown's categories (bytes each; they sum to the predicted peak).
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "overhead")
 
 
 # collectives that move no data and so do not start a stage
@@ -211,11 +190,25 @@ def reshard_share(a: Sequence[float], b: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Load:
-    """Load a parameter/input/buffer in a form (``sfb``: a replicated weight whose gradient SFB syncs)."""
+    """Load a parameter/input/buffer in a form (``sfb``: a replicated weight whose gradient SFB syncs).
+
+    ``zero`` 2 or 3: a parameter *stored* sharded as ``stored`` (``G(d)``: its parameter, gradient and
+    Adam states are the shard) and all-gathered to ``form`` (``I``) before use; its gradient is
+    reduce-scattered back to the shard. ZeRO-2 (FSDP's SHARD_GRAD_OP) keeps the gathered copy until the
+    backward has used it; ZeRO-3 (FSDP's FULL_SHARD) frees it after the forward use and all-gathers it
+    again in the backward. ``zero=-1`` is the search's "replicated use, storage decided at the end"
+    (:mod:`hapnb.memsearch`); a finished program has none."""
 
     tensor: int
     form: Form
     sfb: bool = False
+    zero: int = 0
+    stored: Form | None = None
+
+    @property
+    def storage(self) -> Form:
+        """The form the parameter is kept in between uses (``stored`` for a ZeRO load, else ``form``)."""
+        return self.stored if self.zero and self.stored is not None else self.form
 
 
 @dataclass(frozen=True)
@@ -428,7 +421,7 @@ class CostModel:
         for st in program:
             for ld in st.loads:
                 if self.graph.tensors[ld.tensor].role == "param":
-                    forms.setdefault(ld.tensor, ld.form)
+                    forms.setdefault(ld.tensor, ld.storage)
         return forms
 
     def optimizer_linear(
@@ -470,7 +463,7 @@ class CostModel:
         if t.role != "param" or not any(self.inner_sync_s_per_byte):
             return (0.0,) * self.n
         r = ratios[self.segment_of[ld.tensor]]
-        share = [r[j] if ld.form.kind == "G" else 1.0 for j in range(self.n)]
+        share = [r[j] if ld.storage.kind == "G" else 1.0 for j in range(self.n)]
         return tuple(self.inner_sync_s_per_byte[j] * t.nbytes * share[j] for j in range(self.n))
 
     # ------------------------------------------------------------------ communication
@@ -528,8 +521,12 @@ class CostModel:
         raise ValueError(f"unknown collective {name!r}")
 
     def load_terms(self, ld: Load) -> tuple[Term, ...]:
-        """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it)."""
+        """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it); a ZeRO load
+        all-gathers the shard in the forward and reduce-scatters the gradient in the backward (padded, as
+        a feature all-gather's dual), ZeRO-3 all-gathers it again in the backward."""
         t = self.graph.tensors[ld.tensor]
+        if ld.zero > 0 and ld.stored is not None:
+            return self.zero_terms(ld.tensor, ld.stored, ld.zero)
         if t.role != "param" or ld.form.kind != "I" or ld.sfb:
             return ()
         return (
@@ -543,6 +540,21 @@ class CostModel:
                 gradient=True,
             ),
         )
+
+    def zero_terms(self, tensor: int, stored: Form, zero: int) -> tuple[Term, ...]:
+        """Communication of a parameter stored ``stored`` and gathered before use (ZeRO-``zero``)."""
+        (tm,) = self.conversion_terms(Conversion(tensor, "all_gather", stored, I))
+        name = self.graph.tensors[tensor].name
+        tm = replace(tm, kind=f"zero{zero}_gather", what=f"zero{zero} all_gather {name}")
+        if zero == 2:
+            return (tm,)
+        c = self._coll["all_gather"]
+        slope = self.n * self.graph.tensors[tensor].nbytes / c.bandwidth_Bps
+        again = Term(
+            "all_gather", c.latency_s, slope, tm.segment, f"zero3 re-gather {name}", bwd_const=c.latency_s,
+            bwd_slope=slope,
+        )  # fmt: skip
+        return (tm, again)
 
     def sfb_terms(self, step: Step) -> tuple[Term, ...]:
         """SFB: all-gather the G input and the output gradient (padded) in the backward."""
@@ -663,78 +675,21 @@ class CostModel:
             return [float(t.nbytes)] * self.n
         s = self.segment_of[tensor] if seg < 0 else seg
         lengths = self.theory.lengths(tensor, form.dim, ratios[s])
-        return [t.nbytes / t.shape[form.dim] * x for x in lengths]
+        per = t.nbytes / t.shape[form.dim]
+        return [per * x for x in lengths]
 
     def memory_breakdown(
         self, program: Sequence[Step], extra: Sequence[Conversion], ratios: Sequence[Sequence[float]]
     ) -> tuple[dict[str, int], ...]:
         """Per GPU, the predicted peak split by :data:`MEMORY_CATEGORIES` (bytes; they sum to the peak).
 
-        Parameters, gradients and Adam's two states count each parameter's stored (loaded) form;
-        activations are what autograd keeps (:data:`SAVED_FOR_BACKWARD`, each tensor once, in the form
-        its consumer uses); the transient is twice the largest local activation (an output gradient and
-        the input gradient made from it), plus the final conversions. The peak is the larger phase:
-        backward (states + saved + transient) or optimizer step (states + gradients + one
-        parameter-sized temporary); ``overhead`` is the device model's allocator overhead (0 when
-        flops-only). A virtual device's bytes are split over its GPUs."""
-        g = self.graph
-        n = self.n
-        cat = {c: [0.0] * n for c in MEMORY_CATEGORIES}
-
-        def add(key: str, v: Sequence[float], k: float = 1.0) -> None:
-            for j in range(n):
-                cat[key][j] += k * v[j]
-
-        seen_load: set[int] = set()
-        alias: dict[int, int] = {}  # dropout(p=0) returns its input: the same storage
-        for op in g.ops:
-            if _is_alias(op) and op.inputs and op.outputs:
-                alias[op.outputs[0]] = alias.get(op.inputs[0], op.inputs[0])
-        saved: set[tuple[int, str, float]] = set()
-        largest = [0.0] * n
-        for st in program:
-            for ld in st.loads:
-                if ld.tensor in seen_load:
-                    continue
-                seen_load.add(ld.tensor)
-                t = g.tensors[ld.tensor]
-                v = self._local(ld.tensor, ld.form, ratios)
-                if t.role == "param":
-                    add("parameters", v)
-                    add("gradients", v)
-                    add("optimizer", v, 2.0)
-                else:
-                    add("inputs", v)
-            op = g.ops[st.op]
-            seg = op.segment
-            for t, f in zip(op.outputs, st.strategy.outputs):
-                if g.tensors[t].is_float and op.family != "view" and not _is_alias(op):
-                    largest = [max(a, b) for a, b in zip(largest, self._local(t, f, ratios, seg))]
-            for t, f, scale in _saved(g, op, st.strategy):
-                t = alias.get(t, t)
-                key = (t, str(f) if n > 1 else "", scale)  # one device: every form is the whole tensor
-                if key not in saved and g.tensors[t].role == "activation":
-                    saved.add(key)
-                    add("activations", self._local(t, f, ratios, seg), scale)
-        for cv in extra:
-            add("transient", self._local(cv.tensor, cv.dst, ratios))
-        add("transient", largest, 2.0)
-        out = []
-        for j, d in enumerate(self.cluster.devices):
-            c = {k: v[j] for k, v in cat.items()}
-            backward = c["activations"] + c["transient"]
-            step = c["gradients"] + c["parameters"]  # gradients + one foreach temporary
-            if step > backward:
-                c["activations"], c["transient"] = 0.0, c["parameters"]
-            else:
-                c["gradients"] = 0.0  # gradients grow as saved activations are freed
-            m = d.model
-            raw = sum(c.values())
-            c["overhead"] = raw * m.memory_overhead + m.memory_const_bytes * self.gpus[j] if m else 0.0
-            k = self.gpus[j]
-            row = {key: int(v / k) for key, v in c.items()}
-            out.append(row)
-        return tuple(out)
+        Parameters, gradients and Adam's two states count each parameter's stored form (a ZeRO load's
+        shard); activations are what autograd keeps (:data:`SAVED_FOR_BACKWARD`, each tensor once, in the
+        form its consumer uses) and ZeRO-2's gathered copies; the transient is twice the largest local
+        activation, the largest re-gathered parameter and the final conversions. The peak is the larger
+        phase: backward or optimizer step (:mod:`hapnb.memory` has the model); ``overhead`` is the device
+        model's allocator overhead (0 when flops-only). A virtual device's bytes are split over its GPUs."""
+        return memory_breakdown(self, program, extra, ratios)
 
 
 #: GEMM roles of the dims of each tensor input, per op target, from the right: ``K`` contracted, ``M``
@@ -792,48 +747,6 @@ def gemm_dims(g: Graph, op: Op, s: Strategy, share: float = 1.0, gpus: int = 1) 
         size[cut] *= share
     size["B" if size["B"] > 1 else "M"] /= gpus
     return (size["B"], size["M"], size["N"], size["K"])
-
-
-def _is_alias(op: Op) -> bool:
-    """``dropout(p=0)`` (or not training) returns its input: no kernel, no new storage."""
-    if "dropout" not in op.target:
-        return False
-    args = list(op.args) + [None, None, None]
-    p, train = args[1], args[2]
-    return p == 0 or train is False
-
-
-def _saved(g: Graph, op: Op, s: Strategy) -> list[tuple[int, Form, float]]:
-    """Tensors (with the form the op uses and a byte factor) autograd keeps for ``op``'s backward."""
-    ins = list(zip(op.inputs, s.inputs))
-    outs = list(zip(op.outputs, s.outputs))
-    kind = SAVED_FOR_BACKWARD.get(op.family, "in")
-    if op.family == "pointwise":
-        kind = "out" if "relu" in op.target else "in"
-        if "dropout" in op.target:
-            kind = "none" if _is_alias(op) else "mask"
-    if kind == "none":
-        return []
-    if kind == "in0":
-        return [(t, f, 1.0) for t, f in ins[:1]]
-    if kind == "out":
-        return [(t, f, 1.0) for t, f in outs[:1]]
-    if kind == "mask":
-        t, f = outs[0]
-        return [(t, f, 1.0 / max(1, g.tensors[t].itemsize))]
-    if kind == "ids":
-        return [(t, f, 1.0) for t, f in ins[1:2]]
-    if kind == "qkvo":
-        hd = g.tensors[op.inputs[0]].shape[-1] if g.tensors[op.inputs[0]].shape else 1
-        lse = [(t, f, 1.0 / max(1, hd)) for t, f in outs[:1]]  # logsumexp: one float per row
-        return [(t, f, 1.0) for t, f in ins[:3]] + [(t, f, 1.0) for t, f in outs[:1]] + lse
-    if kind == "norm":
-        t, f = ins[0]
-        last = g.tensors[t].shape[-1] if g.tensors[t].shape else 1
-        return [(t, f, 1.0 + 2.0 / max(1, last))]  # + mean and rstd per row
-    if kind == "loss":
-        return [(t, f, 1.0) for t, f in ins[:2]]  # log-probabilities (input-sized) + target
-    return [(t, f, 1.0) for t, f in ins]
 
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce")

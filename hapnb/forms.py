@@ -32,7 +32,11 @@ __all__ = [
     "Shard",
     "Replicate",
     "Partial",
+    "Storage",
+    "FullShard",
+    "ShardGradOp",
     "parse_form",
+    "parse_pin",
     "shard_lengths",
     "shard_offsets",
 ]
@@ -111,6 +115,66 @@ def Partial() -> Form:  # noqa: N802
     return R
 
 
+@dataclass(frozen=True)
+class Storage:
+    """A pin on a parameter's *storage*: kept sharded on ``dim`` (its parameter, gradient and Adam states
+    are the shard, ``G(dim)``) and all-gathered to ``I`` just before use, the gradient reduce-scattered
+    back to the shard. ``zero=3`` (ZeRO-3, FSDP's FULL_SHARD) frees the gathered copy after the forward
+    use and gathers it again in the backward; ``zero=2`` (ZeRO-2, FSDP's SHARD_GRAD_OP) keeps it until
+    the backward. Pins: ``{"fc1.weight": hapnb.FullShard(0)}``, ``--pin fc1.weight=zero3(0)``.
+
+    >>> str(FullShard(0)), str(ShardGradOp(1)), parse_pin("fsdp(0)") == FullShard(0)
+    ('zero3(0)', 'zero2(1)', True)
+    """
+
+    zero: int
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.zero not in (2, 3) or self.dim < 0:
+            raise ValueError(f"Storage needs zero 2 or 3 and a non-negative dim, got {self.zero}, {self.dim}")
+
+    def __str__(self) -> str:
+        return f"zero{self.zero}({self.dim})"
+
+    @property
+    def form(self) -> Form:
+        """The stored form ``G(dim)``."""
+        return G(self.dim)
+
+
+def FullShard(dim: int) -> Storage:  # noqa: N802
+    """Pin a parameter to ZeRO-3 / FSDP storage: sharded on ``dim``, gathered before each use (forward
+    and backward), gradient reduce-scattered."""
+    return Storage(3, dim)
+
+
+def ShardGradOp(dim: int) -> Storage:  # noqa: N802
+    """Pin a parameter to ZeRO-2 storage: sharded on ``dim``, gathered once per step before its first use
+    and kept until the backward, gradient reduce-scattered."""
+    return Storage(2, dim)
+
+
+def parse_pin(text: str) -> Form | Storage:
+    """A pin: a form (:func:`parse_form`) or a storage: ``zero3(d)`` / ``fsdp(d)`` / ``fullshard(d)``
+    (ZeRO-3), ``zero2(d)`` / ``shardgradop(d)`` (ZeRO-2).
+
+    >>> parse_pin("zero2(1)"), parse_pin("G0")
+    (Storage(zero=2, dim=1), G(0))
+    """
+    low = text.strip().replace(" ", "").lower()
+    for prefix, zero in (("zero3(", 3), ("fsdp(", 3), ("fullshard(", 3), ("zero2(", 2), ("shardgradop(", 2)):
+        if low.startswith(prefix) and low.endswith(")") and low[len(prefix) : -1].isdigit():
+            return Storage(zero, int(low[len(prefix) : -1]))
+    try:
+        return parse_form(text)
+    except ValueError:
+        raise ValueError(
+            f"cannot read the pin {text!r}: use a form (I / Replicate, R / Partial, G(d) / Gd / Shard(d)) or a "
+            "parameter storage (zero3(d) / fsdp(d): ZeRO-3, zero2(d): ZeRO-2)"
+        ) from None
+
+
 def parse_form(text: str) -> Form:
     """Parse ``I``, ``R``, ``G1``, ``G(1)``, ``Shard(1)``, ``Replicate``, ``Partial`` (case-insensitive).
 
@@ -153,6 +217,12 @@ def shard_lengths(length: int, ratios: Sequence[float]) -> tuple[int, ...]:
     # a tiny tolerance keeps 0.3*10 = 2.9999999999999996 at 3
     lens = [int(math.floor(x + 1e-9)) for x in exact]
     missing = length - sum(lens)
+    if 0 < missing <= n:
+        # every deficit is < 1, so no device gets two: the `missing` largest deficits (lower rank first)
+        # get +1, as the one-at-a-time rule below gives them (O(n log n) instead of O(n * missing))
+        for j in sorted(range(n), key=lambda k: (lens[k] - exact[k], k))[:missing]:
+            lens[j] += 1
+        missing = 0
     while missing > 0:
         j = max(range(n), key=lambda k: (exact[k] - lens[k], -k))
         lens[j] += 1

@@ -49,7 +49,7 @@ class TensorRef:
         return len(self.shape)
 
     @cached_property
-    def numel(self) -> int:
+    def numel(self) -> int:  # cached: the cost and memory models read it millions of times
         n = 1
         for s in self.shape:
             n *= s

@@ -22,13 +22,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .balance import RatioPin, apply_ratio_pins, balance, parse_ratio_pins
+from .balance import (
+    MemoryCapError,
+    RatioPin,
+    apply_ratio_pins,
+    balance,
+    balance_in_memory,
+    memory_start_ratios,
+    parse_ratio_pins,
+)
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
-from .forms import Form, G, I, parse_form
+from .forms import Form, FullShard, G, I, parse_pin
 from .graph import Graph
-from .search import NoProgramError, Search, normalize_ratios
+from .memory import overflow
+from .search import NoProgramError, Search, normalize_ratios, resolve_pins
 from .triples import Theory
 
 __all__ = [
@@ -39,9 +48,22 @@ __all__ = [
     "assign_segments",
     "parse_pins",
     "baseline_specs",
+    "fsdp_pins",
     "without_gc",
     "Memo",
 ]
+
+
+#: Expansion budget of a memory-aware search in the Q/B loop: ``MEMORY_EXPANSIONS +
+#: MEMORY_EXPANSIONS_PER_OP * ops`` (and at most ``max_expansions``), then one greedy dive (four while none completed). Its first
+#: greedy dive already gives a program within a fraction of a percent of the optimum at those ratios on the
+#: GPT-48 benchmarks, while proving it can take 25x the expansions of the plain search (the memory-forced
+#: storage costs only show once many parameters are placed); ``stats["optimal"]`` says when a search
+#: stopped at the budget.
+MEMORY_EXPANSIONS, MEMORY_EXPANSIONS_PER_OP = 1000, 4
+#: With memory bound, a baseline seed that improves the best cost by less than this fraction is kept as the
+#: best without the Q/B rounds from its ratios (each a memory-aware search and LP).
+MEMORY_MIN_GAIN = 1e-3
 
 
 def assign_segments(graph: Graph, segments: Any) -> Graph:
@@ -88,10 +110,11 @@ def assign_segments(graph: Graph, segments: Any) -> Graph:
 
 
 def parse_pins(pins: Mapping[str, Any] | None) -> dict[str, Form]:
-    """Form pins from ``{"fc1.weight": Shard(1)}`` or ``{"fc1.weight": "G1"}``."""
+    """Form pins from ``{"fc1.weight": Shard(1)}`` or ``{"fc1.weight": "G1"}`` (a parameter storage pin
+    such as ``FullShard(0)`` / ``"zero3(0)"`` is kept as a :class:`~hapnb.forms.Storage`)."""
     out = {}
     for k, v in (pins or {}).items():
-        out[k] = parse_form(v) if isinstance(v, str) else v
+        out[k] = parse_pin(v) if isinstance(v, str) else v
     return out
 
 
@@ -190,6 +213,7 @@ class _Searched:
     result: Any  # SearchResult
     final: tuple[Conversion, ...]
     stats: tuple[tuple[str, Any], ...]
+    ratios: tuple[tuple[float, ...], ...]  # the ratios it ran at (normalised)
     seed_expansions: int = 0
     seed_seconds: float = 0.0
 
@@ -207,12 +231,7 @@ def baseline_specs(
     nseg = 1 + max((op.segment for op in th.graph.ops), default=0)
     even = tuple(tuple(1.0 / c.n for _ in range(c.n)) for _ in range(nseg))
     cp = normalize_ratios(None, c, nseg)
-    dp_pins: dict[str, Form] = {}
-    for t in g.tensors:
-        if t.role == "param":
-            dp_pins[t.name] = I
-        elif t.role == "input":
-            dp_pins[t.name] = G(0) if G(0) in th.forms[t.id] else I
+    dp_pins = _dp_pins(th)
     tp_pins = {t.name: I for t in g.tensors if t.role == "input"}
     plain = {"sfb": False, "grouped": False}
     out = []
@@ -220,6 +239,42 @@ def baseline_specs(
         merged = {**pins, **user_pins}
         out.append((name, merged, r, plain))
     return out
+
+
+def _dp_pins(th: Theory) -> dict[str, Form]:
+    """Data parallel: parameters replicated, inputs split on the batch dim (when they can be)."""
+    out: dict[str, Form] = {}
+    for t in th.graph.tensors:
+        if t.role == "param":
+            out[t.name] = I
+        elif t.role == "input":
+            out[t.name] = G(0) if G(0) in th.forms[t.id] else I
+    return out
+
+
+def fsdp_pins(
+    th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fully sharded data parallel (ZeRO-3 / PyTorch FSDP's FULL_SHARD): the data-parallel pins with every
+    parameter stored sharded and all-gathered before each use (:func:`~hapnb.forms.FullShard`), on the
+    dim whose largest shard at ``ratios`` (one row) is the smallest (parameters that cannot be split stay
+    replicated); ``user_pins`` win.
+
+    >>> import hapnb
+    >>> from hapnb.tracing import zoo_graph
+    >>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0])
+    >>> {k: str(v) for k, v in fsdp_pins(th, [0.5, 0.5]).items()}["layers.0.weight"]  # [8, 6]: 4 rows
+    'zero3(0)'
+    """
+    out: dict[str, Any] = dict(_dp_pins(th))
+    for t in th.graph.tensors:
+        gs = [f for f in th.forms[t.id] if f.kind == "G"]
+        if t.role == "param" and gs:
+            best = min(
+                gs, key=lambda f: (max(th.lengths(t.id, f.dim, ratios)) / t.shape[f.dim] * t.numel, f.dim)
+            )
+            out[t.name] = FullShard(best.dim)
+    return {**out, **(user_pins or {})}
 
 
 @dataclass(frozen=True)
@@ -289,6 +344,7 @@ def optimize(
     seed_baselines: bool = True,
     progress: bool = False,
     duplex: bool = False,
+    memory: bool = False,
     memo: Memo | None = None,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
@@ -297,6 +353,12 @@ def optimize(
     ratios (one list, or one per segment) used as they are (no LP). Each search is bounded by
     ``max_expansions`` / ``max_seconds``; ``stats["optimal"]`` says whether every search finished.
     ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
+    ``memory``: keep to every device's memory, lazily: a search whose program does not fit at its
+    ratios is run again with memory (:mod:`hapnb.memsearch`: pruning, ZeRO storage) and so is every later
+    search; an LP whose ratios do not fit is solved again with memory caps
+    (:func:`hapnb.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
+    at the starting ratios, the loop starts again from :func:`hapnb.balance.memory_start_ratios`. Plans
+    that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
     """
     c = cluster
     ck = None if memo is None else memo.token(c)  # the cluster in memo keys
@@ -328,9 +390,18 @@ def optimize(
         "duplex": bool(duplex),
     }
 
-    def run_search(ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool]) -> _Searched:
+    mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
+
+    def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
+        return not memory or max(overflow(cm, prog, extra, ratios_)) <= 0
+
+    def run_search(
+        ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
+    ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
-        s = Search(th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared)
+        s = Search(
+            th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
+        )
         seed_exp, seed_s = 0, 0.0
         if duplex:
             # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
@@ -339,18 +410,46 @@ def optimize(
             pres = p.run(max_expansions=max_expansions, max_seconds=max_seconds)
             s.seed(pres.program)
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
-        res = s.run(max_expansions=max_expansions, max_seconds=max_seconds, progress=progress)
-        return _Searched(res, s.final_conversions(), tuple(s.stats.items()), seed_exp, seed_s)
+        budget, dives = max_expansions, 32
+        if s.memory:  # memory makes proving optimality costly where little is left to gain (see below)
+            budget = min(
+                budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
+            )
+            dives = 1
+        res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
+        return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
 
     def search(
-        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None
+        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None, move: bool = False
     ) -> tuple[Any, _Searched]:
         merged = {**(options or {}), **(opts or {})}
+        if mem_on[0] and move and fixed is None and len({tuple(r) for r in ratios_}) == 1:
+            # keeping to memory: start where a lean program has room (proportional ratios can leave none)
+            ids = resolve_pins(th, pins_)
+            row = None
+            for margin in (0.8, 0.9, 1.0):  # the most room a lean program can be given
+                row = memory_start_ratios(cm, ids, ratio_pins, margin, start=ratios_[0])
+                if row is not None:
+                    break
+            if row is None:
+                raise NoProgramError("no program fits in device memory: not even a lean one at any ratios")
+            if row != tuple(ratios_[0]):
+                stats["memory_start"] = True
+                ratios_ = tuple(row for _ in ratios_)
+        mem = mem_on[0]
         if memo is not None and max_seconds is None:
-            key = (ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), duplex, max_expansions)
-            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged))
+            key = (
+                ck,
+                tuple(map(tuple, ratios_)),
+                _frozen(pins_),
+                _frozen(merged),
+                duplex,
+                max_expansions,
+                mem,
+            )
+            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem))
         else:
-            out = run_search(ratios_, pins_, merged)
+            out = run_search(ratios_, pins_, merged, mem)
         if duplex:
             stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
             stats["search_s"] += out.seed_seconds
@@ -360,10 +459,19 @@ def optimize(
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
+        if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
+            mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
+            return search(ratios_, pins_, opts, move)
         return res, out
 
+    def lp(kind: str, what: tuple[Any, ...], make: Any) -> Any:
+        """An LP's result (``make()``), from the memo when the same LP was solved before."""
+        if memo is None:
+            return make()
+        return memo.get(kind, (ck, *what, ratio_pins, duplex), make)
+
     def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
-        if (prog, ratios_) not in seen:
+        if (prog, ratios_) not in seen and fits(prog, extra, ratios_):
             seen.add((prog, ratios_))
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
@@ -371,16 +479,33 @@ def optimize(
         nonlocal best
         prog = res.program
         if fixed is not None:
+            if not fits(prog, s.final, fixed):
+                return False
             cost_f = duplex_cost(cm, prog, fixed) if duplex else cm.evaluate(prog, fixed).cost_s
             ratios_k, cost_k, b_sec = fixed, cost_f, 0.0
         else:
-            if memo is None:
-                bal = balance(cm, prog, ratio_pins, duplex=duplex)
+            bal = (
+                None if mem_on[0] else lp("lp", (prog,), lambda: balance(cm, prog, ratio_pins, duplex=duplex))
+            )
+            if bal is None or not fits(prog, s.final, bal.ratios):
+                try:  # the LP's ratios overflow a device: balance again with memory caps
+                    bal = lp(
+                        "lp_memory",
+                        (prog, s.final),
+                        lambda: balance_in_memory(cm, prog, s.final, ratio_pins, duplex=duplex),
+                    )
+                except MemoryCapError:
+                    bal = None
+            if bal is not None:
+                ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
+            elif fits(prog, s.final, s.ratios):  # the LP's linear memory is coarser than the
+                # search's integer shards: keep the ratios the program was found (and fits) at
+                cost_s = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s
+                ratios_k, cost_k, b_sec = s.ratios, cost_s, 0.0
+                stats["memory_lp_kept_ratios"] = stats.get("memory_lp_kept_ratios", 0) + 1
             else:
-                bal = memo.get(
-                    "lp", (ck, prog, ratio_pins, duplex), lambda: balance(cm, prog, ratio_pins, duplex=duplex)
-                )
-            ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
+                stats["memory_rejected"] = stats.get("memory_rejected", 0) + 1
+                return False
             stats["balance_s"] += b_sec
         accepted = best is None or cost_k < best[0] * (1 - 1e-9)
         add_candidate(cost_k, prog, s.final, ratios_k)
@@ -406,18 +531,23 @@ def optimize(
         """Q/B rounds from ratios B while the cost strictly improves; returns the iteration count."""
         while it < limit:
             it += 1
-            res, s = search(B, form_pins)
+            try:
+                res, s = search(B, form_pins, move=True)
+            except NoProgramError:
+                if best is None:
+                    raise
+                break  # nothing fits at these ratios: keep the best so far
             improved = consider(res, s, it)
             if fixed is not None or not improved:
                 break
-            if _same_ratios(best[3], B):  # type: ignore[index]
-                break  # the LP kept the ratios: the next search would return the same program
+            if _same_ratios(best[3], s.ratios):  # type: ignore[index]
+                break  # the LP kept the ratios the search ran at: the next search would return the same program
             B = best[3]  # type: ignore[index]
         return it
 
     it = alternate(B, 0, max_iterations)
     if seed_baselines and fixed is None:
-        tried = {best[1]}  # type: ignore[index]
+        tried = {best[1]} if best is not None else set()
         for name, bpins, bratios, bopts in baseline_specs(th, c, form_pins):
             try:
                 res, s = search(bratios, bpins, bopts)
@@ -436,9 +566,16 @@ def optimize(
                 continue  # the same program was balanced already
             tried.add(res.program)
             it += 1
+            before = best[0] if best is not None else float("inf")
             if consider(res, s, it, f"seed {name}"):
+                if mem_on[0] and best[0] > before * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
+                    continue  # memory: a seed that gains this little is kept without more rounds
                 it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
-    assert best is not None
+    if best is None:
+        raise NoProgramError(
+            "no program fits in device memory at any ratios the loop tried"
+            + (f" (fixed ratios {list(fixed[0])})" if fixed is not None else "")
+        )
     cost, prog, extra, ratios_best = best
     ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
     return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)

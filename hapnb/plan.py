@@ -113,7 +113,9 @@ class CommCost:
 class Instruction:
     """One instruction of the distributed program, by names (self-contained, JSON-able).
 
-    ``kind``: ``load`` (``tensor`` loaded in ``form``; ``name`` is ``load`` or ``load_sfb``),
+    ``kind``: ``load`` (``tensor`` loaded in ``form``; ``name`` is ``load``, ``load_sfb``, or ``load_zero2`` /
+    ``load_zero3`` for a parameter stored sharded in ``src`` (``G<d>``) and all-gathered to ``form`` ``I``
+    before use, see :class:`hapnb.cost.Load`),
     ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
     ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
 
@@ -144,7 +146,8 @@ class Instruction:
             outs = ", ".join(f"{t}:{f}" for t, f in self.outputs)
             return f"{outs} = {self.target.replace('aten.', '').replace('.default', '')}[{self.name}]({ins})"
         if self.kind == "load":
-            return f"{self.tensor}:{self.form} = {self.name}({self.tensor})"
+            stored = f":{self.src}" if self.src else ""
+            return f"{self.tensor}:{self.form} = {self.name}({self.tensor}{stored})"
         return f"{self.tensor}:{self.form} = {self.name}({self.tensor}:{self.src})"
 
     def to_json(self) -> dict[str, Any]:
@@ -331,7 +334,8 @@ class Plan:
 
     def sensitivity(self, factor: float = 1.1) -> Any:
         """What bounds the step: binding devices per stage and what a device or collective ``factor``
-        times faster would save, from the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
+        times faster (or a device whose memory caps its ratio, ``factor`` times larger) would save, from
+        the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
         return tuning_function("sensitivity")(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
@@ -364,17 +368,14 @@ class Plan:
                 + "   (* = new best)"
             )
         comm = sum(1 for i in self.program if i.communicates)
-        synced = sum(
-            1
-            for i in self.program
-            if i.kind == "load"
-            and i.name == "load"
-            and i.form == "I"
-            and i.tensor in dict(self.options).get("params", ())
-        )
+        params = dict(self.options).get("params", ())
+        loads = [i for i in self.program if i.kind == "load" and i.tensor in params]
+        synced = sum(1 for i in loads if i.name == "load" and i.form == "I")
+        zero = {z: sum(1 for i in loads if i.name == f"load_zero{z}") for z in (2, 3)}
         lines.append(
             f"  {comm} collectives in the program, {synced} replicated parameters (gradient all-reduce); "
-            f"synthesis {self.synthesis_s:.2f} s"
+            + "".join(f"{v} stored sharded (ZeRO-{z}); " for z, v in zero.items() if v)
+            + f"synthesis {self.synthesis_s:.2f} s"
         )
         if self.fallback_ops:
             lines.append(
@@ -620,15 +621,16 @@ def make_plan(
             emit(
                 Instruction(
                     "load",
-                    "load_sfb" if ld.sfb else "load",
+                    f"load_zero{ld.zero}" if ld.zero > 0 else "load_sfb" if ld.sfb else "load",
                     stage,
                     tensor=name(ld.tensor),
+                    src=str(ld.storage) if ld.zero > 0 else "",
                     form=str(ld.form),
                     comm=priced(cm.load_terms(ld), g.tensors[ld.tensor].nbytes),
                 )
             )
-            if ld.form.kind == "G":
-                used.add((ld.tensor, ld.form.dim))
+            if ld.storage.kind == "G":
+                used.add((ld.tensor, ld.storage.dim))
             for tm in cm.load_terms(ld):
                 stage_comm.setdefault(stage, []).append(tm.what)
         resharded = {}

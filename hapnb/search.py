@@ -34,6 +34,12 @@ priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first c
 minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
 and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
 
+**Memory** (``Search(..., memory=True)``, :mod:`hapnb.memsearch`): partial programs whose memory lower
+bound exceeds a device's capacity are pruned ("memory: ..." in :attr:`SearchEvent.pruned`); a parameter
+used replicated is loaded with its storage deferred (replicated, ZeRO-2 or ZeRO-3), priced at the cheapest
+and realized when the program completes (the cheapest storage that fits), and dominance also compares
+memory. Exact for fixed ratios among the programs that fit.
+
 >>> import hapnb
 >>> g = hapnb.zoo_graph("mlp", layers=2, hidden=16, batch=8, inputs=16)  # doctest: +SKIP
 """
@@ -45,15 +51,18 @@ import itertools
 import operator
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import dominates, priority
-from .forms import Form, I, R
+from .forms import Form, I, R, Storage
 from .graph import Graph
+from .memsearch import MemoryTracker
 from .rules import Strategy
+from .searchspec import PinError, normalize_ratios, resolve_pins
+from .spine import CONVERSIONS, spine_bound, spine_value
 from .triples import LOADABLE_ROLES, Theory
 from .triples import theory as build_theory
 
@@ -61,19 +70,6 @@ __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "N
 
 _EPS = 1e-12
 _INF = float("inf")
-
-# which collectives turn a form kind into another (src kind, dst kind) -> names
-_CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("G", "I"): ("all_gather", "grouped_all_gather"),
-    ("R", "I"): ("all_reduce",),
-    ("R", "G"): ("reduce_scatter", "grouped_reduce_scatter"),
-    ("G", "G"): ("all_to_all",),
-    ("I", "G"): ("slice",),
-}
-
-
-class PinError(ValueError):
-    """A pin names an unknown tensor, a form the tensor cannot take, or cannot be satisfied."""
 
 
 class NoProgramError(RuntimeError):
@@ -155,6 +151,8 @@ class _Node:
     expanded: bool = False
     copen: float = 0.0  # duplex: the open stage's feature communication (full batch)
     tail: tuple[float, ...] = ()  # duplex: per-device inner gradient sync, charged once at the end
+    ms: Any = None  # memory=True: the MemState (hapnb.memsearch)
+    real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
 
 
 class Search:
@@ -162,8 +160,10 @@ class Search:
 
     ``ratios``: one list of per-device ratios per segment (a single flat list is used for every
     segment); default throughput-proportional. ``pins``: tensor name -> form (``hapnb.Shard(d)``,
-    ``hapnb.Replicate()``); names are parameter FQNs, input names or op-output names. ``duplex``: minimise
-    HiDup's duplex time (two micro-batches, see the module docstring) instead of the stage sum.
+    ``hapnb.Replicate()``, or a parameter storage ``hapnb.FullShard(d)`` / ``hapnb.ShardGradOp(d)``); names are
+    parameter FQNs, input names or op-output names. ``duplex``: minimise HiDup's duplex time (two
+    micro-batches, see the module docstring) instead of the stage sum. ``memory``: keep to every device's
+    memory (module docstring; ``options["zero"]=False`` leaves ZeRO storage out; not with ``duplex``).
     """
 
     def __init__(
@@ -175,6 +175,7 @@ class Search:
         *,
         options: Mapping[str, bool] | None = None,
         duplex: bool = False,
+        memory: bool = False,
         shared: dict[str, Any] | None = None,
     ) -> None:
         t0 = time.perf_counter()
@@ -187,8 +188,14 @@ class Search:
         self.cluster = cluster
         self.cost_model = cm = CostModel(self.theory, cluster)
         self.ratios = normalize_ratios(ratios, cluster, cm.n_segments)
-        self.pins = resolve_pins(self.theory, pins or {})
+        resolved = resolve_pins(self.theory, pins or {})
+        #: parameters pinned to ZeRO storage (hapnb.FullShard / ShardGradOp): loaded I through a gather
+        self.storage = {t: p for t, p in resolved.items() if isinstance(p, Storage)}
+        self.pins = {t: (I if isinstance(p, Storage) else p) for t, p in resolved.items()}
         self.options = {"grouped": True, "sfb": True, **(options or {})}
+        #: memory=True: prune programs that cannot fit, realize replicated parameters' storage at the end
+        self.memory = bool(memory) and not self.duplex
+        self._mem: MemoryTracker | None = None
         self.n = cluster.n
         self._compile()
         self._stats = _Stats()
@@ -203,7 +210,8 @@ class Search:
             self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
         else:
             root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0))
-            self._seen[(0, 0, 0)] = [(root.base, root.acc)]
+            root.ms = self._mem.root() if self._mem is not None else None
+            self._seen[(0, 0, 0)] = [(root.base, root.acc, root.ms)]
         self._push(root)
         self._stats.seconds += time.perf_counter() - t0
         del g
@@ -246,7 +254,9 @@ class Search:
                 if not self._pins_ok(op.inputs, s.inputs, op.outputs, s.outputs):
                     continue
                 if s.sfb and any(
-                    g.tensors[t].role == "param" and f.kind == "I" and n_consumers[t] > 1
+                    g.tensors[t].role == "param"
+                    and f.kind == "I"
+                    and (n_consumers[t] > 1 or t in self.storage)
                     for t, f in zip(op.inputs, s.inputs)
                 ):
                     continue  # SFB replaces the weight's gradient sync: only for weights with one consumer
@@ -270,6 +280,8 @@ class Search:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
             lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
+        if self.memory:
+            self._mem = MemoryTracker(self)
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * self.n]
         for v in reversed(lb):
@@ -280,9 +292,11 @@ class Search:
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
-        self._spine_bound()
+        self._jstar, self._spine_opts = spine_bound(self)
+        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(self.n))
+        self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
-            self._spine_comm_opts = self._spine_bound(comm_only=True)
+            self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
 
     def _pins_ok(
         self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
@@ -318,7 +332,7 @@ class Search:
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
-        communication that the spine path cannot avoid (see :meth:`_spine_bound`)."""
+        communication that the spine path cannot avoid (:func:`hapnb.spine.spine_bound`)."""
         h = max(map(operator.add, acc, self._rem[pos]))
         opts = self._spine_opts[pos]
         if opts:
@@ -333,124 +347,19 @@ class Search:
                 h = h2
         return h
 
-    def _spine_bound(self, comm_only: bool = False) -> list[list[tuple[int, float]]]:
-        """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
+    def _load(self, t: int, f: Form, sfb: bool) -> Load:
+        """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
+        (memory=True, :mod:`hapnb.memsearch`) or the plain load."""
+        st = self.storage.get(t)
+        if st is not None:
+            return Load(t, f, False, st.zero, st.form)
+        return self._mem.load(t, f, sfb) if self._mem is not None else Load(t, f, sfb)
 
-        Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
-        spine is free to take any form; computation is counted on one device, the one with the most
-        computation left (a stage's max over devices is at least any one device's time); stages merge freely; tokens
-        (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
-        parameters with one consumer. Along the spine the forms must match: converting the spine
-        tensor costs the cheapest collective between the two forms.
-        """
-        g, th, cm = self.graph, self.theory, self.cost_model
-        n_ops = len(g.ops)
-        # weights on the device that has the most computation left even in the best case: any weights on
-        # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-        jstar = max(range(self.n), key=lambda j: (self._rem[0][j], -j))
-        self._jstar = jstar
-        self._w = tuple(1.0 if j == jstar else 0.0 for j in range(self.n))
-        inf = float("inf")
-        # the spine: from the loss backwards, through the largest activation input (then the deepest): the
-        # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
-        # with its all-to-alls and expert weights, rather than its longer gating path on [B, S, E])
-        depth = [0] * len(g.tensors)
-        for op in g.ops:
-            d = 1 + max((depth[t] for t in op.inputs), default=0)
-            for t in op.outputs:
-                depth[t] = d
-        spine_ops: dict[int, tuple[int, int]] = {}  # op -> (spine input, spine output)
-        t = g.loss
-        while g.tensors[t].producer is not None:
-            op = g.ops[g.tensors[t].producer]
-            acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
-            if not acts:
-                break
-            src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x))
-            spine_ops[op.id] = (src, t)
-            t = src
-        n_cons = [len(set(x.consumers)) for x in g.tensors]
-
-        # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar]
-        single = [x.role == "param" and n_cons[x.id] == 1 for x in g.tensors]
-
-        def local(op_id: int, c: _Compiled) -> float:
-            v = 0.0 if comm_only else c.comp[jstar]
-            op = g.ops[op_id]
-            for ti, f in zip(op.inputs, c.strategy.inputs):
-                if single[ti]:
-                    ld = Load(ti, f, c.strategy.sfb and f.kind == "I")
-                    v += sum(tm.time(self.ratios) for tm in cm.load_terms(ld))
-            if c.strategy.sfb:
-                v += sum(tm.time(self.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
-            return v
-
-        # a conversion's price depends on the tensor only through its bytes, ratio segment and whether
-        # it has a gradient (CostModel.conversion_terms): spine tensors of one shape share their prices
-        # (and the searches of one re-planning context at the same ratios share them: self._shared)
-        conv_cache: dict[tuple[Any, ...], float] = self._shared.setdefault("conv", {})
-        sig_of: dict[tuple[int, int, bool], int] = self._shared.setdefault("conv_sig", {})
-
-        def conv_row(ti: int, by_in: dict[Form, float]) -> dict[Form, float]:
-            """For each form of spine tensor ti: the cheapest conversion to a form in by_in plus its value."""
-            sig = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti])
-            sid = sig_of.setdefault(sig, len(sig_of))
-            row = {}
-            for a in th.forms[ti]:
-                best = inf
-                for b, v in by_in.items():
-                    if a != b:
-                        key = (sid, a, b)
-                        x = conv_cache.get(key)
-                        if x is None:
-                            x = inf
-                            for name in _CONVERSIONS.get((a.kind, b.kind), ()):
-                                cv = Conversion(ti, name, a, b)
-                                x = min(x, sum(tm.time(self.ratios) for tm in cm.conversion_terms(cv)))
-                            conv_cache[key] = x
-                        v += x
-                    if v < best:
-                        best = v
-                row[a] = best
-            return row
-
-        # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
-        spine_at: list[int | None] = [None] * (n_ops + 1)
-        V: list[dict[Form, float]] = [{} for _ in range(n_ops + 1)]
-        V[n_ops] = {f: 0.0 for f in th.forms[g.loss]}
-        spine_at[n_ops] = g.loss
-        cur = g.loss
-        for i in range(n_ops - 1, -1, -1):
-            comp = self._ops[i]
-            if i in spine_ops and spine_ops[i][1] == cur:
-                src, out = spine_ops[i]
-                op = g.ops[i]
-                k_in = op.inputs.index(src)
-                k_out = op.outputs.index(out)
-                nxt = V[i + 1]
-                # the best rest per form the op takes its spine input in, then the cheapest way there
-                by_in: dict[Form, float] = {}
-                for c in comp:
-                    f_in = c.strategy.inputs[k_in]
-                    v = local(i, c) + nxt.get(c.strategy.outputs[k_out], inf)
-                    if v < by_in.get(f_in, inf):
-                        by_in[f_in] = v
-                V[i] = conv_row(src, by_in)
-                cur = src
-            else:
-                m = min(local(i, c) for c in comp)
-                V[i] = {f: v + m for f, v in V[i + 1].items()}
-            spine_at[i] = cur
-        spine_opts: list[list[tuple[int, float]]] = []
-        for i in range(n_ops + 1):
-            ti = spine_at[i]
-            opts = [(self._bit[(ti, f)], v) for f, v in V[i].items() if v < inf and (ti, f) in self._bit]
-            # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
-            spine_opts.append(opts)
-        if not comm_only:
-            self._spine_opts = spine_opts
-            self._spine_any = [min((v for _, v in o), default=_INF) for o in spine_opts]
-        return spine_opts
+    def _load_time(self, ld: Load) -> float:
+        """Communication seconds of a load (a deferred one: its cheapest storage)."""
+        if self._mem is not None:
+            return self._mem.time(ld)
+        return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
@@ -468,27 +377,36 @@ class Search:
             self._stats.max_frontier = len(self._heap)
         return nid
 
-    def _dominated(self, key: tuple[int, int, int], base: float, acc: tuple[float, ...]) -> bool:
+    def _dominated(
+        self, key: tuple[int, int, int], base: float, acc: tuple[float, ...], ms: Any = None
+    ) -> bool:
+        """Whether a program with ``key`` at (``base``, ``acc``) is dominated; else record it (and drop the
+        entries it dominates). With memory (``ms``), dominance also needs memory no worse
+        (:meth:`hapnb.memsearch.MemoryTracker.dominates`)."""
         entries = self._seen.get(key)
         mx = max(acc)
         if entries is None:
-            self._seen[key] = [(base, acc)]
+            self._seen[key] = [(base, acc, ms)]
             return False
         mn = min(acc)
-        for b0, a0 in entries:
-            if b0 <= base + _EPS and (
-                b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc))
+        mem_ok = self._mem.dominates if ms is not None and self._mem is not None else None
+        for b0, a0, m0 in entries:
+            if (
+                b0 <= base + _EPS
+                and (b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc)))
+                and (mem_ok is None or mem_ok(m0, ms))
             ):
                 return True
         keep = [
-            (b0, a0)
-            for b0, a0 in entries
+            (b0, a0, m0)
+            for b0, a0, m0 in entries
             if not (
                 base <= b0 + _EPS
                 and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0)))
+                and (mem_ok is None or mem_ok(ms, m0))
             )
         ]
-        keep.append((base, acc))
+        keep.append((base, acc, ms))
         self._seen[key] = keep
         return False
 
@@ -496,8 +414,8 @@ class Search:
         self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...], props: int
     ) -> float:
         """Duplex A* priority: an admissible bound of the duplex time (:func:`~hapnb.duplex.priority`)."""
-        spine = _spine_value(self._spine_opts[pos], props)
-        comm = _spine_value(self._spine_comm_opts[pos], props)
+        spine = spine_value(self._spine_opts[pos], props)
+        comm = spine_value(self._spine_comm_opts[pos], props)
         return priority(base, copen, acc, tail, self._rem[pos], self._w, spine, comm)
 
     def _dominated_duplex(
@@ -544,7 +462,7 @@ class Search:
                         fail = f"{g.tensors[t].name} is already loaded in another form"
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
-                    per_need.append([(Load(t, f, sfb), bit, 0)])
+                    per_need.append([(self._load(t, f, sfb), bit, 0)])
                     continue
                 if comm >> t & 1:
                     fail = f"{g.tensors[t].name} was already communicated once"
@@ -556,7 +474,7 @@ class Search:
                     low = have & -have
                     have ^= low
                     _, src = self._forms_of_bit[low]
-                    for name in _CONVERSIONS.get((src.kind, f.kind), ()):
+                    for name in CONVERSIONS.get((src.kind, f.kind), ()):
                         if name.startswith("grouped") and not self.options["grouped"]:
                             continue
                         opts.append((Conversion(t, name, src, f), bit, 1 << t))
@@ -588,7 +506,7 @@ class Search:
                 comp = c.comp
                 tail = node.tail
                 for ld in loads:
-                    grad_t += self._terms_time(("L", ld), lambda ld=ld: self.cost_model.load_terms(ld))
+                    grad_t += self._load_time(ld)
                     if self._has_inner:
                         inner = self.cost_model.load_comp(ld, self.ratios)
                         if self.duplex:  # once per iteration, after both micro-batches
@@ -627,6 +545,15 @@ class Search:
                 else:
                     score = base + self._h(npos, acc, new_props)
                 desc = f"{op.name}[{c.strategy.name}]"
+                ms, real = None, ()
+                if self._mem is not None and score < best_cost - _EPS:
+                    ms = self._mem.advance(node.ms, pos, c, loads)
+                    why = self._mem.exceeds(ms, npos)
+                    if why:
+                        if record:
+                            pruned.append((desc, why))
+                        continue
+                    score += self._mem.storage_bound(ms, npos)  # storage the memory will force
                 if score >= best_cost - _EPS and self._best is not None:
                     self._stats.pruned_bound += 1
                     if record:
@@ -643,13 +570,28 @@ class Search:
                         copen, tail = 0.0, (0.0,) * self.n
                     else:
                         base = base + max(acc)
+                    if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
+                        deferred = [
+                            ld for st in (*self.program(nid), step) for ld in st.loads if ld.zero == -1
+                        ]
+                        done = self._mem.realize(self._mem.finish(ms, extra), deferred)
+                        why = "memory: no storage of the replicated parameters fits" if done is None else ""
+                        if done is not None and base + done[0] >= best_cost - _EPS:
+                            why = (
+                                f"cost {base + done[0]:.4g} with its storage >= best complete {best_cost:.4g}"
+                            )
+                        if why:
+                            if record:
+                                pruned.append((desc, why))
+                            continue
+                        base, real, ms = base + done[0], done[1], None  # type: ignore[index]
                     acc = (0.0,) * self.n
                     score = base
                 key = (npos, new_props, new_comm)
                 if (
                     self._dominated_duplex(key, base, copen, acc, tail)
                     if self.duplex
-                    else self._dominated(key, base, acc)
+                    else self._dominated(key, base, acc, ms)
                 ):
                     self._stats.pruned_dominated += 1
                     if record:
@@ -658,6 +600,7 @@ class Search:
                 child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
                 if self.duplex:
                     child.copen, child.tail = copen, tail
+                child.ms, child.real = ms, real
                 cid = self._push(child)
                 if complete and (self._best is None or base < self._nodes[self._best].base - _EPS):
                     self._best = cid
@@ -831,9 +774,13 @@ class Search:
 
     def _improve_by_dives(self, count: int) -> None:
         """A limit stopped A*: dive from the most promising open programs (lowest score first) to
-        complete them greedily, keeping the best complete program found (not proven optimal)."""
+        complete them greedily, keeping the best complete program found (not proven optimal). Without
+        memory a dive always completes, so it goes on until one did; with memory (where a dive can end in
+        pruned children) at most ``4 * count`` dives are tried."""
         tried = 0
-        while (tried < count or self._best is None) and self._heap:
+        while (
+            tried < count or (self._best is None and (self._mem is None or tried < 4 * count))
+        ) and self._heap:
             nid = self._pop()
             if nid is None:
                 break
@@ -845,6 +792,12 @@ class Search:
 
     def _explain_no_program(self) -> str:
         pins = ", ".join(f"{self.graph.tensors[t].name}={f}" for t, f in self.pins.items())
+        if self._mem is not None and self._mem.stats["pruned_memory"]:
+            return (
+                "no complete distributed program fits in device memory at these ratios "
+                f"({self._mem.stats['pruned_memory']} partial programs were pruned by memory)"
+                + (f" under the pins {pins}" if pins else "")
+            )
         return (
             "no complete distributed program exists"
             + (f" under the pins {pins}; remove or change a pin" if pins else "")
@@ -853,13 +806,23 @@ class Search:
 
     # ------------------------------------------------------------------ views
     def program(self, nid: int) -> tuple[Step, ...]:
+        """The steps from the root to node ``nid`` (a complete node's deferred storage as realized)."""
+        real = list(self._nodes[nid].real) if nid >= 0 else []
         steps = []
         while nid > 0:
             node = self._nodes[nid]
             if node.step is not None:
                 steps.append(node.step)
             nid = node.parent
-        return tuple(reversed(steps))
+        steps.reverse()
+        if real:
+            real.reverse()
+            steps = [
+                st if not any(ld.zero == -1 for ld in st.loads)
+                else replace(st, loads=tuple(real.pop() if ld.zero == -1 else ld for ld in st.loads))
+                for st in steps
+            ]  # fmt: skip
+        return tuple(steps)
 
     def final_conversions(self, nid: int | None = None) -> tuple[Conversion, ...]:
         nid = self._best if nid is None else nid
@@ -902,6 +865,8 @@ class Search:
         d = self._stats.as_dict()
         d["frontier"] = len(self._heap)
         d["nodes"] = len(self._nodes)
+        if self._mem is not None:
+            d.update(self._mem.stats)
         if self.duplex:
             d["duplex"] = True
         return d
@@ -922,76 +887,3 @@ class Search:
         from . import display
 
         return display.safe_html(display.search_html, self)
-
-
-def _spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:
-    """The spine bound for the spine tensor's present form (any form if none is present yet)."""
-    if not opts:
-        return None
-    present = [v for bit, v in opts if props & bit]
-    return min(present) if present else min(v for _, v in opts)
-
-
-def normalize_ratios(
-    ratios: Sequence[float] | Sequence[Sequence[float]] | None, cluster: Cluster, n_segments: int
-) -> tuple[tuple[float, ...], ...]:
-    """Ratios per segment; default throughput-proportional; a flat list applies to every segment."""
-    n = cluster.n
-    if ratios is None:
-        tot = sum(d.flops for d in cluster.devices)
-        row = tuple(d.flops / tot for d in cluster.devices)
-        return (row,) * n_segments
-    rows = list(ratios)
-    if rows and not isinstance(rows[0], (list, tuple)):
-        rows = [rows] * n_segments  # type: ignore[list-item]
-    if len(rows) != n_segments:
-        raise ValueError(f"ratios: expected {n_segments} segment(s), got {len(rows)}")
-    out = []
-    for k, row in enumerate(rows):
-        row = [float(x) for x in row]  # type: ignore[union-attr]
-        if len(row) != n:
-            raise ValueError(f"ratios for segment {k}: expected {n} values (one per device), got {len(row)}")
-        if any(x < 0 for x in row) or sum(row) <= 0:
-            raise ValueError(f"ratios for segment {k} must be non-negative and not all zero: {row}")
-        s = sum(row)
-        out.append(tuple(x / s for x in row))
-    return tuple(out)
-
-
-def resolve_pins(th: Theory, pins: Mapping[str, Form]) -> dict[int, Form]:
-    """Map pin names to tensor ids and check each form is one the tensor can take."""
-    g = th.graph
-    out: dict[int, Form] = {}
-    for name, form in pins.items():
-        if isinstance(form, str):
-            from .forms import parse_form
-
-            form = parse_form(form)
-        try:
-            t = g.tensor(name)
-        except KeyError:
-            t = _module_output(g, name)
-            if t is None:
-                params = [x.name for x in g.tensors if x.role in ("param", "input")][:12]
-                raise PinError(
-                    f"pin {name}={form}: no tensor of that name. Pins name parameters (e.g. {params[:6]}), "
-                    "inputs, op outputs (fx node names) or '<module>.out' for a module's output."
-                ) from None
-        if form not in th.forms[t.id]:
-            raise PinError(
-                f"pin {name}={form}: tensor {t.name} has shape {tuple(t.shape)} and can take only "
-                f"{', '.join(map(str, th.forms[t.id]))} (G(d) needs a dim of size >= 2; R only for computed "
-                "floating tensors)"
-            )
-        out[t.id] = form
-    return out
-
-
-def _module_output(g: Graph, name: str) -> Any:
-    if not name.endswith(".out"):
-        return None
-    mod = name[: -len(".out")]
-    ops = [op for op in g.ops if op.module == mod or op.module.startswith(mod + ".")]
-    if not ops:
-        return None
-    return g.tensors[ops[-1].outputs[0]]

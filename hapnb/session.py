@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import display
 from .cluster import Cluster, Collective, Device
-from .forms import Form, parse_form
+from .forms import Form, Storage, parse_pin
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
+from .searchspec import pin_choices
 from .synthesis import context_of, replan, synthesize
 from .triples import Theory, theory
 from .tuning import WhatIf, WhyNot, rebuild_graph, what_if
@@ -298,8 +299,8 @@ class Session:
         return plan
 
     # ============================================================================ helpers
-    def _form_pins(self) -> dict[str, Form]:
-        return {k: parse_form(v) for k, v in self._pins.items()}
+    def _form_pins(self) -> dict[str, Form | Storage]:
+        return {k: parse_pin(v) for k, v in self._pins.items()}
 
     def _synthesize(self, cluster: Cluster, locks: Mapping[str, float] | None = None) -> Plan:
         """The plan for the pins, the locked ratios and ``cluster``: the first one synthesized, every later
@@ -488,30 +489,32 @@ class Session:
         return dict(self._pins)
 
     def pinnable(self) -> dict[str, tuple[str, ...]]:
-        """Parameters and inputs that can take more than one form, with their forms."""
+        """Parameters and inputs that can take more than one form, with their pins: the forms, then for a
+        parameter its sharded storages (``zero3(d)``, ``zero2(d)``: :func:`hapnb.searchspec.pin_choices`)."""
         g, th = self.graph, self.theory
         return {
-            t.name: tuple(str(f) for f in th.forms[t.id])
+            t.name: tuple(str(f) for f in pin_choices(th, t.id))
             for t in g.tensors
             if t.role in ("param", "input") and len(th.forms[t.id]) > 1
         }
 
     def pin_options(self, name: str) -> tuple[str, ...]:
-        """``"auto"`` and every form tensor ``name`` can take."""
+        """``"auto"`` and every pin tensor ``name`` can take: its forms and, for a parameter, its sharded
+        storages (``zero3(d)`` / ``zero2(d)``)."""
         try:
             t = self.graph.tensor(name)
         except KeyError:
             raise UnknownPinError(self._unknown_pin(name)) from None
-        return (AUTO, *(str(f) for f in self.theory.forms[t.id]))
+        return (AUTO, *(str(f) for f in pin_choices(self.theory, t.id)))
 
     def _unknown_pin(self, name: str) -> str:
         some = ", ".join(list(self.pinnable())[:8])
         return f"pin {name}: no tensor of that name; pins name parameters and inputs ({some}, ...)"
 
-    def _checked_pin(self, name: str, form: Form | str | None) -> dict[str, str]:
+    def _checked_pin(self, name: str, form: Form | Storage | str | None) -> dict[str, str]:
         if form is None or form == AUTO:
             return {}
-        f = parse_form(form) if isinstance(form, str) else form
+        f = parse_pin(form) if isinstance(form, str) else form
         try:
             resolve_pins(self.theory, {name: f})
         except PinError as e:
@@ -520,9 +523,9 @@ class Session:
             raise
         return {name: str(f)}
 
-    def set_pin(self, name: str, form: Form | str | None) -> str:
-        """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, ...); ``None``/``"auto"``
-        unpins. Returns the stored value. Takes effect at the next :meth:`resynthesize` (the search
+    def set_pin(self, name: str, form: Form | Storage | str | None) -> str:
+        """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, a parameter storage such as
+        ``"zero3(0)"`` / ``hapnb.FullShard(0)``, ...); ``None``/``"auto"`` unpins. Returns the stored value. Takes effect at the next :meth:`resynthesize` (the search
         cursor restarts then). Raises :class:`UnknownPinError` (a KeyError) for an unknown tensor and
         :class:`~hapnb.search.PinError` (a ValueError) for a form the tensor cannot take."""
         pin = self._checked_pin(name, form)
@@ -594,7 +597,7 @@ class Session:
         return self._set_plan(self._synthesize(self.cluster))
 
     # ============================================================================ tuning
-    def why_not(self, pins: Mapping[str, Form | str]) -> WhyNot:
+    def why_not(self, pins: Mapping[str, Form | Storage | str]) -> WhyNot:
         """Why the current plan does not use these forms (:meth:`hapnb.plan.Plan.why_not`): the best plan
         with them added to the session's pins and its cost, or where no program satisfies them. The
         current plan does not change."""

@@ -739,8 +739,11 @@ class _Overlap:
             mems.append(pts)
             peaks.append(peak)
         stage = {i: ins.stage for i, ins in enumerate(plan.program)}
+        by_device: dict[str, list[Span]] = {d: [] for d in names}
+        for s in spans:
+            by_device[s.device].append(s)
         for d in names:
-            own = [s for s in spans if s.device == d]
+            own = by_device[d]
             comp = sorted((s for s in own if s.stream == "compute"), key=lambda s: s.start_s)
             for s in own:
                 segs.append(Segment(d, stage.get(s.instruction, -1), "comp" if s.stream == "compute" else "comm", s.start_s, s.end_s))  # fmt: skip

@@ -31,11 +31,13 @@ from .cluster import Cluster
 from .cost import CostModel
 from .duplex import duplex_cost
 from .graph import Graph
+from .memory import largest_pieces
 from .optimize import (
     Candidate,
     Memo,
     assign_segments,
     baseline_specs,
+    fsdp_pins,
     keeps_ratio_pins,
     optimize,
     parse_pins,
@@ -48,7 +50,15 @@ from .tracing import resolve_model
 from .triples import Theory, theory
 from .tuning import rebuild_graph, sensitivity, why_not
 
-__all__ = ["synthesize", "baselines", "fixed_plan", "replan", "OutOfMemoryError", "SynthesisContext"]
+__all__ = [
+    "synthesize",
+    "baselines",
+    "fixed_plan",
+    "replan",
+    "OutOfMemoryError",
+    "out_of_memory",
+    "SynthesisContext",
+]
 
 
 #: how many of the Q/B loop's candidates (best cost first) the overlap simulator compares for the final pick
@@ -56,7 +66,7 @@ FINAL_CANDIDATES = 8
 
 
 class OutOfMemoryError(RuntimeError):
-    """The best plan does not fit in some device's memory."""
+    """No plan fits every device's memory (the message says what the leanest program needs and what fills it)."""
 
 
 @without_gc
@@ -91,6 +101,11 @@ def synthesize(
     ``duplex``: HiDup's duplex schedule (two micro-batches, one computing while the other communicates,
     :mod:`hapnb.duplex`): search and LP minimise the duplex time; the plan has ``duplex=True``,
     ``cost_s`` = its duplex time and ``stats["duplex"]`` True (its stages are the plain cost model's).
+
+    ``check_memory`` (default True): the plan fits every device's memory. The Q/B loop keeps to memory
+    where it binds (:func:`hapnb.optimize.optimize` ``memory``: memory-aware search with ZeRO-2/3 storage,
+    memory caps in the LP); plans that fit without it are unchanged; when nothing fits,
+    :class:`OutOfMemoryError` says what the leanest program needs. ``False``: memory is ignored.
 
     ``pick``: ``"simulated"`` (default): the loop's candidates (the :data:`FINAL_CANDIDATES` cheapest
     programs it balanced, and each baseline's program at the baseline's own ratios) are simulated with
@@ -148,20 +163,26 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
     a = ctx.args
     th, ratios, duplex, options = ctx.theory, a["ratios"], a["duplex"], a["options"]
     form_pins = parse_pins(pins)
-    best = optimize(
-        th,
-        c,
-        form_pins,
-        ratios,
-        options=options,
-        max_iterations=a["max_iterations"],
-        max_expansions=a["max_expansions"],
-        max_seconds=a["max_seconds"],
-        seed_baselines=a["seed_baselines"],
-        progress=a["progress"],
-        duplex=duplex,
-        memo=ctx.memo,
-    )
+    try:
+        best = optimize(
+            th,
+            c,
+            form_pins,
+            ratios,
+            options=options,
+            max_iterations=a["max_iterations"],
+            max_expansions=a["max_expansions"],
+            max_seconds=a["max_seconds"],
+            seed_baselines=a["seed_baselines"],
+            progress=a["progress"],
+            duplex=duplex,
+            memo=ctx.memo,
+            memory=a["check_memory"],
+        )
+    except NoProgramError as e:
+        if a["check_memory"] and "memory" in str(e):
+            raise out_of_memory(th, c, form_pins) from e
+        raise
 
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
     ck = ctx.memo.token(c)
@@ -247,7 +268,8 @@ def replan(
     """The plan :func:`synthesize` makes for ``plan``'s model with its pins, ratio pins and cluster
     changed, reusing every search, LP and simulation whose inputs did not change (``plan.replan``).
 
-    ``pins``: tensor -> form, merged into the plan's pins (``None`` or ``"auto"`` removes a pin);
+    ``pins``: tensor -> form or parameter storage (``"zero3(0)"``, :class:`~hapnb.forms.FullShard`), merged
+    into the plan's pins (``None`` or ``"auto"`` removes a pin);
     ``ratio_pins``: device -> ratio or ``(lo, hi)``, merged into the plan's ratio pins (``None`` removes
     one); ``cluster``: another cluster (object, preset, JSON path or inline spec): ratio pins of devices it
     lacks are dropped. ``overrides``: other synthesize arguments to change (e.g. ``check_memory=False``,
@@ -439,19 +461,86 @@ def _is_param(th: Theory, name: str) -> bool:
     return th.graph.tensor(name).role == "param"
 
 
+def _size(n: float) -> str:
+    """Bytes for people: ``_size(3 * 2**30) == '3.00 GiB'``, ``_size(5000) == '4.88 KiB'``."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 2**k:
+            return f"{n / 2**k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_TO_FIT = (
+    "To fit: a smaller batch (--batch) or sequence (--seq), fewer or narrower layers, devices with more memory, "
+    "or more devices; pass check_memory=False to get a plan anyway."
+)
+
+
 def _check_memory(plan: Plan) -> None:
     bad = []
-    for d, m in zip(plan.cluster.devices, plan.memory_bytes):
+    worst = (0.0, -1)
+    for j, (d, m) in enumerate(zip(plan.cluster.devices, plan.memory_bytes)):
         cap = d.memory_bytes / d.gpus
         if m > cap:
-            bad.append(f"{d.name} needs {m / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
+            bad.append(f"{d.name} needs {_size(m)} of {_size(cap)}")
+            worst = max(worst, (m / cap, j))
     if bad:
+        j = worst[1]
+        fill = ", ".join(
+            f"{k} {_size(v)}" for k, v in sorted(plan.memory_breakdown[j], key=lambda kv: -kv[1]) if v
+        ) if plan.memory_breakdown else ""  # fmt: skip
         raise OutOfMemoryError(
             "the best plan does not fit in device memory: "
             + "; ".join(bad)
-            + ". Use a smaller batch or model, more or larger devices, or pin large weights to be sharded "
-            "(e.g. pins={'<weight>': hapnb.Shard(0)}); pass check_memory=False to get the plan anyway."
+            + (f". On {plan.cluster.devices[j].name}: {fill}" if fill else "")
+            + ". Pin parameters to be stored sharded (e.g. pins={'<weight>': hapnb.FullShard(0)}, ZeRO-3). "
+            + _TO_FIT
         )
+
+
+def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None) -> OutOfMemoryError:
+    """The error for "no program fits": the leaner of two programs at ratios proportional to memory (data
+    parallel with every parameter stored sharded and gathered before each use, ZeRO-3 / FSDP; and the
+    cheapest program ignoring memory), what it needs per device, the smallest uniform capacity that would
+    hold it, and what fills the fullest device."""
+    cm = CostModel(th, c)
+    caps = [d.memory_bytes for d in c.devices]
+    ratios = [x / sum(caps) for x in caps]
+    lean = fsdp_pins(th, ratios, pins)
+    head = "no program fits in device memory (the search pruned every candidate that does not fit)"
+    tried = []
+    for what, pins_, opts in (
+        ("data parallel, every parameter stored sharded and gathered before each use: ZeRO-3 / FSDP", lean,
+         {"sfb": False, "grouped": False}),
+        ("the cheapest program ignoring memory", dict(pins or {}), {}),
+    ):  # fmt: skip
+        try:
+            s = Search(th, c, ratios=ratios, pins=pins_, options=opts)
+            res = s.run(max_expansions=20_000)
+        except (NoProgramError, ValueError):
+            continue
+        peak = cm.memory(res.program, s.final_conversions(), s.ratios)
+        per = [m / (d.memory_bytes / d.gpus) for m, d in zip(peak, c.devices)]
+        tried.append((max(per), what, res.program, s.final_conversions(), s.ratios, peak, per))
+    if not tried:
+        return OutOfMemoryError(f"{head}; no program could be built to measure what it needs. {_TO_FIT}")
+    worst, what, prog, extra, r, peak, per = min(tried, key=lambda x: x[0])
+    j = max(range(c.n), key=lambda k: (per[k], -k))
+    d = c.devices[j]
+    fill = ", ".join(
+        f"{k} {_size(v)}" for k, v in sorted(cm.memory_breakdown(prog, extra, r)[j].items(), key=lambda kv: -kv[1])
+        if v
+    )  # fmt: skip
+    top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, prog, extra, r, j))
+    over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
+    need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")
+    return OutOfMemoryError(
+        f"{head}. The leanest program hapnb tried ({what}; ratios proportional to memory) needs "
+        f"{_size(peak[j])} on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need "
+        f"at least {worst:.2f}x its memory"
+        + (f" (over: {need})" if need else "")
+        + f". What fills {d.name}: {fill}. Largest: {top}. "
+        + _TO_FIT
+    )
 
 
 def _graph_of(

@@ -5,7 +5,9 @@ A *property* ``(t, f)`` says a distributed tensor relates to reference tensor ``
 device when ``pre`` holds establishes ``post`` (paper §4.2). The theory holds three kinds of triples:
 
 * **compute**: one per (op, strategy) from :mod:`hapnb.rules`;
-* **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs;
+* **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs, and
+  for parameters ``{} load_zero2(G(d)) {p:I}`` / ``{} load_zero3(G(d)) {p:I}``: stored sharded on ``d``
+  (parameter, gradient and optimizer state) and all-gathered before use (:class:`hapnb.cost.Load`);
 * **collective**: ``{G(d)} all_gather {I}`` (padded) and ``{G(d)} grouped_all_gather {I}``,
   ``{R} all_reduce {I}``, ``{R} reduce_scatter(d) {G(d)}`` (padded and grouped),
   ``{G(a)} all_to_all(a,b) {G(b)}``, ``{I} slice(d) {G(d)}`` (free), and for the loss ``{I} to_partial {R}``
@@ -86,7 +88,8 @@ class Triple:
         if i.kind == "compute":
             label = f"{graph.ops[i.op].name}[{i.name}]"
         elif i.kind == "load":
-            label = f"load {graph.tensors[i.tensor].name}"
+            stored = f"({i.src})" if i.src is not None else ""
+            label = f"{i.name}{stored} {graph.tensors[i.tensor].name}"
         else:
             label = i.name
         return f"{{{props(self.pre)}}} {label} {{{props(self.post)}}}"
@@ -159,6 +162,7 @@ class Theory:
     forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
     units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
     requires_grad: tuple[bool, ...] = ()
+    _cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def __iter__(self) -> Iterator[Triple]:
         return iter(self.triples)
@@ -203,10 +207,9 @@ class Theory:
         unit, base = self.units.get((tensor, dim), (1, size))
         # many tensors share a base length: cut each (base, ratios) once (plans and the cost model ask often)
         key = (base, ratios if isinstance(ratios, tuple) else tuple(ratios))
-        cache = self.__dict__.setdefault("_cuts", {})
-        lens = cache.get(key)
+        lens = self._cuts.get(key)
         if lens is None:
-            lens = cache[key] = shard_lengths(base, key[1])
+            lens = self._cuts[key] = shard_lengths(base, key[1])
         return tuple(unit * n for n in lens) if unit != 1 else lens
 
     def format(self, tr: Triple) -> str:
@@ -292,6 +295,11 @@ def _all_triples(
         if t.role in LOADABLE_ROLES:
             for f in forms[t.id]:
                 add((), Instr("load", "load", tensor=t.id, form=f), ((t.id, f),))
+        if t.role == "param":  # stored sharded, all-gathered before use (ZeRO-2 keeps it, ZeRO-3 re-gathers)
+            for f in forms[t.id]:
+                if f.kind == "G":
+                    for z in (2, 3):
+                        add((), Instr("load", f"load_zero{z}", tensor=t.id, src=f, form=I), ((t.id, I),))
     for op, ss in zip(g.ops, per_op):
         for s in ss:
             add(

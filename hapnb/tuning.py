@@ -7,6 +7,9 @@
   values: the devices whose computation is tight in each stage, and what a faster device (+10 % flop/s),
   a faster collective kind (+10 % bandwidth) or a faster intra-machine link would save, to first order
   (:func:`hapnb.balance.lp_changes`: the LP's dual that is right for each change, the LP being degenerate).
+  A plan whose ratios the memory caps moved (the plain LP's optimum overflows a device) is read from the
+  memory-capped LP (:func:`hapnb.balance.memory_lp`): the devices whose memory binds, and what ``factor``
+  times their memory would save, are its ``memory``.
   A plan whose ratios are not the LP's optimum (fixed ratios, a baseline program at its own ratios, a
   duplex plan's even micro-batches) is priced at its own ratios instead (``basis="fixed ratios"``).
 * :func:`what_if`: one such change applied and the plan re-planned (``plan.replan(cluster=...)``), the
@@ -27,17 +30,28 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .balance import lp_changes, parse_ratio_pins, ratio_lp, row_role, solve_lp
+from .balance import (
+    MemoryCapError,
+    device_classes,
+    lp_changes,
+    memory_lp,
+    parse_ratio_pins,
+    ratio_lp,
+    row_role,
+    solve_lp,
+)
 from .cluster import Cluster, Collective
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import duplex_cost
-from .forms import Form, parse_form
+from .forms import Form, Storage, parse_form, parse_pin
 from .graph import Graph
+from .memory import overflow
 from .optimize import without_gc
 from .plan import Plan, tuning_function
 from .search import NoProgramError, PinError, Search
@@ -47,6 +61,7 @@ __all__ = [
     "Sensitivity",
     "DeviceBound",
     "LinkBound",
+    "MemoryBound",
     "StageBound",
     "WhyNot",
     "BlockDiff",
@@ -110,7 +125,9 @@ def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conve
     convs: list[Conversion] = []
     for ins in plan.program:
         if ins.kind == "load":
-            loads.append(Load(tid[ins.tensor], parse_form(ins.form), ins.name == "load_sfb"))
+            zero = int(ins.name.removeprefix("load_zero")) if ins.name.startswith("load_zero") else 0
+            stored = parse_form(ins.src) if zero else None  # a ZeRO load: kept sharded as src
+            loads.append(Load(tid[ins.tensor], parse_form(ins.form), ins.name == "load_sfb", zero, stored))
         elif ins.kind == "collective":
             if ins.name == "reshard":
                 dst, _, seg = ins.form.partition("@")
@@ -138,21 +155,29 @@ def faster(
     device: str | None = None,
     collective: str | None = None,
     link: bool = False,
+    memory: str | None = None,
     factor: float = 1.1,
 ) -> Cluster:
     """``cluster`` with one thing ``factor`` times faster: a device's throughput (its ``flops`` and, with a
     device model, the model's peak and vector flop/s), a collective kind's bandwidth, or the intra-machine
-    link (``link=True``).
+    link (``link=True``); or ``factor`` times more memory on device ``memory``.
 
     >>> c = faster(Cluster.parse("2xV100"), device="v100-0", factor=2.0)
     >>> c.devices[0].flops / c.devices[1].flops
     2.0
+    >>> faster(Cluster.parse("2xV100"), memory="v100-1", factor=1.5).devices[1].memory_bytes / 2**30
+    24.0
     """
-    if sum(x is not None and x is not False for x in (device, collective, link or None)) != 1:
-        raise ValueError("faster: name exactly one of device=, collective=, link=True")
+    if sum(x is not None and x is not False for x in (device, collective, link or None, memory)) != 1:
+        raise ValueError("faster: name exactly one of device=, collective=, link=True, memory=")
     if not factor > 0:
         raise ValueError(f"faster: factor must be > 0, got {factor}")
-    name = f"{cluster.name} ({_change_label(device, collective, link, factor)})"
+    name = f"{cluster.name} ({_change_label(device, collective, link, factor, memory)})"
+    if memory is not None:
+        j = cluster.index(memory)
+        devices = list(cluster.devices)
+        devices[j] = dataclasses.replace(devices[j], memory_bytes=int(devices[j].memory_bytes * factor))
+        return cluster.replace(name=name, devices=tuple(devices))
     if device is not None:
         j = cluster.index(device)
         d = cluster.devices[j]
@@ -175,8 +200,12 @@ def faster(
     return cluster.replace(name=name, intra_machine_Bps=cluster.intra_machine_Bps * factor)
 
 
-def _change_label(device: str | None, collective: str | None, link: bool, factor: float) -> str:
+def _change_label(
+    device: str | None, collective: str | None, link: bool, factor: float, memory: str | None = None
+) -> str:
     pct = f"{(factor - 1) * 100:+.3g} %"
+    if memory is not None:
+        return f"{memory} memory {pct}"
     if device is not None:
         return f"{device} flop/s {pct}"
     if collective is not None:
@@ -227,6 +256,19 @@ class LinkBound:
 
 
 @dataclass(frozen=True)
+class MemoryBound:
+    """A device whose memory caps its ratio in a :class:`Sensitivity` (the plan's ratios come from the
+    memory-capped LP, :func:`hapnb.balance.memory_lp`, and more memory on the device would save time):
+    ``phase``, the peak that binds (``"backward"`` or ``"optimizer step"``); ``capacity_bytes``;
+    ``saving_s``, what ``factor`` x its memory would save (first order)."""
+
+    device: str
+    phase: str
+    capacity_bytes: int
+    saving_s: float
+
+
+@dataclass(frozen=True)
 class StageBound:
     """One stage in a :class:`Sensitivity`: its communication and computation maximum, the devices
     whose computation attains the maximum (``tight``), and the devices whose shard sets the time of a
@@ -259,9 +301,19 @@ class Sensitivity(_Shown):
     stages: tuple[StageBound, ...] = ()
     other: tuple[tuple[str, float], ...] = ()
     solver: str = ""
+    memory: tuple[MemoryBound, ...] = ()
 
-    def saving(self, device: str | None = None, collective: str | None = None, link: bool = False) -> float:
-        """The predicted saving (seconds) of one change, as :func:`faster` names it."""
+    def saving(
+        self,
+        device: str | None = None,
+        collective: str | None = None,
+        link: bool = False,
+        memory: str | None = None,
+    ) -> float:
+        """The predicted saving (seconds) of one change, as :func:`faster` names it (``memory``: a device
+        whose memory is not binding saves 0)."""
+        if memory is not None:
+            return next((m.saving_s for m in self.memory if m.device == memory), 0.0)
         if device is not None:
             return next(d.saving_s for d in self.devices if d.device == device)
         name = INTRA_MACHINE if link else collective
@@ -274,6 +326,7 @@ class Sensitivity(_Shown):
     def binding(self) -> tuple[str, ...]:
         """Devices and links by predicted saving, largest first (those that save anything)."""
         items = [(d.saving_s, d.device) for d in self.devices] + [(x.saving_s, x.name) for x in self.links]
+        items += [(m.saving_s, f"{m.device} memory") for m in self.memory]
         return tuple(n for s, n in sorted(items, key=lambda t: (-t[0], t[1])) if s > 1e-12 * self.cost_s)
 
     def lines(self, limit: int = 4) -> list[str]:
@@ -289,6 +342,12 @@ class Sensitivity(_Shown):
             out.append(
                 f"    {pct} bandwidth saves: "
                 + ", ".join(f"{x.name} {x.saving_s * 1e3:.3g} ms" for x in links)
+            )
+        if self.memory:
+            mem = sorted(self.memory, key=lambda m: (-m.saving_s, m.device))[:limit]
+            out.append(
+                f"    memory binds; {pct} memory saves: "
+                + ", ".join(f"{m.device} {m.saving_s * 1e3:.3g} ms" for m in mem)
             )
         return out
 
@@ -313,6 +372,11 @@ class Sensitivity(_Shown):
             lines.append(f"  {'link':<14} {'saves per ' + pct + ' bandwidth':>26} {'time in step':>16}")
             for x in self.links:
                 lines.append(f"  {x.name:<14} {x.saving_s * 1e3:>23.4g} ms {x.time_s * 1e3:>13.4g} ms")
+        for m in self.memory:
+            lines.append(
+                f"  memory of {m.device} ({m.capacity_bytes / 2**30:.4g} GiB) binds in the {m.phase}: "
+                f"{pct} memory saves {m.saving_s * 1e3:.4g} ms"
+            )
         for name, pi in self.other:
             lines.append(f"  tight row {name}: dual {pi:.4g}")
         return "\n".join(lines)
@@ -333,32 +397,42 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
         plan.cost_s,
         float(factor),
         fixed,
+        bool(ctx.args.get("check_memory", True)),
     )
-    return ctx.memo.get("sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed))
+    return ctx.memo.get(
+        "sensitivity",
+        key,
+        lambda: _sensitivity(
+            plan, ctx.theory, float(factor), fixed, bool(ctx.args.get("check_memory", True))
+        ),
+    )
 
 
 def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
-    """Device -> the first device the LP cannot tell it from: the same kind, flop/s, memory, GPUs, device
-    model and ratio pin (the LP is then symmetric in the two, so a change to either saves the same),
-    unless the program re-cuts tensors between ratio segments (a reshard's cost depends on the devices'
-    order)."""
+    """Device -> the first device the LP cannot tell it from: of one class of
+    :func:`hapnb.balance.device_classes` (the same flop/s, device model, GPUs and memory) and with the same
+    ratio pin (the LP is then symmetric in the two, so a change to either saves the same), unless the
+    program re-cuts tensors between ratio segments (a reshard's cost depends on the devices' order)."""
     names = plan.cluster.names
     if any(cv.name == "reshard" for st in steps for cv in st.conversions):
         return {d: d for d in names}
     pins = {d: (lo, hi) for d, lo, hi in plan.ratio_pins}
-    first: dict[Any, str] = {}
     out = {}
-    for d in plan.cluster.devices:
-        key = (d.kind, d.flops, d.memory_bytes, d.gpus, d.model, pins.get(d.name))
-        out[d.name] = first.setdefault(key, d.name)
+    for cls in device_classes(plan.cluster):
+        first: dict[Any, str] = {}
+        for j in cls:
+            out[names[j]] = first.setdefault(pins.get(names[j]), names[j])
     return out
 
 
-def _changes(plan: Plan, twins: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+def _changes(
+    plan: Plan, twins: Mapping[str, str], memory: Sequence[str] = ()
+) -> list[tuple[str, dict[str, Any]]]:
     """The changes a sensitivity prices: a device of each kind the LP can tell apart (:func:`_twins`),
-    every collective kind the plan uses, and the intra-machine link when a device is a machine of
-    several GPUs."""
+    every collective kind the plan uses, the intra-machine link when a device is a machine of several
+    GPUs, and more memory on each device in ``memory`` (those whose memory cap binds)."""
     out: list[tuple[str, dict[str, Any]]] = [(d, {"device": d}) for d in plan.cluster.names if twins[d] == d]
+    out += [(f"{d} memory", {"memory": d}) for d in memory]
     used = _link_times(plan)
     out += [(k, {"collective": k}) for k, _ in plan.cluster.collectives if used.get(k, 0.0) > 0]
     if any(d.gpus > 1 for d in plan.cluster.devices):
@@ -379,22 +453,31 @@ def _cost_at(cm: CostModel, steps: Sequence[Step], ratios: Any, duplex: bool) ->
     return duplex_cost(cm, steps, ratios) if duplex else cm.evaluate(steps, ratios).cost_s
 
 
-def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitivity:
-    steps, _ = program_steps(plan, th)
+def _sensitivity(
+    plan: Plan, th: Theory, factor: float, fixed: bool, check_memory: bool = True
+) -> Sensitivity:
+    steps, convs = program_steps(plan, th)
     c = plan.cluster
     cm = CostModel(th, c)
     pins = parse_ratio_pins({d: (lo, hi) for d, lo, hi in plan.ratio_pins}, c.names)
     twins = _twins(plan, steps)
-    changes = _changes(plan, twins)
-    clusters = [faster(c, factor=factor, **kw) for _, kw in changes]
     lp = ratio_lp(cm, steps, pins, duplex=plan.duplex)
     sol = solve_lp(lp, pins)
+    if check_memory and not fixed and not plan.duplex and max(overflow(cm, steps, convs, sol.ratios)) > 0:
+        # the plain LP's ratios overflow a device: the plan's ratios come from the memory-capped LP
+        with contextlib.suppress(MemoryCapError):
+            lp, sol = memory_lp(cm, steps, convs, pins, symmetric=False)
     # the plan's ratios are the LP's optimum (to the solvers' precision: CBC's goes through a file)
     at_lp = not fixed and abs(sol.cost - plan.cost_s) <= 1e-5 * max(abs(plan.cost_s), 1e-15)
+    capped = at_lp and lp.memory is not None  # memory caps in the LP: price more memory on each device
+    changes = _changes(plan, twins, [d for d in c.names if twins[d] == d] if capped else [])
+    clusters = [faster(c, factor=factor, **kw) for _, kw in changes]
     if at_lp:
         others = [
-            ratio_lp(CostModel(th, c2), steps, pins, duplex=plan.duplex, unit=lp.unit) for c2 in clusters
-        ]
+            ratio_lp(CostModel(th, c2), steps, pins, duplex=plan.duplex, unit=lp.unit, memory=lp.memory,
+                     memory_slack=lp.memory_slack)
+            for c2 in clusters
+        ]  # fmt: skip
         changed = lp_changes(lp, sol, others)
         savings = []
         for ch, other in zip(changed, others):
@@ -409,6 +492,8 @@ def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitiv
     tiny = 1e-9 * abs(plan.cost_s)
     saving = {name: 0.0 if abs(s) <= tiny else s for (name, _), s in zip(changes, savings)}
     saving.update({d: saving[t] for d, t in twins.items()})
+    if capped:
+        saving.update({f"{d} memory": saving[f"{t} memory"] for d, t in twins.items()})
     stages, tight_of = _stage_bounds(plan, steps, cm, lp, sol, at_lp)
     devices = tuple(
         DeviceBound(
@@ -426,8 +511,13 @@ def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitiv
     times = _link_times(plan)
     links = tuple(
         LinkBound(name, times.get(name, 0.0) if name != INTRA_MACHINE else 0.0, saving[name])
-        for name, _ in changes
-        if name not in c.names
+        for name, kw in changes
+        if "collective" in kw or "link" in kw
+    )
+    memory = tuple(
+        MemoryBound(d, _memory_phase(sol, j), c.devices[j].memory_bytes, saving[f"{d} memory"])
+        for j, d in enumerate(c.names)
+        if capped and saving[f"{d} memory"] > 0
     )
     other = ()
     if at_lp and not plan.duplex:
@@ -437,7 +527,14 @@ def _sensitivity(plan: Plan, th: Theory, factor: float, fixed: bool) -> Sensitiv
             if row_role(name)[0] == "other" and abs(pi) > 1e-12
         )
     return Sensitivity(plan.name, c.name, plan.cost_s, factor, "lp" if at_lp else "fixed ratios", devices, links,
-                       stages, other, sol.solver)  # fmt: skip
+                       stages, other, sol.solver, memory)  # fmt: skip
+
+
+def _memory_phase(sol: Any, j: int) -> str:
+    """Which of device j's memory caps binds: the one with the larger dual value (``mem_bwd_j``: the
+    backward's peak, ``mem_opt_j``: the optimizer step's)."""
+    bwd, opt = (abs(sol.duals.get(f"mem_{k}_{j}", 0.0)) for k in ("bwd", "opt"))
+    return "optimizer step" if opt > bwd else "backward"
 
 
 def _stage_bounds(
@@ -517,14 +614,15 @@ def what_if(
     device: str | None = None,
     collective: str | None = None,
     link: bool = False,
+    memory: str | None = None,
     factor: float = 1.1,
 ) -> WhatIf:
     """Apply one change (:func:`faster`) and re-plan: the re-planned cost next to the dual's prediction
     (the prediction comes from :func:`sensitivity` at the same factor)."""
-    c2 = faster(plan.cluster, device=device, collective=collective, link=link, factor=factor)
+    c2 = faster(plan.cluster, device=device, collective=collective, link=link, memory=memory, factor=factor)
     new = plan.replan(cluster=c2)
-    pred = sensitivity(plan, factor).saving(device=device, collective=collective, link=link)
-    return WhatIf(_change_label(device, collective, link, factor), plan.cost_s, pred, new)
+    pred = sensitivity(plan, factor).saving(device=device, collective=collective, link=link, memory=memory)
+    return WhatIf(_change_label(device, collective, link, factor, memory), plan.cost_s, pred, new)
 
 
 # ============================================================================================ why not
@@ -600,11 +698,11 @@ class WhyNot(_Shown):
 
 
 @without_gc
-def why_not(plan: Plan, pins: Mapping[str, Form | str]) -> WhyNot:
+def why_not(plan: Plan, pins: Mapping[str, Form | Storage | str]) -> WhyNot:
     """Why the search did not choose ``pins`` (tensor -> form): see :class:`WhyNot`."""
     if not pins:
         raise ValueError("why_not needs at least one pin, e.g. {'layers.0.linear1.weight': 'G1'}")
-    asked = tuple(sorted((str(t), str(parse_form(f) if isinstance(f, str) else f)) for t, f in pins.items()))
+    asked = tuple(sorted((str(t), str(parse_pin(f) if isinstance(f, str) else f)) for t, f in pins.items()))
     th = _context(plan).theory
     already = all(f in _forms(plan, t) for t, f in asked)
     try:
@@ -620,7 +718,12 @@ def why_not(plan: Plan, pins: Mapping[str, Form | str]) -> WhyNot:
 
 
 def _forms(plan: Plan, tensor: str) -> set[str]:
-    return set(plan.form_of(tensor))
+    """The forms the plan gives ``tensor`` and, for a parameter it stores sharded, that storage's pin."""
+    out = set(plan.form_of(tensor))
+    for ins in plan.program:
+        if ins.kind == "load" and ins.tensor == tensor and ins.name.startswith("load_zero"):
+            out.add(str(Storage(int(ins.name.removeprefix("load_zero")), parse_form(ins.src).dim)))
+    return out
 
 
 def _pin_where(message: str) -> str:
@@ -639,7 +742,7 @@ def _diagnose(plan: Plan, th: Theory, pins: Mapping[str, str], max_steps: int = 
         th,
         plan.cluster,
         ratios=plan.ratios,
-        pins={k: parse_form(v) for k, v in merged.items()},
+        pins={k: parse_pin(v) for k, v in merged.items()},
         options=options,
     )
     deepest, reasons = -1, []

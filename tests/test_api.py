@@ -17,9 +17,10 @@ PUBLIC = [
     "PinError", "PipelinePlan", "Plan", "pipeline", "R", "Replicate", "Search", "Session", "Shard", "Theory", "TraceError", "baselines",
     "collectives", "compare", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
+    "FullShard", "ShardGradOp", "Storage", "parse_pin",  # issue 10: parameter storage pins (ZeRO-3 / ZeRO-2)
 ]  # fmt: skip
 
-FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "pipeline", "shard_lengths",
+FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "pipeline", "shard_lengths",
              "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 

@@ -71,8 +71,8 @@ def test_plan_with_pins_and_ratios(capsys):
 def test_compare_json(capsys):
     rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "paper-hetero-8", "--json")
     d = json.loads(out)
-    # {strategy: iteration_s}: tp_ev is "tp" here; ep (no experts) and fsdp (not available) are absent
-    assert rc == 0 and set(d) == {"hap", "dp_ev", "dp_cp", "tp", "pipeline"}
+    # {strategy: iteration_s}: tp_ev is "tp" here; ep (no experts) is absent
+    assert rc == 0 and set(d) == {"hap", "dp_ev", "dp_cp", "tp", "fsdp", "pipeline"}
     rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "paper-hetero-8", "--json", "--simulated")
     sim = json.loads(out)
     assert rc == 0 and set(sim) == set(d)

@@ -1,6 +1,7 @@
 """hapnb.compare: every strategy under one cost model; HAP never behind data parallelism on the paper's
-clusters; expert weights found from the graph and padded as DeepSpeed runs them; OOM rows stay marked;
-a pipeline plan's schedule replayed for its Gantt chart."""
+clusters; expert weights found from the graph and padded as DeepSpeed runs them; FSDP fits where data
+parallelism does not and verifies; OOM rows stay marked; a pipeline plan's schedule replayed for its Gantt
+chart."""
 
 from __future__ import annotations
 
@@ -59,9 +60,8 @@ def _moe_inputs(
 def test_every_strategy_is_a_row_under_one_cost_model():
     cmp = hap.compare("mlp", "2xV100+2xP100", **TINY_MLP)
     assert cmp.strategies == tuple(STRATEGIES)
-    assert not cmp["fsdp"].available and "not available" in cmp["fsdp"].note
     assert not cmp["ep"].available and "no expert weights" in cmp["ep"].note
-    for name in ("hap", "dp_ev", "dp_cp", "tp"):
+    for name in ("hap", "dp_ev", "dp_cp", "tp", "fsdp"):
         r = cmp[name]
         assert r.available and r.simulator == "hapnb.simulate" and r.fits is True
         assert r.iteration_s == r.plan.cost_s and r.simulated_s == r.plan.simulated_s
@@ -70,7 +70,9 @@ def test_every_strategy_is_a_row_under_one_cost_model():
     assert pp.available and pp.simulator == "pipeline schedule" and isinstance(pp.plan, PipelinePlan)
     assert pp.iteration_s == pp.plan.iteration_s and 0 < pp.simulated_s <= pp.iteration_s * TOL
     assert pp.plan.batch == cmp.batch == 16  # the same global batch for every strategy
-    assert set(cmp.times()) == {"hap", "dp_ev", "dp_cp", "tp", "pipeline"} == set(cmp.times("simulated"))
+    assert (
+        set(cmp.times()) == {"hap", "dp_ev", "dp_cp", "tp", "fsdp", "pipeline"} == set(cmp.times("simulated"))
+    )
     assert cmp.times()["hap"] <= min(cmp.times()[k] for k in ("dp_ev", "dp_cp")) * TOL
     assert cmp.best() in cmp.times() and cmp.best("simulated") in cmp.times()
     d = json.loads(json.dumps(cmp.to_json()))
@@ -157,6 +159,24 @@ def test_strategies_that_do_not_fit_stay_in_the_table_marked():
 
     labels = fig.select_one({"type": LabelSet}).source.data["label"]
     assert labels.count("OOM") == 4 and labels.count("n/a") == 2
+
+
+@pytest.mark.slow
+def test_fsdp_stores_every_parameter_sharded_fits_where_data_parallelism_does_not_and_verifies():
+    base = Cluster.parse("1xV100+1xP100")
+    kw = dict(layers=2, hidden=128, input=64, batch=8)
+    free = hap.compare("mlp", base, strategies=["dp_ev", "fsdp"], **kw)
+    dp, fs = free["dp_ev"], free["fsdp"]
+    params = [i.tensor for i in dp.plan.program if i.kind == "load" and i.tensor != "x" and i.tensor != "y"]
+    zero3 = [i for i in fs.plan.program if i.kind == "load" and i.name == "load_zero3"]
+    assert sorted(i.tensor for i in zero3) == sorted(params) and fs.plan.ratios == dp.plan.ratios
+    assert max(fs.memory_bytes) < max(dp.memory_bytes) and fs.iteration_s > dp.iteration_s  # memory for time
+    cap = (max(dp.memory_bytes) + max(fs.memory_bytes)) // 2
+    small = base.replace(devices=tuple(dataclasses.replace(d, memory_bytes=cap) for d in base.devices))
+    cmp = hap.compare("mlp", small, strategies=["dp_ev", "fsdp"], **kw)
+    assert cmp["dp_ev"].fits is False and cmp["fsdp"].fits is True and cmp.best() == "fsdp"
+    report = hap.verify(cmp["fsdp"].plan, nproc=2, steps=2, timeout=120)  # gathered, freed, re-gathered
+    assert report.ok and report.max_rel < 1e-10, report.text()
 
 
 def test_a_pipeline_plan_replays_its_schedule_for_the_gantt_chart():

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
 from hapnb.cluster import Cluster  # noqa: E402
+from hapnb.forms import FullShard  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
 from hapnb.search import PinError, Search  # noqa: E402
 from hapnb.session import AUTO, JobState, PlanDiff, Progress, Session, UnknownPinError  # noqa: E402
@@ -142,7 +143,11 @@ def test_an_unsatisfiable_pin_raises_naming_the_pin(s):
         s.set_pin("w0", "R")  # parameters cannot be partial sums
     with pytest.raises(UnknownPinError):
         s.pin_options("nope")
-    assert s.pin_options("w0") == (AUTO, "I", "G0", "G1") and "w0" in s.pinnable()
+    storages = ("zero3(0)", "zero2(0)", "zero3(1)", "zero2(1)")  # parameter storage pins (ZeRO-3 / ZeRO-2)
+    assert s.pin_options("w0") == (AUTO, "I", "G0", "G1", *storages) and "w0" in s.pinnable()
+    assert s.set_pin("w0", FullShard(1)) == "zero3(1)"  # a storage pin, re-planned like a form pin
+    assert any(i.name == "load_zero3" and i.tensor == "w0" for i in s.resynthesize().program)
+    s.set_pin("w0", None)
     with pytest.raises(UnknownPinError):
         Session(s.theory, CLUSTER, pins={"nope": "I"})
 

@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from hapnb import zoo
-from hapnb.balance import lp_changes, parse_ratio_pins, ratio_lp, solve_lp
+from hapnb.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.cluster import Cluster
 from hapnb.cost import CostModel
+from hapnb.forms import ShardGradOp
 from hapnb.plan import Plan, make_plan
 from hapnb.search import PinError
 from hapnb.synthesis import replan, synthesize
@@ -53,6 +54,7 @@ def test_replan_equals_a_fresh_synthesize_and_reuses_what_did_not_change(mlp, gp
     )
     cases = [
         (gpt, "gpt", zoo.TINY["gpt"], dict(pins={"blocks.0.qkv.weight": "G0"}), {}),
+        (gpt, "gpt", zoo.TINY["gpt"], dict(pins={"blocks.0.qkv.weight": "zero3(0)"}), {}),  # a storage pin
         (mlp, "mlp", MLP, dict(pins={"x": "I"}), {}),
         (mlp, "mlp", MLP, dict(ratio_pins={"p100-0": 0.1, "v100-1": (0.2, 0.3)}), {}),
         (mlp, "mlp", MLP, dict(cluster=faster(c, device="p100-1", factor=3.0)), {}),
@@ -106,10 +108,13 @@ def test_replan_errors_are_clear(mlp):
 
 
 def test_program_steps_read_back_the_program(gpt):
-    th = gpt.context.theory
-    steps, extra = program_steps(gpt, th)
-    again = make_plan(th, gpt.cluster, steps, extra, gpt.ratios)
-    assert again.program == gpt.program and again.stages == gpt.stages
+    zero = gpt.replan(pins={"blocks.0.qkv.weight": "zero3(0)", "blocks.1.fc1.weight": ShardGradOp(1)})
+    assert {i.name for i in zero.program if i.kind == "load"} >= {"load_zero3", "load_zero2"}
+    for plan in (gpt, zero):  # ZeRO loads read back with their stored form
+        th = plan.context.theory
+        steps, extra = program_steps(plan, th)
+        again = make_plan(th, plan.cluster, steps, extra, plan.ratios)
+        assert again.program == plan.program and again.stages == plan.stages
 
 
 # ------------------------------------------------------------------------------------------ sensitivity
@@ -166,6 +171,39 @@ def test_sensitivity_of_a_plan(gpt):
     text, page = s.summary(), s._repr_html_()
     assert "v100-0" in text and "What bounds the step" in page and "all_reduce" in page
     assert "what bounds the step" in gpt.summary() and "What bounds the step" in gpt._repr_html_()
+
+
+def test_sensitivity_names_the_device_whose_memory_binds():
+    """A plan whose ratios the memory caps move: the sensitivity reads the memory-capped LP's duals, names
+    the device whose memory binds (and what more of it saves, as the re-solved LP says), and a re-plan of
+    the plan equals a fresh synthesize."""
+    c = Cluster.parse("1xV100+2xP100")
+    kw = dict(layers=2, hidden=64, input=64, batch=8192)  # activations dominate: memory grows with the ratio
+    free = synthesize("mlp", c, check_memory=False, **kw)
+    caps = [0.8 * free.memory_bytes[0]] + [10 * m for m in free.memory_bytes[1:]]
+    small = c.replace(
+        devices=tuple(dataclasses.replace(d, memory_bytes=int(m)) for d, m in zip(c.devices, caps))
+    )
+    plan = synthesize("mlp", small, **kw)
+    assert plan.ratios[0][0] < free.ratios[0][0] and max(plan.memory_bytes) <= max(caps)
+    s = plan.sensitivity()
+    assert s.basis == "lp" and [(m.device, m.phase) for m in s.memory] == [("v100-0", "backward")]
+    assert s.saving(memory="v100-0") > 0 and s.saving(memory="p100-0") == 0.0
+    assert (
+        "v100-0 memory" in s.binding
+        and "memory of v100-0" in s.summary()
+        and "memory binds" in s._repr_html_()
+    )
+    th = plan.context.theory
+    steps, convs = program_steps(plan, th)
+    bigger = faster(small, memory="v100-0")
+    resolved = memory_lp(CostModel(th, bigger), steps, convs, symmetric=False)[1].cost
+    assert s.saving(memory="v100-0") == pytest.approx(plan.cost_s - resolved, rel=0.2)
+    w = what_if(plan, memory="v100-0")
+    assert w.predicted_s == s.saving(memory="v100-0") and w.replanned_s > 0
+    assert _timeless(plan.replan(pins={"x": "G0"})) == _timeless(
+        synthesize("mlp", small, pins={"x": "G0"}, **kw)
+    )
 
 
 def test_sensitivity_at_fixed_ratios_re_prices_the_plan():

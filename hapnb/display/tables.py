@@ -55,7 +55,8 @@ def triple_text(th: Any, tr: Any, words: bool = False) -> tuple[str, str, str]:
         op = g.ops[i.op]
         instr = f"{op.name} = {short_target(op.target)}[{i.name}]"
     elif i.kind == "load":
-        instr = f"load {g.tensors[i.tensor].name}"
+        stored = f"({i.src})" if getattr(i, "src", None) is not None else ""
+        instr = f"{i.name}{stored} {g.tensors[i.tensor].name}"
     else:
         instr = f"{i.name}"
         if words:

@@ -13,7 +13,8 @@ def _bar(x: float, top: float, width: int = 120) -> str:
 
 
 def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
-    """A :class:`~hapnb.tuning.Sensitivity`: saving per device and per link (bars), tight devices per stage."""
+    """A :class:`~hapnb.tuning.Sensitivity`: saving per device and per link (bars), the devices whose memory
+    binds, tight devices per stage."""
     pct = f"+{(s.factor - 1) * 100:.3g} %"
     basis = (
         "first order by the ratio LP's dual values (the ratios re-balance)"
@@ -56,6 +57,16 @@ def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
             )
             + "</details>"
         )
+    memory = ""
+    if s.memory:
+        memory = _table(
+            ["memory binds on", "phase", "capacity (GiB)", f"saves per {pct} memory (ms)"],
+            [
+                [esc(m.device), esc(m.phase), f"{m.capacity_bytes / 2**30:.4g}", _ms(m.saving_s)]
+                for m in s.memory
+            ],
+            right=(2, 3),
+        )
     other = ""
     if s.other:
         other = (
@@ -65,7 +76,7 @@ def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
         )
     return (
         f"<div><b>What bounds the step</b> of {esc(s.plan)} on {esc(s.cluster)}: {_ms(s.cost_s)} ms; "
-        f"{esc(basis)}.{devices}{links}{stages}{other}</div>"
+        f"{esc(basis)}.{devices}{links}{memory}{stages}{other}</div>"
     )
 
 

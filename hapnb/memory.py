@@ -1,0 +1,424 @@
+"""Memory per device: what a program keeps on each GPU, by category, and its peak (DESIGN §4).
+
+One set of rules, the *pieces* of a step (:func:`step_pieces`), serves three users: the exact breakdown at
+integer shard lengths (:func:`memory_breakdown`, behind :meth:`hapnb.cost.CostModel.memory_breakdown` and
+every report), the same model as a linear function of the ratios for the ratio LP (:func:`memory_linear`),
+and the search's per-step increments (:mod:`hapnb.memsearch`). A piece is one tensor's contribution:
+
+=============  ===========================================================================================
+``param``      a parameter in its *stored* form: the parameter, its gradient and Adam's two states (x4)
+``input``      a user input, buffer or constant as loaded
+``saved``      an activation autograd keeps for the backward (:data:`SAVED_FOR_BACKWARD`; each (tensor,
+               form, factor) once)
+``gathered``   a ZeRO-2 parameter's full copy, all-gathered before its first use and kept until its backward
+``output``     an op's output; the largest local one sets the backward's transient (its gradient and the
+               input gradient made from it: twice)
+``regather``   a sharded parameter's full size in the backward: ZeRO-2's full gradient before its
+               reduce-scatter (x1), ZeRO-3's re-gathered weight plus that gradient (x2); the largest counts
+``extra``      a final conversion (after the last step)
+=============  ===========================================================================================
+
+Per device, with P, In, A (saved + gathered), L (largest output), F (largest regather) and X (extras) in
+bytes, the peak of one iteration is the larger of two phases::
+
+    backward:       P + 2P (Adam) + In + A + (2L + F + X)      gradients grow as activations are freed
+    optimizer step: P + P (gradients) + 2P (Adam) + In + P     one parameter-sized foreach temporary
+
+i.e. ``raw = 3P + In + max(2P, A + 2L + F + X)``; a device model adds ``raw * memory_overhead +
+memory_const_bytes`` (per GPU) and a virtual device splits the bytes over its GPUs. Every term only grows
+as a program grows (sums and maxima of non-negative pieces), so the peak of a program's prefix is a lower
+bound of the final peak: what the search prunes with.
+
+ZeRO / FSDP (a parameter stored ``G(d)`` and all-gathered to ``I`` before use, :class:`hapnb.cost.Load`
+with ``zero``): its parameter, gradient and Adam states are the shard; ZeRO-2 keeps the gathered copy
+until the backward (``gathered``), ZeRO-3 frees it after the forward use and gathers it again in the
+backward (``regather`` x2).
+
+>>> from hapnb.memory import peak_raw
+>>> peak_raw(P=10, In=1, A=30, L=5, F=0, X=0)   # backward phase: 3*10 + 1 + 30 + 2*5
+71.0
+>>> peak_raw(P=10, In=1, A=0, L=0, F=0, X=0)    # optimizer phase: 3*10 + 1 + 2*10
+51.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .forms import Form, I
+from .graph import Graph, Op
+from .rules import Strategy
+
+__all__ = [
+    "SAVED_FOR_BACKWARD",
+    "MEMORY_CATEGORIES",
+    "PIECE_KINDS",
+    "Piece",
+    "MemoryLinear",
+    "is_alias",
+    "aliases",
+    "saved_tensors",
+    "step_pieces",
+    "memory_breakdown",
+    "memory_linear",
+    "peak_raw",
+    "largest_pieces",
+    "overflow",
+    "lean_linear",
+]
+
+#: What autograd keeps for the backward, per family: ``in`` (non-parameter inputs), ``in0``, ``out``,
+#: ``qkvo`` (q, k, v, out + logsumexp: memory-efficient SDPA), ``ids`` (the indices), ``norm`` (input +
+#: mean/rstd), ``loss`` (the log-probabilities, input-sized, + target), ``mask`` (dropout p>0: 1 byte per
+#: element), ``none``. ReLU keeps its output; other pointwise ops their inputs. Not listed: ``in``.
+SAVED_FOR_BACKWARD: Mapping[str, str] = MappingProxyType(
+    {
+        "matmul": "in",
+        "linear": "in0",
+        "conv": "in0",
+        "attention": "qkvo",
+        "embedding": "ids",
+        "norm": "norm",
+        "loss": "loss",
+        "additive": "none",
+        "view": "none",
+        "select": "none",
+        "creation": "none",
+        "convert": "none",
+        "random": "none",
+        "reduction": "none",
+        "dimwise": "out",
+    }
+)
+#: The memory breakdown's categories (bytes each; they sum to the predicted peak).
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "overhead")
+#: Piece kinds (see the module docstring) and the category each lands in.
+PIECE_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "param": "parameters",
+        "input": "inputs",
+        "saved": "activations",
+        "gathered": "activations",
+        "output": "transient",
+        "regather": "transient",
+        "extra": "transient",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's contribution to memory: ``kind`` from :data:`PIECE_KINDS`, the tensor in ``form``
+    (cut for ``segment``'s ratios; -1: the tensor's own segment), times ``scale``."""
+
+    kind: str
+    tensor: int
+    form: Form
+    segment: int = -1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class MemoryLinear:
+    """A fixed program's memory as a function of the ratios, for the LP. Each part is ``(const, coef)``:
+    bytes ``const + sum_s coef[s] * r[s][j]`` on device j (a G-form tensor's local bytes are its bytes times
+    the device's ratio, integer rounding aside). ``L``: the largest output is ``max(L_const, max_s
+    L_coef[s] * r[s][j])``; ``F`` (the largest regather) does not depend on the ratios."""
+
+    P: tuple[float, dict[int, float]]
+    In: tuple[float, dict[int, float]]
+    A: tuple[float, dict[int, float]]
+    X: tuple[float, dict[int, float]]
+    L_const: float
+    L_coef: dict[int, float] = field(default_factory=dict)
+    F: float = 0.0
+
+    def parts(self, r: Sequence[Sequence[float]], j: int) -> dict[str, float]:
+        """The parts on device j at ratios ``r`` (continuous shares; for checks and tests)."""
+
+        def val(p: tuple[float, dict[int, float]]) -> float:
+            return p[0] + sum(c * r[s][j] for s, c in p[1].items())
+
+        L = max([self.L_const] + [c * r[s][j] for s, c in self.L_coef.items()])
+        return {"P": val(self.P), "In": val(self.In), "A": val(self.A), "X": val(self.X), "L": L, "F": self.F}
+
+
+def peak_raw(P: float, In: float, A: float, L: float, F: float, X: float) -> float:
+    """The raw peak (before the device model's overhead) from the parts (see the module docstring)."""
+    return 3.0 * P + In + max(2.0 * P, A + 2.0 * L + F + X)
+
+
+def is_alias(op: Op) -> bool:
+    """``dropout(p=0)`` (or not training) returns its input: no kernel, no new storage."""
+    if "dropout" not in op.target:
+        return False
+    args = list(op.args) + [None, None, None]
+    p, train = args[1], args[2]
+    return p == 0 or train is False
+
+
+def aliases(g: Graph) -> dict[int, int]:
+    """Tensor -> the tensor whose storage it is (``dropout(p=0)`` returns its input)."""
+    alias: dict[int, int] = {}
+    for op in g.ops:
+        if is_alias(op) and op.inputs and op.outputs:
+            alias[op.outputs[0]] = alias.get(op.inputs[0], op.inputs[0])
+    return alias
+
+
+def saved_tensors(g: Graph, op: Op, s: Strategy) -> list[tuple[int, Form, float]]:
+    """Tensors (with the form the op uses and a byte factor) autograd keeps for ``op``'s backward."""
+    ins = list(zip(op.inputs, s.inputs))
+    outs = list(zip(op.outputs, s.outputs))
+    kind = SAVED_FOR_BACKWARD.get(op.family, "in")
+    if op.family == "pointwise":
+        kind = "out" if "relu" in op.target else "in"
+        if "dropout" in op.target:
+            kind = "none" if is_alias(op) else "mask"
+    if kind == "none":
+        return []
+    if kind == "in0":
+        return [(t, f, 1.0) for t, f in ins[:1]]
+    if kind == "out":
+        return [(t, f, 1.0) for t, f in outs[:1]]
+    if kind == "mask":
+        t, f = outs[0]
+        return [(t, f, 1.0 / max(1, g.tensors[t].itemsize))]
+    if kind == "ids":
+        return [(t, f, 1.0) for t, f in ins[1:2]]
+    if kind == "qkvo":
+        hd = g.tensors[op.inputs[0]].shape[-1] if g.tensors[op.inputs[0]].shape else 1
+        lse = [(t, f, 1.0 / max(1, hd)) for t, f in outs[:1]]  # logsumexp: one float per row
+        return [(t, f, 1.0) for t, f in ins[:3]] + [(t, f, 1.0) for t, f in outs[:1]] + lse
+    if kind == "norm":
+        t, f = ins[0]
+        last = g.tensors[t].shape[-1] if g.tensors[t].shape else 1
+        return [(t, f, 1.0 + 2.0 / max(1, last))]  # + mean and rstd per row
+    if kind == "loss":
+        return [(t, f, 1.0) for t, f in ins[:2]]  # log-probabilities (input-sized) + target
+    return [(t, f, 1.0) for t, f in ins]
+
+
+def load_pieces(g: Graph, ld: Any) -> list[Piece]:
+    """Pieces of one load (a :class:`hapnb.cost.Load`): the stored form, and a ZeRO load's full copies."""
+    t = g.tensors[ld.tensor]
+    zero = getattr(ld, "zero", 0)
+    stored = ld.stored if zero else ld.form
+    if t.role != "param":
+        return [Piece("input", ld.tensor, stored)]
+    out = [Piece("param", ld.tensor, stored)]
+    if zero == 2:
+        out += [Piece("gathered", ld.tensor, I), Piece("regather", ld.tensor, I, scale=1.0)]
+    elif zero == 3:
+        out.append(Piece("regather", ld.tensor, I, scale=2.0))
+    return out
+
+
+def op_pieces(g: Graph, op: Op, s: Strategy, alias: Mapping[int, int]) -> list[Piece]:
+    """Pieces of one computation: its outputs (transient candidates) and what autograd saves."""
+    out = []
+    if op.family != "view" and not is_alias(op):
+        for t, f in zip(op.outputs, s.outputs):
+            if g.tensors[t].is_float:
+                out.append(Piece("output", t, f, op.segment))
+    for t, f, scale in saved_tensors(g, op, s):
+        t = alias.get(t, t)
+        if g.tensors[t].role == "activation":
+            out.append(Piece("saved", t, f, op.segment, scale))
+    return out
+
+
+def step_pieces(g: Graph, step: Any, alias: Mapping[int, int]) -> list[Piece]:
+    """Every piece of one :class:`hapnb.cost.Step` (its loads, then its computation)."""
+    out = []
+    for ld in step.loads:
+        out += load_pieces(g, ld)
+    return out + op_pieces(g, g.ops[step.op], step.strategy, alias)
+
+
+def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> list[Piece]:
+    """The pieces of a whole program, deduplicated as memory is: a tensor loaded once, an activation
+    saved once per (tensor, form, factor) (one device: every form is the whole tensor)."""
+    g = cm.graph
+    alias = aliases(g)
+    seen_load: set[int] = set()
+    saved: set[tuple[int, str, float]] = set()
+    out: list[Piece] = []
+    for st in program:
+        for ld in st.loads:
+            if ld.tensor not in seen_load:
+                seen_load.add(ld.tensor)
+                out += load_pieces(g, ld)
+        for p in op_pieces(g, g.ops[st.op], st.strategy, alias):
+            if p.kind == "saved":
+                key = (p.tensor, str(p.form) if cm.n > 1 else "", p.scale)
+                if key in saved:
+                    continue
+                saved.add(key)
+            out.append(p)
+    out += [Piece("extra", cv.tensor, cv.dst) for cv in extra]
+    return out
+
+
+def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, Any]:
+    """Per device parts ``P, In, A, L, F, X`` (numpy rows) of ``pieces`` with ``local(piece) -> bytes per
+    device``."""
+    import numpy as np
+
+    parts = {k: np.zeros(n) for k in ("P", "In", "A", "L", "F", "X")}
+    row_of = {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
+    for p in pieces:
+        v = p.scale * np.asarray(local(p), dtype=float)
+        if p.kind in ("output", "regather"):
+            row = parts["L" if p.kind == "output" else "F"]
+            np.maximum(row, v, out=row)
+        else:
+            parts[row_of[p.kind]] += v
+    return parts
+
+
+def memory_breakdown(
+    cm: Any, program: Sequence[Any], extra: Sequence[Any], ratios: Sequence[Sequence[float]]
+) -> tuple[dict[str, int], ...]:
+    """Per GPU, the predicted peak of ``program`` on ``cm``'s cluster split by :data:`MEMORY_CATEGORIES`
+    (bytes; they sum to the peak). See the module docstring for the model."""
+    pieces = _program_pieces(cm, program, extra)
+    parts = _fold(pieces, lambda p: cm._local(p.tensor, p.form, ratios, p.segment), cm.n)
+    out = []
+    for j, d in enumerate(cm.cluster.devices):
+        P, In, A = float(parts["P"][j]), float(parts["In"][j]), float(parts["A"][j])
+        transient = 2.0 * float(parts["L"][j]) + float(parts["F"][j]) + float(parts["X"][j])
+        c = {"parameters": P, "gradients": P, "optimizer": 2.0 * P, "inputs": In}
+        if 2.0 * P > A + transient:  # the optimizer step: gradients + one parameter-sized temporary
+            c.update(activations=0.0, transient=P)
+        else:  # the backward: gradients grow as saved activations are freed
+            c.update(gradients=0.0, activations=A, transient=transient)
+        m = d.model
+        raw = sum(c.values())
+        k = cm.gpus[j]
+        c["overhead"] = raw * m.memory_overhead + m.memory_const_bytes * k if m else 0.0
+        out.append({key: int(c[key] / k) for key in MEMORY_CATEGORIES})
+    return tuple(out)
+
+
+def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> MemoryLinear:
+    """``program``'s memory parts as linear functions of the ratios (see :class:`MemoryLinear`)."""
+    g = cm.graph
+    acc: dict[str, list[Any]] = {k: [0.0, {}] for k in ("P", "In", "A", "X")}
+    L_const, L_coef, F = 0.0, {}, 0.0
+    key = {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
+    for p in _program_pieces(cm, program, extra):
+        t = g.tensors[p.tensor]
+        nbytes = float(t.nbytes) * p.scale
+        sharded = p.form.kind == "G" and bool(t.shape)
+        seg = cm.segment_of[p.tensor] if p.segment < 0 else p.segment
+        if p.kind == "output":
+            if sharded:
+                L_coef[seg] = max(L_coef.get(seg, 0.0), nbytes)
+            else:
+                L_const = max(L_const, nbytes)
+        elif p.kind == "regather":
+            F = max(F, nbytes)
+        elif sharded:
+            acc[key[p.kind]][1][seg] = acc[key[p.kind]][1].get(seg, 0.0) + nbytes
+        else:
+            acc[key[p.kind]][0] += nbytes
+    return MemoryLinear(
+        *(tuple(acc[k]) for k in ("P", "In", "A", "X")),  # type: ignore[arg-type]
+        L_const=L_const,
+        L_coef=L_coef,
+        F=F,
+    )
+
+
+def largest_pieces(
+    cm: Any,
+    program: Sequence[Any],
+    extra: Sequence[Any],
+    ratios: Sequence[Sequence[float]],
+    j: int,
+    k: int = 5,
+) -> list[tuple[str, str, int]]:
+    """The ``k`` largest pieces on device j: ``(tensor name, what, bytes)``, what fills the memory first
+    (a parameter counts its gradient and Adam states too)."""
+    g = cm.graph
+    label = {
+        "param": "parameter + gradient + Adam states",
+        "input": "input",
+        "saved": "saved for the backward",
+        "gathered": "ZeRO-2 gathered copy",
+        "output": "output (backward transient)",
+        "regather": "re-gathered in the backward",
+        "extra": "final conversion",
+    }
+    rows = []
+    for p in _program_pieces(cm, program, extra):
+        v = cm._local(p.tensor, p.form, ratios, p.segment)[j] * p.scale * (4.0 if p.kind == "param" else 1.0)
+        if p.kind == "output":
+            v *= 2.0
+        rows.append((g.tensors[p.tensor].name, f"{label[p.kind]} ({p.form})", int(v)))
+    rows.sort(key=lambda r: (-r[2], r[0]))
+    return rows[:k]
+
+
+def overflow(
+    cm: Any, program: Sequence[Any], extra: Sequence[Any], ratios: Sequence[Sequence[float]]
+) -> list[int]:
+    """Bytes per device by which ``program``'s predicted peak exceeds the device's memory (<= 0: fits)."""
+    peak = cm.memory(program, extra, ratios)
+    return [m - d.memory_bytes // d.gpus for m, d in zip(peak, cm.cluster.devices)]
+
+
+def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
+    """A lean estimate of the least memory a program can need, as a :class:`MemoryLinear`: every parameter
+    and input in a sharded form where it can take one (its pin's form if pinned; a ZeRO pin's shard), every
+    op under the strategy whose saved activations and outputs have the least replicated bytes (then the
+    least sharded). For picking ratios that leave room (:func:`hapnb.optimize.optimize`), not a bound."""
+    g, th = cm.graph, cm.theory
+    alias = aliases(g)
+    acc: dict[str, list[Any]] = {k: [0.0, {}] for k in ("P", "In", "A")}
+    L_const, L_coef = 0.0, {}
+
+    def add(key: str, t: int, f: Form, seg: int, scale: float = 1.0) -> None:
+        nbytes = float(g.tensors[t].nbytes) * scale
+        if f.kind == "G" and g.tensors[t].shape:
+            s = cm.segment_of[t] if seg < 0 else seg
+            acc[key][1][s] = acc[key][1].get(s, 0.0) + nbytes
+        else:
+            acc[key][0] += nbytes
+
+    for t in g.tensors:
+        if t.role in ("param", "input", "buffer", "const") and t.consumers:
+            pin = pins.get(t.id)
+            gs = [f for f in th.forms[t.id] if f.kind == "G"]
+            f = getattr(pin, "form", pin) if pin is not None else (gs[0] if gs else I)
+            add("P" if t.role == "param" else "In", t.id, f, -1)
+    for op, ss in zip(g.ops, th.strategies):
+
+        def weight(s: Strategy, op: Op = op) -> tuple[float, float]:
+            rep = shard = 0.0
+            for p in op_pieces(g, op, s, alias):
+                nb = g.tensors[p.tensor].nbytes * p.scale
+                if p.form.kind == "G":
+                    shard += nb
+                else:
+                    rep += nb
+            return rep, shard
+
+        s = min(ss, key=weight)
+        for p in op_pieces(g, op, s, alias):
+            if p.kind == "saved":
+                add("A", p.tensor, p.form, p.segment, p.scale)
+            elif p.form.kind == "G":
+                L_coef[op.segment] = max(L_coef.get(op.segment, 0.0), float(g.tensors[p.tensor].nbytes))
+            else:
+                L_const = max(L_const, float(g.tensors[p.tensor].nbytes))
+    return MemoryLinear(
+        *(tuple(acc[k]) for k in ("P", "In", "A")),  # type: ignore[arg-type]
+        X=(0.0, {}),
+        L_const=L_const,
+        L_coef=L_coef,
+    )

@@ -1,0 +1,112 @@
+"""What a search is asked for: ratios per segment and pins, resolved against one theory.
+
+:func:`normalize_ratios` turns ``None`` (throughput-proportional), one flat list or one list per segment
+into per-segment ratio rows; :func:`resolve_pins` maps pin names (parameter FQNs, input names, op output
+names, ``<module>.out``) to tensor ids and checks each pin: a form (:class:`~hapnb.forms.Form`) the tensor
+can take, or a parameter storage (:class:`~hapnb.forms.Storage`, ZeRO-2/3) of a parameter that can be
+sharded on that dim. Both raise :class:`PinError` / ``ValueError`` naming the pin and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .cluster import Cluster
+from .forms import Form, Storage, parse_pin
+from .graph import Graph
+from .triples import Theory
+
+__all__ = ["PinError", "normalize_ratios", "resolve_pins", "pin_choices"]
+
+
+class PinError(ValueError):
+    """A pin names an unknown tensor, a form the tensor cannot take, or cannot be satisfied."""
+
+
+def normalize_ratios(
+    ratios: Sequence[float] | Sequence[Sequence[float]] | None, cluster: Cluster, n_segments: int
+) -> tuple[tuple[float, ...], ...]:
+    """Ratios per segment; default throughput-proportional; a flat list applies to every segment."""
+    n = cluster.n
+    if ratios is None:
+        tot = sum(d.flops for d in cluster.devices)
+        row = tuple(d.flops / tot for d in cluster.devices)
+        return (row,) * n_segments
+    rows = list(ratios)
+    if rows and not isinstance(rows[0], (list, tuple)):
+        rows = [rows] * n_segments  # type: ignore[list-item]
+    if len(rows) != n_segments:
+        raise ValueError(f"ratios: expected {n_segments} segment(s), got {len(rows)}")
+    out = []
+    for k, row in enumerate(rows):
+        row = [float(x) for x in row]  # type: ignore[union-attr]
+        if len(row) != n:
+            raise ValueError(f"ratios for segment {k}: expected {n} values (one per device), got {len(row)}")
+        if any(x < 0 for x in row) or sum(row) <= 0:
+            raise ValueError(f"ratios for segment {k} must be non-negative and not all zero: {row}")
+        s = sum(row)
+        out.append(tuple(x / s for x in row))
+    return tuple(out)
+
+
+def resolve_pins(th: Theory, pins: Mapping[str, Form | Storage | str]) -> dict[int, Form | Storage]:
+    """Map pin names to tensor ids and check each form is one the tensor can take (a :class:`Storage` pin:
+    a parameter that can be sharded on that dim)."""
+    g = th.graph
+    out: dict[int, Form | Storage] = {}
+    for name, form in pins.items():
+        if isinstance(form, str):
+            form = parse_pin(form)
+        try:
+            t = g.tensor(name)
+        except KeyError:
+            t = _module_output(g, name)
+            if t is None:
+                params = [x.name for x in g.tensors if x.role in ("param", "input")][:12]
+                raise PinError(
+                    f"pin {name}={form}: no tensor of that name. Pins name parameters (e.g. {params[:6]}), "
+                    "inputs, op outputs (fx node names) or '<module>.out' for a module's output."
+                ) from None
+        if isinstance(form, Storage):
+            if t.role != "param" or form.form not in th.forms[t.id]:
+                raise PinError(
+                    f"pin {name}={form}: only a parameter with a dim of size >= 2 can be stored sharded; "
+                    f"{t.name} is a {t.role} of shape {tuple(t.shape)}"
+                )
+            out[t.id] = form
+            continue
+        if form not in th.forms[t.id]:
+            raise PinError(
+                f"pin {name}={form}: tensor {t.name} has shape {tuple(t.shape)} and can take only "
+                f"{', '.join(map(str, th.forms[t.id]))} (G(d) needs a dim of size >= 2; R only for computed "
+                "floating tensors)"
+            )
+        out[t.id] = form
+    return out
+
+
+def pin_choices(th: Theory, t: int) -> tuple[Form | Storage, ...]:
+    """Every pin :func:`resolve_pins` accepts for tensor ``t``: its forms, then for a parameter each
+    sharded storage (ZeRO-3, then ZeRO-2, per dim it can be sharded on).
+
+    >>> import hapnb
+    >>> from hapnb.tracing import zoo_graph
+    >>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=4, batch=4)[0])
+    >>> [str(p) for p in pin_choices(th, th.graph.tensor("layers.0.bias").id)]
+    ['I', 'G0', 'zero3(0)', 'zero2(0)']
+    """
+    forms = th.forms[t]
+    if th.graph.tensors[t].role != "param":
+        return tuple(forms)
+    return (*forms, *(Storage(z, f.dim) for f in forms if f.kind == "G" for z in (3, 2)))
+
+
+def _module_output(g: Graph, name: str) -> Any:
+    if not name.endswith(".out"):
+        return None
+    mod = name[: -len(".out")]
+    ops = [op for op in g.ops if op.module == mod or op.module.startswith(mod + ".")]
+    if not ops:
+        return None
+    return g.tensors[ops[-1].outputs[0]]
