@@ -68,7 +68,7 @@ from .graph import Graph
 from .optimize import baseline_specs, fsdp_pins
 from .plan import Plan, freeze_mapping
 from .search import NoProgramError
-from .synthesis import baselines, fixed_plan, synthesize
+from .synthesis import OutOfMemoryError, baselines, fixed_plan, synthesize
 from .tracing import resolve_model
 from .triples import Theory, dim_class, theory
 
@@ -391,12 +391,17 @@ def _absent(name: str, note: str) -> StrategyResult:
 
 
 def _hap(x: _Inputs) -> StrategyResult:
-    plan = synthesize(
-        x.theory, x.cluster, pick=x.pick, duplex=x.duplex, check_memory=False, max_expansions=x.max_expansions
-    )
+    """hapnb's plan: memory-aware synthesis (the program and ratios HAP picks where memory does not bind);
+    when no program fits, the plan ignoring memory, marked out of memory."""
+    kw = dict(pick=x.pick, duplex=x.duplex, max_expansions=x.max_expansions)
+    note = f"pick={x.pick}" + (", duplex" if x.duplex else "")
+    try:
+        plan = synthesize(x.theory, x.cluster, **kw)
+    except OutOfMemoryError:
+        plan = synthesize(x.theory, x.cluster, check_memory=False, **kw)
+        note += ", no program fits (see hapnb.synthesize's out-of-memory diagnosis)"
     if x.spec:
         plan = dataclasses.replace(plan, model=freeze_mapping(x.spec))
-    note = f"pick={x.pick}" + (", duplex" if x.duplex else "")
     chosen = plan.stats.get("chosen", "search")
     if chosen != "search":
         note += f", program of {chosen.removeprefix('baseline ')}"
