@@ -218,6 +218,15 @@ class _Searched:
     seed_seconds: float = 0.0
 
 
+def _fits_shape(ratios: Sequence[Sequence[float]] | None, segments: int, devices: int) -> bool:
+    """Whether ``ratios`` has one row of ``devices`` ratios per segment, with a positive sum."""
+    return (
+        ratios is not None
+        and len(ratios) == segments
+        and all(len(r) == devices and sum(r) > 0 for r in ratios)
+    )
+
+
 def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol: float = 1e-9) -> bool:
     return all(abs(x - y) <= tol for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
@@ -346,6 +355,7 @@ def optimize(
     duplex: bool = False,
     memory: bool = False,
     memo: Memo | None = None,
+    start: Sequence[Sequence[float]] | None = None,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
 
@@ -359,6 +369,9 @@ def optimize(
     (:func:`hapnb.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
     at the starting ratios, the loop starts again from :func:`hapnb.balance.memory_start_ratios`. Plans
     that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
+    ``start``: warm start (what a fast re-plan uses): the loop starts from these ratios (one row per
+    segment, each moved into the ratio pins, keeping its proportions on the free devices) instead of
+    throughput-proportional ones; ignored with fixed ratios or when its shape does not fit the cluster.
     """
     c = cluster
     ck = None if memo is None else memo.token(c)  # the cluster in memo keys
@@ -370,7 +383,9 @@ def optimize(
         ratio_pins = parse_ratio_pins(ratios, c.names)
     elif ratios is not None:
         fixed = normalize_ratios(ratios, c, cm.n_segments)
-    if fixed is None:
+    if fixed is None and _fits_shape(start, cm.n_segments, c.n):
+        B = tuple(apply_ratio_pins(tuple(r), ratio_pins, c.names, tuple(r)) for r in start)  # type: ignore[union-attr]
+    elif fixed is None:
         row = apply_ratio_pins(normalize_ratios(None, c, 1)[0], ratio_pins, c.names, c.flops)
         B = tuple(row for _ in range(cm.n_segments))
     else:
