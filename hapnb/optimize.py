@@ -407,8 +407,18 @@ def optimize(
 
     mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
+    fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
+
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
-        return not memory or max(overflow(cm, prog, extra, ratios_)) <= 0
+        if not memory:
+            return True
+        # by identity: one round asks for the same objects several times (hashing a program is not cheap);
+        # the entry keeps them alive, so their ids stay theirs
+        key = (id(prog), id(extra), id(ratios_))
+        hit = fit_memo.get(key)
+        if hit is None:
+            hit = fit_memo[key] = (prog, extra, ratios_, max(overflow(cm, prog, extra, ratios_)) <= 0)
+        return hit[3]
 
     def run_search(
         ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool

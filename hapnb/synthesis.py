@@ -235,8 +235,8 @@ def _synthesize(
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
     own = Candidate(best.cost_s, best.program, best.extra, best.ratios, 0)
-    if a["pick"] == "cost" or not best.candidates:
-        top: Sequence[Candidate] = (own,)
+    if a["pick"] == "cost" or not best.candidates or start is not None:
+        top: Sequence[Candidate] = (own,)  # a fast re-plan: the loop's fixpoint (simulated, not picked)
     else:
         searched = [k for k in best.candidates if k.source == "search"][:FINAL_CANDIDATES]
         top = searched + [k for k in best.candidates if k.source != "search"]
@@ -293,12 +293,14 @@ def replan(
     ``exact=False`` (fast; what the Explorer and :class:`~hapnb.session.Session` use): the Q/B loop starts
     from the plan's own ratios (moved into the merged ratio pins; throughput-proportional ones when the
     cluster has another number of devices) instead of the default start, and the baseline seeds are
-    skipped (their job is escaping a bad start). The result satisfies every pin and ratio pin and is a
-    fixpoint of the loop: no program is cheaper than its program at its ratios (the A* at its ratios finds
-    none, when ``stats["optimal"]``), and the ratio LP for its program returns ratios no cheaper than its
-    own; with ``pick="simulated"`` the final choice is among that loop's candidates only. It may differ
-    from a fresh synthesize (another fixpoint, reached from the old ratios; or a baseline's program that
-    the fresh pick simulates faster). ``plan.stats["replan"] == "fast"`` marks such a plan.
+    skipped (their job is escaping a bad start), and the plan is the loop's optimum whatever ``pick`` says
+    (it is simulated, ``simulated_s``, but no other candidate is). The result satisfies every pin and
+    ratio pin and is a fixpoint of the loop (unless ``max_iterations`` rounds ran out): no program is
+    cheaper than its program at its ratios (the A* at its ratios finds none; proven when
+    ``stats["optimal"]``), and the ratio LP for its program finds no cheaper ratios than its own. It may
+    differ from a fresh synthesize: another fixpoint, reached from the old ratios, or (``pick="simulated"``)
+    a baseline's program that the fresh pick simulates faster. ``plan.stats["replan"] == "fast"`` marks
+    such a plan.
     ``benchmarks/replan.py`` measures how often it equals the fresh plan and by how much it is worse.
 
     >>> import hapnb
