@@ -36,12 +36,16 @@ from hapnb.tuning import faster
 
 
 def timeless(p: hapnb.Plan) -> hapnb.Plan:
-    """The plan without the fields that hold timings."""
+    """The plan without the fields that hold timings (and how its graph was traced)."""
     return dataclasses.replace(
         p,
         synthesis_s=0.0,
         history=tuple(dataclasses.replace(r, search_s=0.0, balance_s=0.0) for r in p.history),
-        search=tuple((k, v) for k, v in p.search if k not in ("search_s", "balance_s")),
+        search=tuple(
+            (k, v)
+            for k, v in p.search
+            if k not in ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
+        ),
     )
 
 
