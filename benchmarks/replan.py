@@ -60,7 +60,8 @@ def snapshot(memo: Memo) -> Memo:
     out = Memo(memo.limit, memo.limits)
     out.tables = {k: dict(v) for k, v in memo.tables.items()}
     out.tables["shared"] = {
-        k: {n: dict(d) for n, d in v.items()} for k, v in out.tables.get("shared", {}).items()
+        k: {n: dict(d) if isinstance(d, dict) else d for n, d in v.items()}
+        for k, v in out.tables.get("shared", {}).items()
     }
     return out
 

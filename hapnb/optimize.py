@@ -180,7 +180,8 @@ class Memo:
         return tokens.setdefault(value, len(tokens))
 
     def shared(self, key: Any) -> dict[str, Any]:
-        """A dict of costs shared by the searches at ``key`` (cluster and ratios), see ``Search(shared=)``."""
+        """A dict of costs shared by the searches at ``key`` (cluster and ratios, see ``Search(shared=)``; or
+        cluster and ``"terms"``: the communication terms, which do not depend on the ratios)."""
         table = self.tables.setdefault("shared", {})
         if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
             table.clear()
@@ -424,6 +425,8 @@ def optimize(
         ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
     ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
+        if shared is not None:  # communication terms do not depend on the ratios: one dict per cluster
+            shared.setdefault("terms_of", memo.shared((ck, "terms")))
         s = Search(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
         )

@@ -292,6 +292,9 @@ class Search:
         rem.reverse()
         self._rem = rem
         self._term_cache: dict[Any, float] = self._shared.setdefault("terms", {})
+        # the terms themselves do not depend on the ratios: ``shared["terms_of"]`` may be one dict for every
+        # ratio on this theory and cluster (hapnb.optimize passes one)
+        self._terms_of: dict[Any, tuple[Any, ...]] = self._shared.setdefault("terms_of", {})
         # the hot loop's lookups by property bits (ints hash fast): a load's (Load, time) by (bit, sfb)
         # (without memory), a conversion's options [(Conversion, time)] by (source bit, target bit)
         self._load_of: dict[tuple[int, bool], tuple[Load, float]] = {}
@@ -382,7 +385,10 @@ class Search:
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
         if v is None:
-            v = sum(tm.time(self.ratios) for tm in terms_fn())
+            terms = self._terms_of.get(key)
+            if terms is None:
+                terms = self._terms_of[key] = tuple(terms_fn())
+            v = sum(tm.time(self.ratios) for tm in terms)
             self._term_cache[key] = v
         return v
 
