@@ -10,8 +10,9 @@ the model spec, synthesize's arguments and a :class:`~hapnb.optimize.Memo` of se
 simulated times), shared by every plan :func:`replan` (``plan.replan(...)``) makes from it: a re-plan with
 other pins, ratio pins or cluster runs synthesize's own steps on the merged inputs and takes every
 search, LP and simulation whose inputs did not change from the memo, so it returns exactly the plan a
-fresh :func:`synthesize` would (timings aside). A plan loaded from JSON gets a context on its first
-re-plan (its model rebuilt once from the recorded spec).
+fresh :func:`synthesize` would (timings aside); ``exact=False`` starts the Q/B loop from the plan's own
+ratios without the baseline seeds instead (faster; a fixpoint of the loop, see :func:`replan`). A plan
+loaded from JSON gets a context on its first re-plan (its model rebuilt once from the recorded spec).
 
 >>> import hapnb
 >>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)
