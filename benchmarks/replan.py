@@ -10,7 +10,11 @@ ratio lock, a device 10 % faster, the all-reduce bandwidth 10 % higher. Also: ``
 and ``plan.why_not(...)`` on the base plan. Writes a JSON file and prints a Markdown table.
 
     python benchmarks/replan.py [--model bert] [--layers 12] [--cluster paper-hetero-8] [--repeat 3]
-                                [--out docs/benchmarks-replan.json]
+                                [--sweep bert,gpt,vit] [--out docs/benchmarks-replan.json]
+
+Each edit is also re-planned with ``exact=False`` (the fast path: the Q/B loop from the base plan's ratios,
+no baseline seeds), timed the same way and compared with the fresh plan. ``--sweep``: for each model,
+every single-pin edit of :func:`sweep_pins`, fast against exact (same plan? cost and simulated ratios).
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ from hapnb.tuning import faster
 
 
 def timeless(p: hapnb.Plan) -> hapnb.Plan:
-    """The plan without the fields that hold timings."""
+    """The plan without the fields that hold timings (and how its graph was traced)."""
     return dataclasses.replace(
         p,
         synthesis_s=0.0,
         history=tuple(dataclasses.replace(r, search_s=0.0, balance_s=0.0) for r in p.history),
-        search=tuple((k, v) for k, v in p.search if k not in ("search_s", "balance_s")),
+        search=tuple(
+            (k, v)
+            for k, v in p.search
+            if k not in ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
+        ),
     )
 
 
@@ -52,16 +60,67 @@ def snapshot(memo: Memo) -> Memo:
     out = Memo(memo.limit, memo.limits)
     out.tables = {k: dict(v) for k, v in memo.tables.items()}
     out.tables["shared"] = {
-        k: {n: dict(d) for n, d in v.items()} for k, v in out.tables.get("shared", {}).items()
+        k: {n: dict(d) if isinstance(d, dict) else d for n, d in v.items()}
+        for k, v in out.tables.get("shared", {}).items()
     }
     return out
 
 
-def fresh_context(base: hapnb.Plan) -> hapnb.Plan:
+def fresh_context(base: hapnb.Plan, pristine: Memo | None = None) -> hapnb.Plan:
     """The base plan with a copy of its context as synthesize left it (so no edit meets its own answer)."""
     ctx = copy.copy(base.context)
-    ctx.memo = snapshot(PRISTINE)
+    ctx.memo = snapshot(PRISTINE if pristine is None else pristine)
     return dataclasses.replace(base, context=ctx)
+
+
+def sweep_pins(base: hapnb.Plan, layers: int) -> list[tuple[str, str]]:
+    """Single-pin edits: every 2-D weight of layers 0 and ``layers // 3``, in each of I, G0, G1 that the
+    base plan does not already give it."""
+    g = base.context.theory.graph
+    picked = []
+    for name in dict(base.options)["params"]:
+        parts = name.split(".")
+        if len(g.tensor(name).shape) != 2 or not any(p in parts for p in ("0", str(layers // 3))):
+            continue
+        picked += [(name, f) for f in ("I", "G0", "G1") if f not in base.form_of(name)]
+    return picked
+
+
+def sweep(models: list[str], layers: int, cluster: str) -> dict[str, Any]:
+    """Fast re-plans (``exact=False``) against exact ones (what a fresh synthesize returns) over the single-pin
+    edits of :func:`sweep_pins`, each from the base plan's memo as synthesize left it."""
+    rows = []
+    for model in models:
+        base = hapnb.synthesize(model, cluster, layers=layers)
+        pristine = snapshot(base.context.memo)
+        for name, form in sweep_pins(base, layers):
+            edit = {"pins": {name: form}}
+            start = fresh_context(base, pristine)
+            (fast, wall, cpu) = timed(lambda start=start, edit=edit: start.replan(**edit, exact=False))
+            exact = fresh_context(base, pristine).replan(**edit)
+            rows.append({
+                "model": model, "pin": f"{name}={form}", "fast_wall_s": wall, "fast_cpu_s": cpu,
+                "exact_synthesis_s": exact.synthesis_s,
+                "same_plan": fast.program == exact.program and fast.ratios == exact.ratios,
+                "cost_ratio": fast.cost_s / exact.cost_s, "simulated_ratio": fast.simulated_s / exact.simulated_s,
+                "exact_chosen": exact.stats.get("chosen"),
+            })  # fmt: skip
+    n = len(rows)
+    return {
+        "models": models,
+        "layers": layers,
+        "cluster": cluster,
+        "edits": n,
+        "same_plan": sum(r["same_plan"] for r in rows),
+        "cost_within_1e-9": sum(r["cost_ratio"] <= 1 + 1e-9 for r in rows),
+        "max_cost_ratio": max(r["cost_ratio"] for r in rows),
+        "min_cost_ratio": min(r["cost_ratio"] for r in rows),
+        "max_simulated_ratio": max(r["simulated_ratio"] for r in rows),
+        "median_fast_wall_s": statistics.median(r["fast_wall_s"] for r in rows),
+        "max_fast_wall_s": max(r["fast_wall_s"] for r in rows),
+        "rows": rows,
+        "loadavg": os.getloadavg(),
+    }
 
 
 PRISTINE: Any = None
@@ -75,6 +134,9 @@ def main() -> None:
     ap.add_argument("--cluster", default="paper-hetero-8")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="docs/benchmarks-replan.json")
+    ap.add_argument(
+        "--sweep", default="bert,gpt,vit", help="models of the fast-vs-exact single-pin sweep ('' skips it)"
+    )
     ns = ap.parse_args()
     opts = {"layers": ns.layers}
     base = hapnb.synthesize(ns.model, ns.cluster, **opts)
@@ -103,7 +165,10 @@ def main() -> None:
         fresh = [timed(lambda cl=cl, kw=fresh_kw: hapnb.synthesize(th, cl, **kw)) for _ in range(ns.repeat)]
         same = hapnb.synthesize(ns.model, cl, **fresh_kw, **opts)  # from the zoo: records the model too
         runs = [timed(lambda edit=edit: fresh_context(base).replan(**edit)) for _ in range(ns.repeat)]
-        new = runs[0][0]
+        fast = [
+            timed(lambda edit=edit: fresh_context(base).replan(**edit, exact=False)) for _ in range(ns.repeat)
+        ]
+        new, quick = runs[0][0], fast[0][0]
         row = {
             "edit": label,
             "fresh_wall_s": statistics.median(r[1] for r in fresh),
@@ -113,7 +178,12 @@ def main() -> None:
             "equal_to_fresh": timeless(new) == timeless(same),
             "cost_s": new.cost_s,
             "memo": repr(new.context.memo),
-        }
+            "fast_wall_s": statistics.median(r[1] for r in fast),
+            "fast_cpu_s": statistics.median(r[2] for r in fast),
+            "fast_same_plan": quick.program == same.program and quick.ratios == same.ratios,
+            "fast_cost_ratio": quick.cost_s / same.cost_s,
+            "fast_simulated_ratio": quick.simulated_s / same.simulated_s,
+        }  # fmt: skip
         rows.append(row)
         if label == "one pin":  # the pin taken back: every search, LP and simulation is in the memo
             again = [timed(lambda new=new: new.replan(pins={pin_name: None})) for _ in range(ns.repeat)]
@@ -128,6 +198,7 @@ def main() -> None:
                 "memo": repr(again[0][0].context.memo),
             })  # fmt: skip
     sens = [timed(lambda: fresh_context(base).sensitivity()) for _ in range(ns.repeat)]
+    swept = sweep(ns.sweep.split(","), ns.layers, ns.cluster) if ns.sweep else None
     why = [timed(lambda: fresh_context(base).why_not({pin_name: form})) for _ in range(ns.repeat)]
     out = {
         "model": ns.model,
@@ -139,6 +210,7 @@ def main() -> None:
         "rows": rows,
         "sensitivity_wall_s": statistics.median(r[1] for r in sens),
         "why_not_wall_s": statistics.median(r[1] for r in why),
+        "sweep": swept,
         "loadavg": os.getloadavg(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
@@ -146,13 +218,30 @@ def main() -> None:
     print(
         f"{ns.model}-{ns.layers} on {ns.cluster} ({c.n} devices); pin {pin_name}={form}; load {out['loadavg']}"
     )
-    print("| edit | fresh synthesize wall / CPU (s) | replan wall / CPU (s) | equal to fresh |")
-    print("|---|---:|---:|---|")
+    print(
+        "| edit | fresh synthesize wall / CPU (s) | replan (exact) wall / CPU (s) | equal to fresh "
+        "| replan(exact=False) wall / CPU (s) | fast = fresh | fast cost / fresh |"
+    )
+    print("|---|---:|---:|---|---:|---|---:|")
     for r in rows:
         cpu = "-" if r["fresh_cpu_s"] is None else f"{r['fresh_cpu_s']:.3f}"
+        quick = (
+            f"{r['fast_wall_s']:.3f} / {r['fast_cpu_s']:.3f} | {'yes' if r['fast_same_plan'] else 'no'} | "
+            f"{r['fast_cost_ratio']:.4f}"
+            if "fast_wall_s" in r
+            else "- | - | -"
+        )
         print(
             f"| {r['edit']} | {r['fresh_wall_s']:.3f} / {cpu} | {r['replan_wall_s']:.3f} / {r['replan_cpu_s']:.3f} | "
-            f"{'yes' if r['equal_to_fresh'] else 'NO'} |"
+            f"{'yes' if r['equal_to_fresh'] else 'NO'} | {quick} |"
+        )
+    if swept:
+        print(
+            f"sweep ({', '.join(swept['models'])}, {swept['edits']} single-pin edits): fast = exact plan in "
+            f"{swept['same_plan']}, cost within 1e-9 in {swept['cost_within_1e-9']}; fast cost / exact "
+            f"{swept['min_cost_ratio']:.4f}..{swept['max_cost_ratio']:.4f}, simulated <= "
+            f"{swept['max_simulated_ratio']:.4f}x; fast re-plan median {swept['median_fast_wall_s']:.3f} s, "
+            f"max {swept['max_fast_wall_s']:.3f} s (load {swept['loadavg']})"
         )
     print(f"sensitivity {out['sensitivity_wall_s']:.3f} s, why_not {out['why_not_wall_s']:.3f} s")
 

@@ -180,7 +180,8 @@ class Memo:
         return tokens.setdefault(value, len(tokens))
 
     def shared(self, key: Any) -> dict[str, Any]:
-        """A dict of costs shared by the searches at ``key`` (cluster and ratios), see ``Search(shared=)``."""
+        """A dict of costs shared by the searches at ``key`` (cluster and ratios, see ``Search(shared=)``; or
+        cluster and ``"terms"``: the communication terms, which do not depend on the ratios)."""
         table = self.tables.setdefault("shared", {})
         if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
             table.clear()
@@ -216,6 +217,15 @@ class _Searched:
     ratios: tuple[tuple[float, ...], ...]  # the ratios it ran at (normalised)
     seed_expansions: int = 0
     seed_seconds: float = 0.0
+
+
+def _fits_shape(ratios: Sequence[Sequence[float]] | None, segments: int, devices: int) -> bool:
+    """Whether ``ratios`` has one row of ``devices`` ratios per segment, with a positive sum."""
+    return (
+        ratios is not None
+        and len(ratios) == segments
+        and all(len(r) == devices and sum(r) > 0 for r in ratios)
+    )
 
 
 def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol: float = 1e-9) -> bool:
@@ -346,6 +356,7 @@ def optimize(
     duplex: bool = False,
     memory: bool = False,
     memo: Memo | None = None,
+    start: Sequence[Sequence[float]] | None = None,
 ) -> Optimum:
     """Alternate A* (Q) and the LP (B) from throughput-proportional ratios until no improvement.
 
@@ -359,6 +370,9 @@ def optimize(
     (:func:`hapnb.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
     at the starting ratios, the loop starts again from :func:`hapnb.balance.memory_start_ratios`. Plans
     that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
+    ``start``: warm start (what a fast re-plan uses): the loop starts from these ratios (one row per
+    segment, each moved into the ratio pins, keeping its proportions on the free devices) instead of
+    throughput-proportional ones; ignored with fixed ratios or when its shape does not fit the cluster.
     """
     c = cluster
     ck = None if memo is None else memo.token(c)  # the cluster in memo keys
@@ -370,7 +384,9 @@ def optimize(
         ratio_pins = parse_ratio_pins(ratios, c.names)
     elif ratios is not None:
         fixed = normalize_ratios(ratios, c, cm.n_segments)
-    if fixed is None:
+    if fixed is None and _fits_shape(start, cm.n_segments, c.n):
+        B = tuple(apply_ratio_pins(tuple(r), ratio_pins, c.names, tuple(r)) for r in start)  # type: ignore[union-attr]
+    elif fixed is None:
         row = apply_ratio_pins(normalize_ratios(None, c, 1)[0], ratio_pins, c.names, c.flops)
         B = tuple(row for _ in range(cm.n_segments))
     else:
@@ -392,13 +408,25 @@ def optimize(
 
     mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
+    fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
+
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
-        return not memory or max(overflow(cm, prog, extra, ratios_)) <= 0
+        if not memory:
+            return True
+        # by identity: one round asks for the same objects several times (hashing a program is not cheap);
+        # the entry keeps them alive, so their ids stay theirs
+        key = (id(prog), id(extra), id(ratios_))
+        hit = fit_memo.get(key)
+        if hit is None:
+            hit = fit_memo[key] = (prog, extra, ratios_, max(overflow(cm, prog, extra, ratios_)) <= 0)
+        return hit[3]
 
     def run_search(
         ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
     ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
+        if shared is not None:  # communication terms do not depend on the ratios: one dict per cluster
+            shared.setdefault("terms_of", memo.shared((ck, "terms")))
         s = Search(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
         )

@@ -321,11 +321,16 @@ class Plan:
         pins: Mapping[str, Any] | None = None,
         ratio_pins: Mapping[str, Any] | None = None,
         cluster: Any = None,
+        *,
+        exact: bool = True,
     ) -> Plan:
-        """The plan a fresh ``hapnb.synthesize`` makes with these pins / ratio pins merged into this plan's
-        (``None`` removes one) and on ``cluster`` (default: this plan's), reusing every search, LP and
-        simulation that did not change (:func:`hapnb.synthesis.replan`)."""
-        return tuning_function("replan")(self, pins=pins, ratio_pins=ratio_pins, cluster=cluster)
+        """This plan re-planned with these pins / ratio pins merged into its own (``None`` removes one) and
+        on ``cluster`` (default: this plan's), reusing every search, LP and simulation that did not change
+        (:func:`hapnb.synthesis.replan`). ``exact=True`` (default): the plan a fresh ``hapnb.synthesize``
+        makes with the merged inputs. ``exact=False`` (fast): the Q/B loop from this plan's ratios without
+        the baseline seeds: a fixpoint of the loop that keeps every pin, but maybe not the fresh plan
+        (``stats["replan"] == "fast"``; the contract is :func:`hapnb.synthesis.replan`'s)."""
+        return tuning_function("replan")(self, pins=pins, ratio_pins=ratio_pins, cluster=cluster, exact=exact)
 
     def why_not(self, pins: Mapping[str, Any]) -> Any:
         """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the

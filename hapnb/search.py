@@ -120,6 +120,8 @@ class _Compiled:
     out_bits: int
     needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
     reshards: tuple[Conversion, ...] = ()  # G inputs from another segment (re-cut for this op's ratios)
+    need_bits: tuple[int, ...] = ()  # the property bit of each of ``needs``
+    sfb_s: float | None = None  # an SFB strategy's sync time (made on first use)
 
 
 @dataclass
@@ -275,7 +277,8 @@ class Search:
                 comp = comp_of.get((op.id, s))
                 if comp is None:
                     comp = comp_of[(op.id, s)] = cm.comp(op.id, s, self.ratios)
-                comp_list.append(_Compiled(s, comp, out_bits, needs, tuple(resh)))
+                bits = tuple(self._bit[tf] for tf in needs)
+                comp_list.append(_Compiled(s, comp, out_bits, needs, tuple(resh), bits))
             if not comp_list:
                 raise PinError(self._explain_no_strategy(op.id))
             self._ops.append(comp_list)
@@ -289,6 +292,13 @@ class Search:
         rem.reverse()
         self._rem = rem
         self._term_cache: dict[Any, float] = self._shared.setdefault("terms", {})
+        # the terms themselves do not depend on the ratios: ``shared["terms_of"]`` may be one dict for every
+        # ratio on this theory and cluster (hapnb.optimize passes one)
+        self._terms_of: dict[Any, tuple[Any, ...]] = self._shared.setdefault("terms_of", {})
+        # the hot loop's lookups by property bits (ints hash fast): a load's (Load, time) by (bit, sfb)
+        # (without memory), a conversion's options [(Conversion, time)] by (source bit, target bit)
+        self._load_of: dict[tuple[int, bool], tuple[Load, float]] = {}
+        self._convs_of: dict[tuple[int, int], list[tuple[Conversion, float]]] = {}
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
@@ -361,10 +371,24 @@ class Search:
             return self._mem.time(ld)
         return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
 
+    def _conversions(self, t: int, src_bit: int, f: Form) -> list[tuple[Conversion, float]]:
+        """The collectives that turn tensor ``t`` from the form of ``src_bit`` into ``f``, with their times."""
+        _, src = self._forms_of_bit[src_bit]
+        out = []
+        for name in CONVERSIONS.get((src.kind, f.kind), ()):
+            if name.startswith("grouped") and not self.options["grouped"]:
+                continue
+            cv = Conversion(t, name, src, f)
+            out.append((cv, self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))))
+        return out
+
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
         if v is None:
-            v = sum(tm.time(self.ratios) for tm in terms_fn())
+            terms = self._terms_of.get(key)
+            if terms is None:
+                terms = self._terms_of[key] = tuple(terms_fn())
+            v = sum(tm.time(self.ratios) for tm in terms)
             self._term_cache[key] = v
         return v
 
@@ -449,20 +473,28 @@ class Search:
         props, comm = node.props, node.comm
         best_cost = self._nodes[self._best].base if self._best is not None else float("inf")
         for c in self._ops[pos]:
-            # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit)
-            per_need: list[list[tuple[Any, int, int]]] = []
+            # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
+            # seconds); kind 1: a load, 2: a conversion (0: the form is present)
+            per_need: list[list[tuple[Any, int, int, int, float]]] = []
             fail = ""
-            for t, f in c.needs:
-                bit = self._bit[(t, f)]
+            for (t, f), bit in zip(c.needs, c.need_bits):
                 if props & bit:
-                    per_need.append([(None, 0, 0)])
+                    per_need.append([(None, 0, 0, 0, 0.0)])
                     continue
                 if self._loadable[t]:
                     if props & self._tmask[t]:
                         fail = f"{g.tensors[t].name} is already loaded in another form"
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
-                    per_need.append([(self._load(t, f, sfb), bit, 0)])
+                    if self._mem is None:
+                        lt = self._load_of.get((bit, sfb))
+                        if lt is None:
+                            ld = self._load(t, f, sfb)
+                            lt = self._load_of[(bit, sfb)] = (ld, self._load_time(ld))
+                        per_need.append([(lt[0], bit, 0, 1, lt[1])])
+                    else:
+                        ld = self._load(t, f, sfb)
+                        per_need.append([(ld, bit, 0, 1, self._load_time(ld))])
                     continue
                 if comm >> t & 1:
                     fail = f"{g.tensors[t].name} was already communicated once"
@@ -470,14 +502,15 @@ class Search:
                     break
                 opts = []
                 have = props & self._tmask[t]
+                tbit = 1 << t
                 while have:
                     low = have & -have
                     have ^= low
-                    _, src = self._forms_of_bit[low]
-                    for name in CONVERSIONS.get((src.kind, f.kind), ()):
-                        if name.startswith("grouped") and not self.options["grouped"]:
-                            continue
-                        opts.append((Conversion(t, name, src, f), bit, 1 << t))
+                    cvs = self._convs_of.get((low, bit))
+                    if cvs is None:
+                        cvs = self._convs_of[(low, bit)] = self._conversions(t, low, f)
+                    for cv, ct in cvs:
+                        opts.append((cv, bit, tbit, 2, ct))
                 if not opts:
                     fail = f"no collective gives {g.tensors[t].name}:{f}"
                     break
@@ -487,8 +520,8 @@ class Search:
                     pruned.append((f"{op.name}[{c.strategy.name}]", fail))
                 continue
             for combo in itertools.product(*per_need):
-                loads = tuple(x for x, _, _ in combo if isinstance(x, Load))
-                convs = tuple(x for x, _, _ in combo if isinstance(x, Conversion))
+                loads = tuple(x[0] for x in combo if x[3] == 1)
+                convs = tuple(x[0] for x in combo if x[3] == 2)
                 ct = [x.tensor for x in convs]
                 if len(ct) != len(set(ct)):
                     continue  # one tensor converted twice in one step
@@ -497,30 +530,37 @@ class Search:
                 step = Step(op.id, c.strategy, loads, convs)
                 new_props = props | c.out_bits
                 new_comm = comm
-                for _, b, cb in combo:
-                    new_props |= b
-                    new_comm |= cb
+                for x in combo:
+                    new_props |= x[1]
+                    new_comm |= x[2]
                 new_props &= ~self._dies_at[pos]
                 new_comm &= ~self._dies_comm[pos]
                 comm_t = grad_t = 0.0
                 comp = c.comp
                 tail = node.tail
-                for ld in loads:
-                    grad_t += self._load_time(ld)
+                for x in combo:
+                    if x[3] != 1:
+                        continue
+                    grad_t += x[4]
                     if self._has_inner:
-                        inner = self.cost_model.load_comp(ld, self.ratios)
+                        inner = self.cost_model.load_comp(x[0], self.ratios)
                         if self.duplex:  # once per iteration, after both micro-batches
                             tail = tuple(a + b for a, b in zip(tail, inner))
                         else:
                             comp = tuple(a + b for a, b in zip(comp, inner))
                 if not self.duplex:
                     comm_t += grad_t
-                for cv in convs:
+                for x in combo:
+                    if x[3] == 2:
+                        comm_t += x[4]
+                for cv in c.reshards:
                     comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
                 if c.strategy.sfb:
-                    comm_t += self._terms_time(
-                        ("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st)
-                    )
+                    if c.sfb_s is None:
+                        c.sfb_s = self._terms_time(
+                            ("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st)
+                        )
+                    comm_t += c.sfb_s
                 copen = 0.0
                 if self.duplex:
                     # base: HiDup's ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i) of the open stage i, plus the
@@ -544,7 +584,7 @@ class Search:
                     score = self._h_duplex(npos, base, copen, acc, tail, new_props)
                 else:
                     score = base + self._h(npos, acc, new_props)
-                desc = f"{op.name}[{c.strategy.name}]"
+                desc = f"{op.name}[{c.strategy.name}]" if record else ""
                 ms, real = None, ()
                 if self._mem is not None and score < best_cost - _EPS:
                     ms = self._mem.advance(node.ms, pos, c, loads)

@@ -304,8 +304,9 @@ class Session:
 
     def _synthesize(self, cluster: Cluster, locks: Mapping[str, float] | None = None) -> Plan:
         """The plan for the pins, the locked ratios and ``cluster``: the first one synthesized, every later
-        one re-planned from the current plan (:meth:`hapnb.plan.Plan.replan`: what did not change is
-        reused, and the result is what a fresh synthesis gives)."""
+        one re-planned from the current plan (:meth:`hapnb.plan.Plan.replan` with ``exact=False``: the Q/B
+        loop from the current plan's ratios, reusing what did not change; a fixpoint of the loop that keeps
+        every pin and lock, which may differ from a fresh synthesis)."""
         locks = self._locks if locks is None else locks
         plan = getattr(self, "plan", None)
         if plan is None:
@@ -323,7 +324,13 @@ class Session:
             ratio_pins: dict[str, Any] = {d: None for d, _, _ in plan.ratio_pins if d not in locks}
             ratio_pins.update(locks)
             plan = replan(
-                plan, pins, ratio_pins, cluster, check_memory=False, max_iterations=self.max_iterations
+                plan,
+                pins,
+                ratio_pins,
+                cluster,
+                exact=False,
+                check_memory=False,
+                max_iterations=self.max_iterations,
             )
         if self._model_spec:
             plan = dataclasses.replace(plan, model=self._model_spec)
@@ -591,8 +598,8 @@ class Session:
         return diff_plans(self.previous_plan, self.plan) if self.previous_plan is not None else None
 
     def resynthesize(self) -> Plan:
-        """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plan.Plan.replan`: the
-        plan a fresh synthesis gives, reusing what did not change); the new plan becomes the current one
+        """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plan.Plan.replan`, fast:
+        from the current plan's ratios, reusing what did not change); the new plan becomes the current one
         (the old one is ``previous_plan``, see :attr:`diff`). On error nothing changes."""
         return self._set_plan(self._synthesize(self.cluster))
 

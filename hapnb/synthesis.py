@@ -10,8 +10,9 @@ the model spec, synthesize's arguments and a :class:`~hapnb.optimize.Memo` of se
 simulated times), shared by every plan :func:`replan` (``plan.replan(...)``) makes from it: a re-plan with
 other pins, ratio pins or cluster runs synthesize's own steps on the merged inputs and takes every
 search, LP and simulation whose inputs did not change from the memo, so it returns exactly the plan a
-fresh :func:`synthesize` would (timings aside). A plan loaded from JSON gets a context on its first
-re-plan (its model rebuilt once from the recorded spec).
+fresh :func:`synthesize` would (timings aside); ``exact=False`` starts the Q/B loop from the plan's own
+ratios without the baseline seeds instead (faster; a fixpoint of the loop, see :func:`replan`). A plan
+loaded from JSON gets a context on its first re-plan (its model rebuilt once from the recorded spec).
 
 >>> import hapnb
 >>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=64, batch=16)
@@ -158,8 +159,15 @@ class SynthesisContext:
         return f"SynthesisContext({self.theory.graph.name}, {self.memo!r})"
 
 
-def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | None, t0: float) -> Plan:
-    """:func:`synthesize` on a context's theory and arguments (the steps :func:`replan` repeats)."""
+def _synthesize(
+    ctx: SynthesisContext,
+    c: Cluster,
+    pins: Mapping[str, Any] | None,
+    t0: float,
+    start: tuple[tuple[float, ...], ...] | None = None,
+) -> Plan:
+    """:func:`synthesize` on a context's theory and arguments (the steps :func:`replan` repeats).
+    ``start``: a fast re-plan's warm start (the Q/B loop from these ratios, no baseline seeds)."""
     a = ctx.args
     th, ratios, duplex, options = ctx.theory, a["ratios"], a["duplex"], a["options"]
     form_pins = parse_pins(pins)
@@ -173,11 +181,12 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
             max_iterations=a["max_iterations"],
             max_expansions=a["max_expansions"],
             max_seconds=a["max_seconds"],
-            seed_baselines=a["seed_baselines"],
+            seed_baselines=a["seed_baselines"] and start is None,
             progress=a["progress"],
             duplex=duplex,
             memo=ctx.memo,
             memory=a["check_memory"],
+            start=start,
         )
     except NoProgramError as e:
         if a["check_memory"] and "memory" in str(e):
@@ -227,8 +236,8 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
     own = Candidate(best.cost_s, best.program, best.extra, best.ratios, 0)
-    if a["pick"] == "cost" or not best.candidates:
-        top: Sequence[Candidate] = (own,)
+    if a["pick"] == "cost" or not best.candidates or start is not None:
+        top: Sequence[Candidate] = (own,)  # a fast re-plan: the loop's fixpoint (simulated, not picked)
     else:
         searched = [k for k in best.candidates if k.source == "search"][:FINAL_CANDIDATES]
         top = searched + [k for k in best.candidates if k.source != "search"]
@@ -239,6 +248,8 @@ def _synthesize(ctx: SynthesisContext, c: Cluster, pins: Mapping[str, Any] | Non
     # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
     stats = {**best.stats, "candidates_simulated": len(sims), "chosen": top[i].source, "cost_rank": i,
              "pick": a["pick"], **ctx.traced}  # fmt: skip
+    if start is not None:
+        stats["replan"] = "fast"  # a fixpoint of the Q/B loop from the previous plan's ratios
     if duplex and not isinstance(ratios, Sequence):
         # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
         k = top[i]
@@ -263,25 +274,44 @@ def replan(
     pins: Mapping[str, Any] | None = None,
     ratio_pins: Mapping[str, Any] | None = None,
     cluster: Cluster | str | None = None,
+    *,
+    exact: bool = True,
     **overrides: Any,
 ) -> Plan:
-    """The plan :func:`synthesize` makes for ``plan``'s model with its pins, ratio pins and cluster
-    changed, reusing every search, LP and simulation whose inputs did not change (``plan.replan``).
+    """``plan`` re-planned with its pins, ratio pins or cluster changed (``plan.replan``), reusing every
+    search, LP and simulation whose inputs did not change (the plan's context's memo).
 
     ``pins``: tensor -> form or parameter storage (``"zero3(0)"``, :class:`~hapnb.forms.FullShard`), merged
     into the plan's pins (``None`` or ``"auto"`` removes a pin);
     ``ratio_pins``: device -> ratio or ``(lo, hi)``, merged into the plan's ratio pins (``None`` removes
     one); ``cluster``: another cluster (object, preset, JSON path or inline spec): ratio pins of devices it
     lacks are dropped. ``overrides``: other synthesize arguments to change (e.g. ``check_memory=False``,
-    ``max_iterations=3``). The result equals ``synthesize(model, cluster, pins=merged pins,
-    ratios=merged ratio pins, ...)`` with the plan's other arguments, timings aside; it shares the
-    plan's context (and so its caches).
+    ``max_iterations=3``). The result shares the plan's context (and so its caches).
+
+    ``exact=True`` (default): the result equals ``synthesize(model, cluster, pins=merged pins,
+    ratios=merged ratio pins, ...)`` with the plan's other arguments, timings aside.
+
+    ``exact=False`` (fast; what the Explorer and :class:`~hapnb.session.Session` use): the Q/B loop starts
+    from the plan's own ratios (moved into the merged ratio pins; throughput-proportional ones when the
+    cluster has another number of devices) instead of the default start, and the baseline seeds are
+    skipped (their job is escaping a bad start), and the plan is the loop's optimum whatever ``pick`` says
+    (it is simulated, ``simulated_s``, but no other candidate is). The result satisfies every pin and
+    ratio pin and is a fixpoint of the loop (unless ``max_iterations`` rounds ran out): no program is
+    cheaper than its program at its ratios (the A* at its ratios finds none; proven when
+    ``stats["optimal"]``), and the ratio LP for its program finds no cheaper ratios than its own. It may
+    differ from a fresh synthesize: another fixpoint, reached from the old ratios, or (``pick="simulated"``)
+    a baseline's program that the fresh pick simulates faster. ``plan.stats["replan"] == "fast"`` marks
+    such a plan.
+    ``benchmarks/replan.py`` measures how often it equals the fresh plan and by how much it is worse.
 
     >>> import hapnb
     >>> a = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
     >>> b = a.replan(pins={"x": "I"})
     >>> dict(b.pins), b.replan(pins={"x": None}).program == a.program
     ({'x': 'I'}, True)
+    >>> f = a.replan(pins={"x": "I"}, exact=False)
+    >>> f.form_of("x"), f.stats["replan"]
+    (['I'], 'fast')
     """
     t0 = time.perf_counter()
     ctx = context_of(plan)
@@ -314,7 +344,7 @@ def replan(
         if "ratios" not in overrides:
             args["ratios"] = rp or None
     run = ctx if args == ctx.args else _derived(ctx, args)
-    out = _synthesize(run, c, merged_pins, t0)
+    out = _synthesize(run, c, merged_pins, t0, start=None if exact else plan.ratios)
     if plan.model and not ctx.spec:
         out = dataclasses.replace(out, model=plan.model)  # the model spec a session recorded
     return out

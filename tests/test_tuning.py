@@ -263,6 +263,7 @@ def test_explorer_re_plans_on_every_pin_and_answers_why_not_and_what_if():
     assert ex.last_error is None and ex.plan is not first and ex.plan.form_of("x") == ["I"]
     assert ex.previous_plan is first and "x" in ex.outputs["diff"].value
     assert ex.plan.context is first.context  # re-planned, not synthesized from scratch
+    assert ex.plan.stats["replan"] == "fast"  # the fast path (replan(exact=False))
     ex.controls["why_tensor"].value = "x"
     ex.controls["why_form"].value = "G0"
     ex.buttons["why_not"].click()
@@ -276,3 +277,42 @@ def test_explorer_re_plans_on_every_pin_and_answers_why_not_and_what_if():
     ex.buttons["what_if"].click()
     assert ex.last_error is None and "What if all_reduce bandwidth +100 %" in ex.outputs["what_if"].value
     assert ex.cluster.name == CLUSTER  # a what-if does not edit the cluster
+
+
+def test_fast_replan_is_a_fixpoint_that_keeps_the_pins_and_stays_near_the_fresh_plan(mlp, gpt):
+    """``replan(exact=False)``: the Q/B loop from the plan's ratios, no baseline seeds. Its plan keeps every
+    pin, the A* at its ratios finds no cheaper program, the LP for its program no cheaper ratios, and on
+    these models its stage cost is no worse than the exact re-plan's (a fresh synthesize; whose pick by
+    simulated time may take a costlier baseline program, so the simulated time is not compared)."""
+    from hapnb.balance import balance
+    from hapnb.optimize import keeps_ratio_pins, parse_pins
+    from hapnb.search import Search
+
+    cases = [
+        (gpt, dict(pins={"blocks.0.qkv.weight": "G0"})),
+        (gpt, dict(pins={"blocks.0.fc2.weight": "G1"})),
+        (mlp, dict(pins={"x": "I"})),
+        (mlp, dict(ratio_pins={"p100-0": 0.1, "v100-1": (0.2, 0.3)})),
+        (mlp, dict(cluster=faster(Cluster.parse(CLUSTER), device="p100-1", factor=3.0))),
+    ]
+    for plan, change in cases:
+        fast = plan.replan(**change, exact=False)
+        exact = plan.replan(**change)
+        assert fast.stats["replan"] == "fast" and "replan" not in exact.stats
+        assert fast.context.memo is plan.context.memo
+        for name, form in change.get("pins", {}).items():
+            assert fast.form_of(name) == [form] and (name, form) in fast.pins
+        rp = parse_ratio_pins(change.get("ratio_pins", {}), fast.cluster.names)
+        assert tuple((p.device, p.lo, p.hi) for p in rp) == fast.ratio_pins and keeps_ratio_pins(
+            fast.ratios, rp, fast.cluster.names
+        )
+        th = fast.context.theory
+        res = Search(th, fast.cluster, ratios=fast.ratios, pins=parse_pins(dict(fast.pins))).run()
+        assert res.optimal and res.cost == pytest.approx(fast.cost_s, rel=1e-9), change
+        steps, _ = program_steps(fast, th)
+        assert balance(CostModel(th, fast.cluster), steps, rp).cost >= fast.cost_s * (1 - 1e-9), change
+        assert fast.cost_s <= exact.cost_s * (1 + 1e-9), change
+        assert fast.simulated_s is not None and fast.simulated_s > 0
+    # from a fixpoint, the fast path stays there (and meets its searches and LPs in the memo)
+    again = fast.replan(exact=False)
+    assert again.program == fast.program and again.ratios == fast.ratios

@@ -23,7 +23,8 @@ Tabs
 * **Triples**: the theory filtered by op / tensor / kind; triples enabled at the current search node
   are highlighted ("only enabled" hides the rest).
 * **Pins**: a form per parameter/input ("auto" = let the search choose), a ratio slider + lock per
-  device; every change re-plans (``Plan.replan``: what did not change is reused) and shows the new cost
+  device; every change re-plans (``Plan.replan(exact=False)``: the Q/B loop from the current plan's
+  ratios, reusing what did not change) and shows the new cost
   and the diff to the previous plan ("re-plan on every change" off: the Re-synthesize button does it).
   "Why not?": the best plan with a chosen form for one tensor, its cost and where it differs, or why no
   program has that form (``Plan.why_not``); the current plan does not change.
