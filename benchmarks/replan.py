@@ -36,17 +36,7 @@ from hapnb.tuning import faster
 
 
 def timeless(p: hapnb.Plan) -> hapnb.Plan:
-    """The plan without the fields that hold timings (and how its graph was traced)."""
-    return dataclasses.replace(
-        p,
-        synthesis_s=0.0,
-        history=tuple(dataclasses.replace(r, search_s=0.0, balance_s=0.0) for r in p.history),
-        search=tuple(
-            (k, v)
-            for k, v in p.search
-            if k not in ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
-        ),
-    )
+    return p.without_timings()
 
 
 def timed(fn: Any) -> tuple[Any, float, float]:

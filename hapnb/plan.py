@@ -30,6 +30,9 @@ from .forms import Form, parse_form
 from .optimize import Round
 from .triples import Theory
 
+#: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)
+TIMING_STATS = ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
+
 __all__ = [
     "CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping",
     "register_tuning", "save_json", "load_json",
@@ -314,6 +317,17 @@ class Plan:
 
     def _is_input(self, name: str) -> bool:
         return name in dict(self.options).get("inputs", ())
+
+    def without_timings(self) -> Plan:
+        """This plan with its timings zeroed and how its graph was traced dropped: the only fields in which
+        two runs of the same synthesis may differ, so ``a.without_timings() == b.without_timings()`` says
+        two plans are the same plan."""
+        return replace(
+            self,
+            synthesis_s=0.0,
+            history=tuple(replace(r, search_s=0.0, balance_s=0.0) for r in self.history),
+            search=tuple((k, v) for k, v in self.search if k not in TIMING_STATS),
+        )
 
     # ------------------------------------------------------------------ tuning
     def replan(

@@ -22,18 +22,7 @@ MLP = zoo.TINY["mlp"]
 
 
 def _timeless(p: Plan) -> Plan:
-    """The plan without its timings and how its graph was traced (the only fields two runs of the same
-    synthesis may differ in)."""
-    return dataclasses.replace(
-        p,
-        synthesis_s=0.0,
-        history=tuple(dataclasses.replace(r, search_s=0.0, balance_s=0.0) for r in p.history),
-        search=tuple(
-            (k, v)
-            for k, v in p.search
-            if k not in ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
-        ),
-    )
+    return p.without_timings()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,19 @@ from .basics import _COMM_COLOR, _COMP_COLOR, _DEVICE_COLORS, _IDLE_COLOR, _stag
 # ============================================================================================ bokeh
 
 
+def finish_time_axis(fig: Any, end: float) -> Any:
+    """A Gantt chart's common finish: the time axis from 0 to ``end`` (plus 2 %) in plain numbers, the
+    legend at the bottom right in small type, no horizontal grid lines. Returns ``fig``."""
+    from bokeh.models import BasicTickFormatter, Range1d
+
+    fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
+    fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
+    fig.legend.location = "bottom_right"
+    fig.legend.label_text_font_size = "9pt"
+    fig.ygrid.grid_line_color = None
+    return fig
+
+
 def _measured_parts(measured: Any) -> tuple[list[float], list[float]]:
     """(per-step times, per-stage times) from a list (per-step) or a mapping with step_s / stage_s."""
     if measured is None:
@@ -34,7 +47,7 @@ def gantt(plan: Any, measured: Any = None, *, width: int = 900, height: int | No
     """
     if hasattr(plan, "spans") and hasattr(plan, "iteration_s"):
         return timeline_gantt(plan, width=width, height=height)
-    from bokeh.models import BasicTickFormatter, ColumnDataSource, HoverTool, Range1d, Span
+    from bokeh.models import ColumnDataSource, HoverTool, Span
     from bokeh.plotting import figure
 
     devs = list(plan.devices)
@@ -112,15 +125,9 @@ def gantt(plan: Any, measured: Any = None, *, width: int = 900, height: int | No
             ]
         )
     )  # fmt: skip
-    end = max([total * k, *data["right"]])
-    fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
-    fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
     if steps:
         fig.add_layout(Span(location=total * k, dimension="height", line_color="#756bb1", line_dash="dashed"))
-    fig.legend.location = "bottom_right"
-    fig.legend.label_text_font_size = "9pt"
-    fig.ygrid.grid_line_color = None
-    return fig
+    return finish_time_axis(fig, max([total * k, *data["right"]]))
 
 
 def gantt_html(plan: Any, measured: Any = None, **kw: Any) -> str:
@@ -160,7 +167,7 @@ def timeline_gantt(timeline: Any, *, width: int = 900, height: int | None = None
     stream, start_s, end_s, instruction, phase, micro_batch, what``, ``iteration_s``, ``plan_name``):
     one lane per device with a sub-lane per stream, one bar per span coloured by stream and phase
     (:data:`PHASE_COLORS`); hover shows the instruction, what runs, the phase and the micro-batch."""
-    from bokeh.models import BasicTickFormatter, ColumnDataSource, HoverTool, Range1d
+    from bokeh.models import ColumnDataSource, HoverTool
     from bokeh.plotting import figure
 
     unit, k = time_unit(timeline.iteration_s)
@@ -201,13 +208,7 @@ def timeline_gantt(timeline: Any, *, width: int = 900, height: int | None = None
             ]
         )
     )  # fmt: skip
-    end = timeline.iteration_s * k
-    fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
-    fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
-    fig.legend.location = "bottom_right"
-    fig.legend.label_text_font_size = "9pt"
-    fig.ygrid.grid_line_color = None
-    return fig
+    return finish_time_axis(fig, timeline.iteration_s * k)
 
 
 def memory_chart(timeline: Any, *, width: int = 900, height: int = 300) -> Any:

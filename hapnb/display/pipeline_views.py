@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .basics import _DEVICE_COLORS, _IDLE_COLOR, _bytes, _ms, _table, esc, time_unit
+from .charts import finish_time_axis
 from .drawings import _digraph, _lbl, svg
 
 #: Fill colours of the schedule's operations (forward light, backward dark, transfers orange, tail green).
@@ -115,7 +116,7 @@ def pipeline_gantt(timeline: Any, *, width: int = 900, height: int | None = None
     one lane per stage and per transfer, a bar per micro-batch's forward / backward / transfer and each
     stage's tail (gradient all-reduce + optimizer step), micro-batch numbers on the bars when they fit;
     hover shows the operation."""
-    from bokeh.models import BasicTickFormatter, ColumnDataSource, HoverTool, LabelSet, Range1d
+    from bokeh.models import ColumnDataSource, HoverTool, LabelSet
     from bokeh.plotting import figure
 
     unit, k = time_unit(timeline.iteration_s)
@@ -156,9 +157,4 @@ def pipeline_gantt(timeline: Any, *, width: int = 900, height: int | None = None
         HoverTool(tooltips=[("lane", "@lane"), ("operation", "@kind"), ("micro-batch", "@mb"),
                             ("duration", f"@dur{{0.000}} {unit}")])
     )  # fmt: skip
-    fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
-    fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
-    fig.legend.location = "bottom_right"
-    fig.legend.label_text_font_size = "9pt"
-    fig.ygrid.grid_line_color = None
-    return fig
+    return finish_time_axis(fig, end)
