@@ -108,6 +108,13 @@ PIECE_KINDS: Mapping[str, str] = MappingProxyType(
     }
 )
 
+#: The order of the memory parts (see the module docstring).
+_PARTS = ("P", "In", "A", "L", "F", "X")
+#: The part a piece of each summed kind adds to (``output`` and ``regather`` set L and F by their maximum).
+_PART_OF: Mapping[str, str] = MappingProxyType(
+    {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
+)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -268,15 +275,14 @@ def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, Any]:
     device``."""
     import numpy as np
 
-    parts = {k: np.zeros(n) for k in ("P", "In", "A", "L", "F", "X")}
-    row_of = {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
+    parts = {k: np.zeros(n) for k in _PARTS}
     for p in pieces:
         v = p.scale * np.asarray(local(p), dtype=float)
         if p.kind in ("output", "regather"):
             row = parts["L" if p.kind == "output" else "F"]
             np.maximum(row, v, out=row)
         else:
-            parts[row_of[p.kind]] += v
+            parts[_PART_OF[p.kind]] += v
     return parts
 
 
@@ -309,7 +315,6 @@ def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> Memo
     g = cm.graph
     acc: dict[str, list[Any]] = {k: [0.0, {}] for k in ("P", "In", "A", "X")}
     L_const, L_coef, F = 0.0, {}, 0.0
-    key = {"param": "P", "input": "In", "saved": "A", "gathered": "A", "extra": "X"}
     for p in _program_pieces(cm, program, extra):
         t = g.tensors[p.tensor]
         nbytes = float(t.nbytes) * p.scale
@@ -323,9 +328,9 @@ def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> Memo
         elif p.kind == "regather":
             F = max(F, nbytes)
         elif sharded:
-            acc[key[p.kind]][1][seg] = acc[key[p.kind]][1].get(seg, 0.0) + nbytes
+            acc[_PART_OF[p.kind]][1][seg] = acc[_PART_OF[p.kind]][1].get(seg, 0.0) + nbytes
         else:
-            acc[key[p.kind]][0] += nbytes
+            acc[_PART_OF[p.kind]][0] += nbytes
     return MemoryLinear(
         *(tuple(acc[k]) for k in ("P", "In", "A", "X")),  # type: ignore[arg-type]
         L_const=L_const,

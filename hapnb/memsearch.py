@@ -42,12 +42,12 @@ import numpy as np
 from .balance import _quiet_stdout, _solver
 from .cost import Load
 from .forms import Form, I
-from .memory import aliases, load_pieces, op_pieces
+from .memory import _PART_OF, _PARTS, aliases, load_pieces, op_pieces
 
 __all__ = ["MemoryTracker", "MemState"]
 
 _P, _IN, _A, _L, _F, _X = range(6)
-_ROW = {"param": _P, "input": _IN, "saved": _A, "gathered": _A, "extra": _X}
+_ROW = {kind: _PARTS.index(part) for kind, part in _PART_OF.items()}  # a summed piece kind -> its row
 #: one node's memory: (parts per device, live saved keys, deferred parameters)
 MemState = tuple[np.ndarray, int, int]
 _PIECES: weakref.WeakKeyDictionary[Any, dict[Any, list[Any]]] = weakref.WeakKeyDictionary()
