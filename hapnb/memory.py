@@ -310,6 +310,16 @@ def memory_breakdown(
     return tuple(out)
 
 
+def _add_linear(cm: Any, part: list[Any], t: int, f: Form, seg: int, nbytes: float) -> None:
+    """Add ``nbytes`` of tensor ``t`` in form ``f`` to a linear part ``[const, coef]``: a sharded (G-form)
+    tensor's bytes scale with its segment's ratio (``seg`` -1: the tensor's own segment)."""
+    if f.kind == "G" and cm.graph.tensors[t].shape:
+        s = cm.segment_of[t] if seg < 0 else seg
+        part[1][s] = part[1].get(s, 0.0) + nbytes
+    else:
+        part[0] += nbytes
+
+
 def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> MemoryLinear:
     """``program``'s memory parts as linear functions of the ratios (see :class:`MemoryLinear`)."""
     g = cm.graph
@@ -318,19 +328,16 @@ def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> Memo
     for p in _program_pieces(cm, program, extra):
         t = g.tensors[p.tensor]
         nbytes = float(t.nbytes) * p.scale
-        sharded = p.form.kind == "G" and bool(t.shape)
-        seg = cm.segment_of[p.tensor] if p.segment < 0 else p.segment
         if p.kind == "output":
-            if sharded:
+            if p.form.kind == "G" and t.shape:
+                seg = cm.segment_of[p.tensor] if p.segment < 0 else p.segment
                 L_coef[seg] = max(L_coef.get(seg, 0.0), nbytes)
             else:
                 L_const = max(L_const, nbytes)
         elif p.kind == "regather":
             F = max(F, nbytes)
-        elif sharded:
-            acc[_PART_OF[p.kind]][1][seg] = acc[_PART_OF[p.kind]][1].get(seg, 0.0) + nbytes
         else:
-            acc[_PART_OF[p.kind]][0] += nbytes
+            _add_linear(cm, acc[_PART_OF[p.kind]], p.tensor, p.form, p.segment, nbytes)
     return MemoryLinear(
         *(tuple(acc[k]) for k in ("P", "In", "A", "X")),  # type: ignore[arg-type]
         L_const=L_const,
@@ -388,12 +395,7 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
     L_const, L_coef = 0.0, {}
 
     def add(key: str, t: int, f: Form, seg: int, scale: float = 1.0) -> None:
-        nbytes = float(g.tensors[t].nbytes) * scale
-        if f.kind == "G" and g.tensors[t].shape:
-            s = cm.segment_of[t] if seg < 0 else seg
-            acc[key][1][s] = acc[key][1].get(s, 0.0) + nbytes
-        else:
-            acc[key][0] += nbytes
+        _add_linear(cm, acc[key], t, f, seg, float(g.tensors[t].nbytes) * scale)
 
     for t in g.tensors:
         if t.role in ("param", "input", "buffer", "const") and t.consumers:
