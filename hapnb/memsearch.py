@@ -146,7 +146,8 @@ class MemoryTracker:
         return Load(t, f, sfb, -1, d) if d is not None else Load(t, f, sfb)
 
     def options(self, ld: Load) -> list[tuple[str, Load, float]]:
-        """A deferred load's options ``(name, concrete load, seconds)`` (zero options only when allowed)."""
+        """A deferred load's options ``(name, concrete load, seconds)``: replicated, ZeRO-2, ZeRO-3 (a load is
+        deferred only where ZeRO is allowed, :meth:`dstar`)."""
         t, d = ld.tensor, ld.stored
         out = [("replicated", Load(t, I), self.time(Load(t, I)))]
         for z in (2, 3):
