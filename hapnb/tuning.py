@@ -30,6 +30,7 @@ True
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -213,13 +214,14 @@ def _change_label(
     return f"{INTRA_MACHINE} bandwidth {pct}"
 
 
-class _Shown:
+class _Shown(abc.ABC):
     """A tuning answer: ``str()`` is its :meth:`summary`, a notebook shows its renderer's HTML."""
 
     _renderer: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def summary(self) -> str:
-        raise NotImplementedError
+        """A few lines of text for the terminal."""
 
     def __str__(self) -> str:
         return self.summary()
