@@ -95,8 +95,6 @@ STRATEGIES: Mapping[str, str] = {
 }
 #: The two clocks of a row: the stage model (``iteration_s``) and the simulators (``simulated_s``).
 CLOCKS = ("stage", "simulated")
-#: Search options of the fixed strategies (plain collectives, no SFB), as :func:`hapnb.baselines` uses.
-_PLAIN = {"sfb": False, "grouped": False}
 
 
 @dataclass(frozen=True)
@@ -335,27 +333,34 @@ def pad_experts(th: Theory, groups: Sequence[ExpertGroup], devices: int) -> tupl
 # ================================================================================================ compare
 
 
+@dataclass
 class _Inputs:
     """What the strategy builders share (not a value: it caches the baselines)."""
 
-    def __init__(self, **kw: Any) -> None:
-        self.model: Any = kw["model"]
-        self.cluster: Cluster = kw["cluster"]
-        self.theory: Theory = kw["theory"]
-        self.spec: dict[str, Any] | None = kw["spec"]
-        self.example_inputs: Sequence[Any] | None = kw["example_inputs"]
-        self.loss: Any = kw["loss"]
-        self.zoo: dict[str, Any] = kw["zoo"]
-        self.pick: str = kw["pick"]
-        self.duplex: bool = kw["duplex"]
-        self.max_expansions: int | None = kw["max_expansions"]
-        self.pipeline_options: dict[str, Any] = kw["pipeline_options"]
-        self._baselines: dict[str, Plan] | None = None
+    model: Any
+    cluster: Cluster
+    theory: Theory
+    spec: dict[str, Any] | None
+    example_inputs: Sequence[Any] | None
+    loss: Any
+    zoo: dict[str, Any]
+    pick: str
+    duplex: bool
+    max_expansions: int | None
+    pipeline_options: dict[str, Any]
+    _baselines: dict[str, Plan] | None = field(default=None, init=False, repr=False)
 
     def baselines(self) -> dict[str, Plan]:
         if self._baselines is None:
             self._baselines = baselines(self.theory, self.cluster, max_expansions=self.max_expansions)
         return self._baselines
+
+
+def _dp_ev(th: Theory, c: Cluster) -> tuple[dict[str, Any], Any, dict[str, bool]]:
+    """The pins, ratios and search options of the ``dp_ev`` baseline (:func:`hapnb.optimize.baseline_specs`),
+    which ``ep`` and ``fsdp`` start from."""
+    _, pins, ratios, opts = next(s for s in baseline_specs(th, c, {}) if s[0] == "dp_ev")
+    return pins, ratios, opts
 
 
 def _capacity(c: Cluster) -> tuple[int, ...]:
@@ -429,12 +434,12 @@ def _ep(x: _Inputs) -> StrategyResult:
     c = x.cluster
     g, padded = pad_experts(x.theory, groups, c.n)
     th = theory(g) if padded else x.theory
-    _, pins, ratios, _ = next(s for s in baseline_specs(th, c, {}) if s[0] == "dp_ev")
+    pins, ratios, opts = _dp_ev(th, c)
     for grp in groups:
         for w, d in grp.weights:
             pins[w] = G(d)
     try:
-        plan = fixed_plan(th, c, pins, ratios, _PLAIN, name="ep", model=None if padded else x.spec,
+        plan = fixed_plan(th, c, pins, ratios, opts, name="ep", model=None if padded else x.spec,
                           max_expansions=x.max_expansions)  # fmt: skip
     except (NoProgramError, ValueError) as e:
         return _absent("ep", f"no expert-parallel program: {str(e).splitlines()[0][:200]}")
@@ -447,7 +452,7 @@ def _ep(x: _Inputs) -> StrategyResult:
 
 def _fsdp(x: _Inputs) -> StrategyResult:
     c = x.cluster
-    _, _, ratios, opts = next(s for s in baseline_specs(x.theory, c, {}) if s[0] == "dp_ev")
+    _, ratios, opts = _dp_ev(x.theory, c)
     pins = fsdp_pins(x.theory, ratios[0])
     try:
         plan = fixed_plan(x.theory, c, pins, ratios, opts, name="fsdp", model=x.spec,

@@ -532,9 +532,10 @@ class Session:
 
     def set_pin(self, name: str, form: Form | Storage | str | None) -> str:
         """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, a parameter storage such as
-        ``"zero3(0)"`` / ``hapnb.FullShard(0)``, ...); ``None``/``"auto"`` unpins. Returns the stored value. Takes effect at the next :meth:`resynthesize` (the search
-        cursor restarts then). Raises :class:`UnknownPinError` (a KeyError) for an unknown tensor and
-        :class:`~hapnb.search.PinError` (a ValueError) for a form the tensor cannot take."""
+        ``"zero3(0)"`` / ``hapnb.FullShard(0)``, ...); ``None``/``"auto"`` unpins. Returns the stored
+        value. Takes effect at the next :meth:`resynthesize` (the search cursor restarts then). Raises
+        :class:`UnknownPinError` (a KeyError) for an unknown tensor and :class:`~hapnb.search.PinError` (a
+        ValueError) for a form the tensor cannot take."""
         pin = self._checked_pin(name, form)
         if pin:
             self._pins.update(pin)

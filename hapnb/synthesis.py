@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import plan as plan_module
@@ -499,6 +499,12 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _filling(pieces: Iterable[tuple[str, float]]) -> str:
+    """What fills a device, largest first: ``_filling([("grads", 1024), ("acts", 0), ("weights", 2048)])
+    == 'weights 2.00 KiB, grads 1.00 KiB'``."""
+    return ", ".join(f"{k} {_size(v)}" for k, v in sorted(pieces, key=lambda kv: -kv[1]) if v)
+
+
 _TO_FIT = (
     "To fit: a smaller batch (--batch) or sequence (--seq), fewer or narrower layers, devices with more memory, "
     "or more devices; pass check_memory=False to get a plan anyway."
@@ -515,9 +521,7 @@ def _check_memory(plan: Plan) -> None:
             worst = max(worst, (m / cap, j))
     if bad:
         j = worst[1]
-        fill = ", ".join(
-            f"{k} {_size(v)}" for k, v in sorted(plan.memory_breakdown[j], key=lambda kv: -kv[1]) if v
-        ) if plan.memory_breakdown else ""  # fmt: skip
+        fill = _filling(plan.memory_breakdown[j]) if plan.memory_breakdown else ""
         raise OutOfMemoryError(
             "the best plan does not fit in device memory: "
             + "; ".join(bad)
@@ -556,10 +560,7 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     worst, what, prog, extra, r, peak, per = min(tried, key=lambda x: x[0])
     j = max(range(c.n), key=lambda k: (per[k], -k))
     d = c.devices[j]
-    fill = ", ".join(
-        f"{k} {_size(v)}" for k, v in sorted(cm.memory_breakdown(prog, extra, r)[j].items(), key=lambda kv: -kv[1])
-        if v
-    )  # fmt: skip
+    fill = _filling(cm.memory_breakdown(prog, extra, r)[j].items())
     top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, prog, extra, r, j))
     over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
     need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")

@@ -30,6 +30,7 @@ True
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -125,7 +126,7 @@ def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conve
     convs: list[Conversion] = []
     for ins in plan.program:
         if ins.kind == "load":
-            zero = int(ins.name.removeprefix("load_zero")) if ins.name.startswith("load_zero") else 0
+            zero = _zero_level(ins.name)
             stored = parse_form(ins.src) if zero else None  # a ZeRO load: kept sharded as src
             loads.append(Load(tid[ins.tensor], parse_form(ins.form), ins.name == "load_sfb", zero, stored))
         elif ins.kind == "collective":
@@ -213,13 +214,14 @@ def _change_label(
     return f"{INTRA_MACHINE} bandwidth {pct}"
 
 
-class _Shown:
+class _Shown(abc.ABC):
     """A tuning answer: ``str()`` is its :meth:`summary`, a notebook shows its renderer's HTML."""
 
     _renderer: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def summary(self) -> str:
-        raise NotImplementedError
+        """A few lines of text for the terminal."""
 
     def __str__(self) -> str:
         return self.summary()
@@ -388,6 +390,7 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
     ctx = _context(plan)
     r = ctx.args.get("ratios")
     fixed = r is not None and not isinstance(r, Mapping)  # made with ratios=[...]: no LP re-balances them
+    check_memory = bool(ctx.args.get("check_memory", True))
     key = (
         plan.cluster,
         plan.program,
@@ -397,14 +400,10 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
         plan.cost_s,
         float(factor),
         fixed,
-        bool(ctx.args.get("check_memory", True)),
+        check_memory,
     )
     return ctx.memo.get(
-        "sensitivity",
-        key,
-        lambda: _sensitivity(
-            plan, ctx.theory, float(factor), fixed, bool(ctx.args.get("check_memory", True))
-        ),
+        "sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed, check_memory)
     )
 
 
@@ -721,9 +720,15 @@ def _forms(plan: Plan, tensor: str) -> set[str]:
     """The forms the plan gives ``tensor`` and, for a parameter it stores sharded, that storage's pin."""
     out = set(plan.form_of(tensor))
     for ins in plan.program:
-        if ins.kind == "load" and ins.tensor == tensor and ins.name.startswith("load_zero"):
-            out.add(str(Storage(int(ins.name.removeprefix("load_zero")), parse_form(ins.src).dim)))
+        if ins.kind == "load" and ins.tensor == tensor and _zero_level(ins.name):
+            out.add(str(Storage(_zero_level(ins.name), parse_form(ins.src).dim)))
     return out
+
+
+def _zero_level(load_name: str) -> int:
+    """The ZeRO level of a load instruction's name (``load_zero3`` -> 3; ``load``, ``load_sfb`` -> 0), as
+    :func:`hapnb.plan.make_plan` names them."""
+    return int(load_name.removeprefix("load_zero")) if load_name.startswith("load_zero") else 0
 
 
 def _pin_where(message: str) -> str:

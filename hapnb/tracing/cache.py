@@ -20,6 +20,7 @@ a cache that cannot be written is skipped silently.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -54,21 +55,18 @@ def cache_dir() -> Path:
     return root / "hapnb" / "traces"
 
 
-_SOURCE_HASH: list[str] = []
-
-
+@functools.cache
 def _source_hash() -> str:
-    if not _SOURCE_HASH:
-        pkg = Path(__file__).resolve().parents[1]
-        h = hashlib.sha256()
-        for rel in _SOURCES:
-            p = pkg / rel
-            files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
-            for f in files:
-                h.update(str(f.relative_to(pkg)).encode())
-                h.update(f.read_bytes())
-        _SOURCE_HASH.append(h.hexdigest())
-    return _SOURCE_HASH[0]
+    """The hash of the :data:`_SOURCES` files (read once a process)."""
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in _SOURCES:
+        p = pkg / rel
+        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(pkg)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _torch_version() -> str:
@@ -206,12 +204,12 @@ def save(spec: dict[str, Any], g: Graph) -> bool:
         text = json.dumps(graph_to_json(g), separators=(",", ":"))
     except (TypeError, ValueError):
         return False
-    d = cache_dir()
+    d, key = cache_dir(), cache_key(spec)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{cache_key(spec)}.{os.getpid()}.tmp"
+        tmp = d / f".{key}.{os.getpid()}.tmp"
         tmp.write_text(text)
-        os.replace(tmp, d / f"{cache_key(spec)}.json")
+        os.replace(tmp, d / f"{key}.json")
     except OSError:
         return False
     return True
