@@ -77,6 +77,12 @@ def _table(
     return f"<table style='{_TABLE}'>{cap}<tr>{head}</tr>{''.join(body)}</table>"
 
 
+def _bar(x: float, top: float, color: str = _COMP_COLOR, width: int = 120, min_width: int = 0) -> str:
+    """An inline horizontal bar ``width * x / top`` pixels long (at least ``min_width``, at most ``width``)."""
+    w = 0 if top <= 0 else max(min_width, min(width, round(width * x / top)))
+    return f"<span style='display:inline-block;width:{w}px;height:9px;background:{color}'></span>"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 

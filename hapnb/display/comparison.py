@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .basics import _bytes, _table, esc, time_unit
+from .basics import _bar, _bytes, _table, esc, time_unit
 
 #: Bar colours per clock: the stage model and the simulators.
 CLOCK_COLORS = {"stage": "#4e79a7", "simulated": "#f28e2b"}
 #: Clock labels in the chart and the table.
 CLOCK_LABELS = {"stage": "stage model", "simulated": "simulated"}
 _OOM_COLOR = "#d62728"
-
-
-def _bar(x: float, top: float, color: str, width: int = 140) -> str:
-    w = 0 if top <= 0 else max(1, min(width, round(width * x / top)))
-    return f"<span style='display:inline-block;width:{w}px;height:9px;background:{color}'></span>"
 
 
 def comparison_html(cmp: Any) -> str:
@@ -38,7 +33,7 @@ def comparison_html(cmp: Any) -> str:
                 continue
             rel = f" ({t / ref[c]:.2f}x)" if ref[c] else ""
             color = _OOM_COLOR if r.fits is False else CLOCK_COLORS[c]
-            cells.append(f"{t * k:.4g}{esc(rel)} {_bar(t, top, color)}")
+            cells.append(f"{t * k:.4g}{esc(rel)} {_bar(t, top, color, width=140, min_width=1)}")
         if r.memory_bytes:
             j = max(range(len(r.memory_bytes)), key=lambda j: r.memory_bytes[j] / max(r.capacity_bytes[j], 1))
             cells.append(f"{_bytes(r.memory_bytes[j])} / {_bytes(r.capacity_bytes[j])}")

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .basics import _ms, _table, esc
-
-
-def _bar(x: float, top: float, width: int = 120) -> str:
-    w = 0 if top <= 0 else max(0, min(width, round(width * x / top)))
-    return f"<span style='display:inline-block;width:{w}px;height:9px;background:#3182bd'></span>"
+from .basics import _bar, _ms, _table, esc
 
 
 def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
