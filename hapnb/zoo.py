@@ -117,6 +117,7 @@ __all__ = [
     "FactoryError",
     "build",
     "build_spec",
+    "rebuild",
     "model_spec",
     "load_factory",
     "exported_ops",
@@ -814,6 +815,15 @@ def build_spec(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...], Mo
     kwargs = spec.kwargs
     kwargs = {k: (_thaw(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
     return build(spec.name, **kwargs)
+
+
+def rebuild(
+    spec: dict | None, missing: Exception | None = None
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Model and inputs of a plan's recorded spec (JSON); raises ``missing`` (else ValueError) if there is none."""
+    if not spec:
+        raise missing or ValueError('no model spec ({"name": ..., "options": ...}) to rebuild the model from')
+    return build_spec(ModelSpec.from_json(spec))[:2]
 
 
 # ---------------------------------------------------------------------------------------------------

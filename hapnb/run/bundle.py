@@ -85,15 +85,13 @@ def resolve_graph(
             )
         return g, inputs
     if model is None:
-        spec = plan.model_spec
-        if not spec:
-            raise BundleError(
-                f"plan {plan.name} has no graph in memory and no model spec to rebuild it; "
-                "pass model=... and example_inputs=(...)"
-            )
         from .. import zoo
 
-        model, built_inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+        missing = BundleError(
+            f"plan {plan.name} has no graph in memory and no model spec to rebuild it; "
+            "pass model=... and example_inputs=(...)"
+        )
+        model, built_inputs = zoo.rebuild(plan.model_spec, missing)
         if example_inputs is None:
             example_inputs = built_inputs
     if example_inputs is None:
@@ -201,9 +199,10 @@ def half_graph(plan: Plan, graph: Graph, inputs: Sequence[torch.Tensor], model: 
     if model is None and plan.model_spec:
         from .. import zoo
 
-        model = zoo.build_spec(zoo.ModelSpec.from_json(plan.model_spec))[0]
-    if model is None and isinstance(graph.traced_program(), torch.export.ExportedProgram):
-        model = graph.traced_program().module()
+        model = zoo.rebuild(plan.model_spec)[0]
+    program = graph.traced_program() if model is None else None
+    if isinstance(program, torch.export.ExportedProgram):
+        model = program.module()
     if model is None:
         raise BundleError(f"plan {plan.name} is duplex: pass model=... to trace it at half the batch")
     try:

@@ -313,8 +313,7 @@ def profile_device_model(
         def attention() -> None:
             F.scaled_dot_product_attention(q, k, v).sum().backward()
 
-        lead, L, E = shape[0] * shape[1], shape[2], shape[3]
-        att_flops = 3.0 * (2 * lead * L * L * (2 * E) + 5 * lead * L * L)  # the rules' sdpa flops, x3
+        att_flops = 3.0 * rules.flops("aten.scaled_dot_product_attention.default", [shape] * 3, [shape])
         att_t = timed(attention)
         attention_eff = min(1.0, max(1e-3, att_flops / att_t / peak))
 

@@ -180,13 +180,11 @@ def load_model(plan: PipelinePlan, dtype: Any = None) -> tuple[Any, tuple[Any, .
 
     from .. import zoo
 
-    spec = plan.model_spec
-    if not spec:
-        raise PipelineError(
-            f'pipeline plan {plan.name} has no model spec ("model": {{"name": ..., "options": ...}}) '
-            "to rebuild its model from"
-        )
-    model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+    missing = PipelineError(
+        f'pipeline plan {plan.name} has no model spec ("model": {{"name": ..., "options": ...}}) '
+        "to rebuild its model from"
+    )
+    model, inputs = zoo.rebuild(plan.model_spec, missing)
     bad = [k for k, x in enumerate(inputs) if x.dim() == 0 or x.shape[0] != plan.batch]
     if bad:
         shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
