@@ -92,17 +92,15 @@ def rebuild_graph(plan: Plan) -> Graph:
     from . import zoo
     from .tracing import trace
 
-    spec = plan.model_spec
-    if not spec:
-        raise ValueError(
-            f"plan {plan.name!r} records no model to rebuild (made from a Graph or an nn.Module): re-plan "
-            "the plan object synthesize returned, or synthesize again from the model"
-        )
-    model, inputs, _ = zoo.build_spec(zoo.ModelSpec.from_json(spec))
+    missing = ValueError(
+        f"plan {plan.name!r} records no model to rebuild (made from a Graph or an nn.Module): re-plan "
+        "the plan object synthesize returned, or synthesize again from the model"
+    )
+    model, inputs = zoo.rebuild(plan.model_spec, missing)
     g = trace(model, inputs, name=plan.name)
     if g.fingerprint != plan.graph_fingerprint:
         raise ValueError(
-            f"plan {plan.name!r}: the model rebuilt from its spec {spec} traces to a different program "
+            f"plan {plan.name!r}: the model rebuilt from its spec {plan.model_spec} traces to a different program "
             f"(fingerprint {g.fingerprint} instead of {plan.graph_fingerprint}); was it made by another "
             "version of the model? Synthesize it again"
         )
