@@ -152,12 +152,10 @@ def greedy_recovery(pricer: Pricer, folding: Folding, template: Template) -> Rec
                 trial[j] = tuple(x + (1 if k == i else 0) for k, x in enumerate(c))
                 t = cost(pipeline(trial, virt))
                 if t < current and (best is None or t < best[0]):
-                    best = (t, j)
+                    best = (t, trial)
             if best is None:
                 break
-            c = assign[best[1]]
-            assert c is not None
-            assign[best[1]] = tuple(x + (1 if k == i else 0) for k, x in enumerate(c))
+            assign = best[1]
             left -= 1
     # stages left without devices merge into the neighbour that gives the faster pipeline
     spans = list(virt)
