@@ -35,7 +35,7 @@ GPT-2 XL's 1.6 B weights. :data:`MODEL_PRESETS` names such configurations (``gpt
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -387,12 +387,14 @@ def layer_costs(
         per_kind[k] = (cm, acc)
     # memory and parameters per unit (kind-independent; a flops-only device gives the raw bytes)
     flat = CostModel(th, _one_device(cluster, replace(next(iter(kinds.values())), model=None)))
-    steps_of: list[list[Step]] = [[] for _ in names]
+    steps_of: list[list[Step]] = [[] for _ in names]  # the unit's steps, loads left out (memory)
+    full_of: list[list[Step]] = [[] for _ in names]  # the unit's steps as the program runs them (optimizer)
     params_of: list[list[int]] = [[] for _ in names]
     seen: set[int] = set()
     for st in prog:
         u = unit_of[st.op]
         steps_of[u].append(replace(st, loads=()))
+        full_of[u].append(st)
         for ld in st.loads:
             t = g.tensors[ld.tensor]
             if t.role == "param" and ld.tensor not in seen:
@@ -404,7 +406,7 @@ def layer_costs(
         opt = {}
         for k, (cm, _) in per_kind.items():
             if cm.models[0] is not None:
-                opt[k] = cm.optimizer_linear(_with_loads(prog, unit_of, u))[1][0]
+                opt[k] = cm.optimizer_linear(full_of[u])[1][0]
         cut = bounds[u]
         crossing = sum(
             t.nbytes
@@ -429,10 +431,6 @@ def layer_costs(
         )
     mb = _batch_of(g)
     return LayerCosts(tuple(units), tuple(kinds), mb, source=source, model=model)
-
-
-def _with_loads(prog: Sequence[Step], unit_of: Sequence[int], u: int) -> list[Step]:
-    return [st for st in prog if unit_of[st.op] == u]
 
 
 def _batch_of(g: Graph) -> int:

@@ -287,11 +287,13 @@ class PipelinePlan:
         if not exact:
             links, tails = [0.0] * (S - 1), [0.0] * S
         lanes: list[str] = []
+        stage_lanes: list[str] = []
         kinds: list[tuple[str, str]] = []
         F: list[float] = []
         B: list[float] = []
         for k, s in enumerate(self.stages):
-            lanes.append(f"stage {k}: {_device_span(s.devices)}")
+            stage_lanes.append(f"stage {k}: {_device_span(s.devices)}")
+            lanes.append(stage_lanes[-1])
             kinds.append(("forward", "backward"))
             F.append(s.forward_s)
             B.append(s.backward_s)
@@ -305,7 +307,6 @@ class PipelinePlan:
             ScheduleSpan(lanes[j], kinds[j][0 if kind == "F" else 1], m, a, b) for kind, j, m, a, b in events
         ]
         end = max((s.end_s for s in spans), default=0.0)
-        stage_lanes = [lane for lane, kd in zip(lanes, kinds) if kd[0] == "forward"]
         for lane, a in zip(stage_lanes, tails):
             if a > 0:
                 spans.append(ScheduleSpan(lane, "sync", -1, end, end + a))

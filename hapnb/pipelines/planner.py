@@ -28,7 +28,7 @@ from .folding import fold
 from .plan import PipelinePlan, PipelineStage, _freeze
 from .recovery import Recovered, dp_recovery, greedy_recovery, refine_cuts
 from .template import homogeneous_template
-from .timing import Pricer, schedule_makespan
+from .timing import Pricer
 
 __all__ = [
     "pipeline",
@@ -206,22 +206,12 @@ def plan_pipeline(
     assert lab is not None
     t1, t2, t3 = pricer.parts(lab)
     stats.update(t1_s=t1, t2_s=t2, t3_s=t3)
-    Fs: list[float] = []
-    Bs: list[float] = []
-    links: list[float] = []
-    tails: list[float] = []
-    for a, b, counts in chosen.stages:  # stages and the boundary transfers between them
-        st = pricer.stage(a, b, counts)
-        assert st is not None
-        Fs += [st.F] + ([st.link] if b < pricer.L else [])
-        Bs += [st.B] + ([st.link] if b < pricer.L else [])
-        links += [st.link] if b < pricer.L else []
-        tails.append(st.A)
-    stats["simulated_s"] = schedule_makespan(Fs, Bs, micro_batches, schedule) + t3
-    # what PipelinePlan.schedule() needs to replay the schedule: each boundary's transfer per micro-batch
-    # and each stage's once-per-iteration tail (gradient all-reduce + optimizer step)
-    stats.update(boundary_s=links, tail_s=tails)
-    return _with(plan, planning_s=times[method], method=method, search=_freeze(stats))
+    # what PipelinePlan.timeline() replays: each boundary's transfer per micro-batch and each stage's
+    # once-per-iteration tail (gradient all-reduce + optimizer step); its replay is stats["simulated_s"]
+    priced = [st for a, b, counts in chosen.stages if (st := pricer.stage(a, b, counts)) is not None]
+    stats.update(boundary_s=[st.link for st in priced[:-1]], tail_s=[st.A for st in priced])
+    plan = _with(plan, planning_s=times[method], method=method, search=_freeze(stats))
+    return _with(plan, search=_freeze({**stats, "simulated_s": plan.timeline().iteration_s}))
 
 
 def _with(plan: PipelinePlan, **changes: Any) -> PipelinePlan:

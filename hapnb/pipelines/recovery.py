@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ def dp_recovery(
     finals = [lab for f in buckets[S].values() for lab in f.labels]
     if not finals:
         return None
-    best = min(finals, key=lambda lab: (pricer.total(lab), lab[4]))
+    best = pricer.best(finals)
     note = (
         "" if exact else f"{S} virtual stages for {folding.virtual_devices} virtual devices: relaxed tiling"
     )
@@ -151,12 +152,10 @@ def greedy_recovery(pricer: Pricer, folding: Folding, template: Template) -> Rec
                 trial[j] = tuple(x + (1 if k == i else 0) for k, x in enumerate(c))
                 t = cost(pipeline(trial, virt))
                 if t < current and (best is None or t < best[0]):
-                    best = (t, j)
+                    best = (t, trial)
             if best is None:
                 break
-            c = assign[best[1]]
-            assert c is not None
-            assign[best[1]] = tuple(x + (1 if k == i else 0) for k, x in enumerate(c))
+            assign = best[1]
             left -= 1
     # stages left without devices merge into the neighbour that gives the faster pipeline
     spans = list(virt)
@@ -215,16 +214,10 @@ def refine_cuts(pricer: Pricer, rec: Recovered) -> Recovered:
     final = states[K].get(0)
     if final is None or not len(final):
         return rec
-    best = min(final.labels, key=lambda lab: (pricer.total(lab), lab[4]))
+    best = pricer.best(final.labels)
     t = pricer.total(best)
+    took = rec.planning_s + time.perf_counter() - t0
     if t >= rec.iteration_s:
-        return Recovered(
-            rec.stages, rec.iteration_s, rec.method, rec.planning_s + time.perf_counter() - t0, rec.note
-        )
-    return Recovered(
-        tuple(stages_of(best)),  # type: ignore[arg-type]
-        t,
-        rec.method,
-        rec.planning_s + time.perf_counter() - t0,
-        rec.note,
-    )
+        return dataclasses.replace(rec, planning_s=took)
+    stages = tuple(stages_of(best))
+    return dataclasses.replace(rec, stages=stages, iteration_s=t, planning_s=took)  # type: ignore[arg-type]

@@ -79,6 +79,6 @@ def homogeneous_template(
     final = states[0].get(devices)
     if final is None or not len(final):
         return None
-    best = min(final.labels, key=lambda lab: (pricer.total(lab), lab[4]))
+    best = pricer.best(final.labels)
     stages = tuple(stages_of(best))
     return Template(stages, pricer.total(best), cls, time.perf_counter() - t0)  # type: ignore[arg-type]

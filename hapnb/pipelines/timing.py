@@ -275,6 +275,10 @@ class Pricer:
         """T1 + T2 + T3 of a complete label."""
         return lab[0] + (self.N - 1) * (lab[1] + lab[2]) + lab[3]
 
+    def best(self, labels: Iterable[Label]) -> Label:
+        """The fastest complete label (:meth:`total`), the one with fewer stages on a tie."""
+        return min(labels, key=lambda lab: (self.total(lab), lab[4]))
+
     def parts(self, lab: Label) -> tuple[float, float, float]:
         return lab[0], (self.N - 1) * (lab[1] + lab[2]), lab[3]
 
