@@ -254,3 +254,13 @@ def test_cli_pipeline_json_and_plan_file(tmp_path, capsys):
     plan = PipelinePlan.load(out)
     assert plan.iteration_s == res["iteration_s"] and list(plan.devices) == res["devices"]
     assert main(argv[:-4]) == 0 and "pipeline plan" in capsys.readouterr().out
+
+
+def test_greedy_without_a_template_says_why_and_what_to_use() -> None:
+    """More virtual devices than a small model has units: the greedy recovery has no template, and the
+    error says so (and that the DP plans without one) instead of a bare "no plan"."""
+    with pytest.raises(
+        NoPipelineError, match="greedy recovery's homogeneous template search found no template"
+    ):
+        pipeline("gpt", "ditto-ex2", layers=8, method="greedy")
+    assert pipeline("gpt", "ditto-ex2", layers=8, method="dp").iteration_s > 0

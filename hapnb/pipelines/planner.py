@@ -165,6 +165,12 @@ def plan_pipeline(
     best_template = (
         homogeneous_template(bare, S, range(1, min(weak.per_node, pricer.b) + 1)) if greedy else None
     )
+    if greedy and best_template is None:
+        reasons.append(
+            f"the greedy recovery's homogeneous template search found no template (stages of 1.."
+            f"{min(weak.per_node, pricer.b)} devices of the weakest kind) with a unit for every stage that fits "
+            "in memory; method='dp' plans without one"
+        )
     if best_template is not None:
         stats["greedy_template"] = {
             "stages": len(best_template.stages),
@@ -173,7 +179,11 @@ def plan_pipeline(
         }
         t0 = time.perf_counter()
         gr = greedy_recovery(pricer, folding, best_template)
-        if gr is not None:
+        if gr is None:
+            reasons.append(
+                "the greedy recovery could not place the template's stages on the cluster's devices"
+            )
+        else:
             stats["greedy_paper_iteration_s"] = gr.iteration_s
             results["greedy"] = refine_cuts(pricer, gr) if refine else gr
             times["greedy"] = fold_s + best_template.planning_s + time.perf_counter() - t0
