@@ -427,6 +427,7 @@ def optimize(
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # communication terms do not depend on the ratios: one dict per cluster
             shared.setdefault("terms_of", memo.shared((ck, "terms")))
+            shared.setdefault("static", memo.shared("static"))  # the theory's search tables
         s = Search(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
         )

@@ -62,8 +62,9 @@ from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
 from .searchspec import PinError, normalize_ratios, resolve_pins
+from .searchtables import entries_for, theory_tables
 from .spine import CONVERSIONS, spine_bound, spine_value
-from .triples import LOADABLE_ROLES, Theory
+from .triples import Theory
 from .triples import theory as build_theory
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
@@ -113,14 +114,15 @@ class SearchResult:
     seconds: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Compiled:
     strategy: Strategy
     comp: tuple[float, ...]
     out_bits: int
     needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
-    reshards: tuple[Conversion, ...] = ()  # G inputs from another segment (re-cut for this op's ratios)
-    need_bits: tuple[int, ...] = ()  # the property bit of each of ``needs``
+    reshards: tuple[Conversion, ...]  # G inputs from another segment (re-cut for this op's ratios)
+    need_bits: tuple[int, ...]  # the property bit of each of ``needs``
+    index: int  # its place in the theory's strategies of the op
     sfb_s: float | None = None  # an SFB strategy's sync time (made on first use)
 
 
@@ -138,7 +140,7 @@ class _Stats:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Node:
     parent: int
     step: Step | None
@@ -221,66 +223,39 @@ class Search:
     # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
         g, th, cm = self.graph, self.theory, self.cost_model
-        self._bit: dict[tuple[int, Form], int] = {}
-        self._tmask = [0] * len(g.tensors)
-        for t, fs in enumerate(th.forms):
-            for f in fs:
-                b = 1 << len(self._bit)
-                self._bit[(t, f)] = b
-                self._tmask[t] |= b
-        self._forms_of_bit = {b: p for p, b in self._bit.items()}
-        self._loadable = [t.role in LOADABLE_ROLES for t in g.tensors]
-        last_use = [-1] * len(g.tensors)
-        for op in g.ops:
-            for t in op.inputs:
-                last_use[t] = op.id
-        self._last_use = last_use
-        self._dies_at: list[int] = [0] * len(g.ops)  # tensor masks dropped after op i
-        self._dies_comm: list[int] = [0] * len(g.ops)
-        for t, i in enumerate(last_use):
-            if i >= 0:
-                self._dies_at[i] |= self._tmask[t]
-                self._dies_comm[i] |= 1 << t
-        n_consumers = [0] * len(g.tensors)
-        for op in g.ops:
-            for t in set(op.inputs):
-                n_consumers[t] += 1
+        # the ratio-independent tables: built once per theory (hapnb.optimize passes one "static" dict for
+        # every search of a context; a table is reused only for the very theory it was built from)
+        static = self._shared.get("static")
+        hit = static.get("tables") if static is not None else None
+        if hit is not None and hit[0] is th:
+            tables = hit[1]
+        else:
+            tables = theory_tables(th, cm.segment_of)
+            if static is not None:
+                static["tables"] = (th, tables)
+        self._bit = tables.bit
+        self._tmask = tables.tmask
+        self._forms_of_bit = tables.forms_of_bit
+        self._loadable = tables.loadable
+        self._last_use = tables.last_use
+        self._dies_at = tables.dies_at
+        self._dies_comm = tables.dies_comm
         self._ops: list[list[_Compiled]] = []
-        comp_of = self._shared.setdefault("comp", {})
+        comp_of = self._shared.setdefault("comp", {})  # (op, strategy index) -> per-device seconds
         lb = []
-        for op, ss in zip(g.ops, th.strategies):
-            comp_list = []
-            for s in ss:
-                if s.sfb and not self.options["sfb"]:
-                    continue
-                if not self._pins_ok(op.inputs, s.inputs, op.outputs, s.outputs):
-                    continue
-                if s.sfb and any(
-                    g.tensors[t].role == "param"
-                    and f.kind == "I"
-                    and (n_consumers[t] > 1 or t in self.storage)
-                    for t, f in zip(op.inputs, s.inputs)
-                ):
-                    continue  # SFB replaces the weight's gradient sync: only for weights with one consumer
-                out_bits = 0
-                for t, f in zip(op.outputs, s.outputs):
-                    if g.tensors[t].consumers or t == g.loss:
-                        out_bits |= self._bit[(t, f)]
-                needs = tuple(dict.fromkeys(zip(op.inputs, s.inputs)))
-                resh = []
-                for t, f in needs:
-                    a = cm.segment_of[t]
-                    if f.kind == "G" and a != op.segment:
-                        # always recorded (free while the two segments' cuts agree), so that the LP may
-                        # change the segments' ratios independently
-                        resh.append(Conversion(t, "reshard", f, f, op.segment))
-                comp = comp_of.get((op.id, s))
-                if comp is None:
-                    comp = comp_of[(op.id, s)] = cm.comp(op.id, s, self.ratios)
-                bits = tuple(self._bit[tf] for tf in needs)
-                comp_list.append(_Compiled(s, comp, out_bits, needs, tuple(resh), bits))
-            if not comp_list:
+        allowed = entries_for(th, tables, self.pins, self.storage, bool(self.options["sfb"]))
+        for op, row in zip(g.ops, allowed):
+            if not row:
                 raise PinError(self._explain_no_strategy(op.id))
+            comp_list = []
+            for e in row:
+                key = (op.id, e.index)
+                comp = comp_of.get(key)
+                if comp is None:
+                    comp = comp_of[key] = cm.comp(op.id, e.strategy, self.ratios)
+                comp_list.append(
+                    _Compiled(e.strategy, comp, e.out_bits, e.needs, e.reshards, e.need_bits, e.index)
+                )
             self._ops.append(comp_list)
             lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
         if self.memory:
@@ -295,10 +270,16 @@ class Search:
         # the terms themselves do not depend on the ratios: ``shared["terms_of"]`` may be one dict for every
         # ratio on this theory and cluster (hapnb.optimize passes one)
         self._terms_of: dict[Any, tuple[Any, ...]] = self._shared.setdefault("terms_of", {})
-        # the hot loop's lookups by property bits (ints hash fast): a load's (Load, time) by (bit, sfb)
-        # (without memory), a conversion's options [(Conversion, time)] by (source bit, target bit)
-        self._load_of: dict[tuple[int, bool], tuple[Load, float]] = {}
-        self._convs_of: dict[tuple[int, int], list[tuple[Conversion, float]]] = {}
+        # the hot loop's lookups by property bits (ints hash fast), shared by the searches at these ratios: a
+        # load's (Load, time) by (bit, sfb) (plain loads only: not with memory or a storage pin), a
+        # conversion's options [(Conversion, time)] by (source bit, target bit, grouped), an SFB sync's time
+        self._load_of: dict[tuple[int, bool], tuple[Load, float]] = (
+            {} if self.storage else self._shared.setdefault("loads", {})
+        )
+        self._convs_of: dict[tuple[int, int], list[tuple[Conversion, float]]] = self._shared.setdefault(
+            "convs" if self.options["grouped"] else "convs_ungrouped", {}
+        )
+        self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
@@ -307,20 +288,6 @@ class Search:
         self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
-
-    def _pins_ok(
-        self, ins: Sequence[int], in_forms: Sequence[Form], outs: Sequence[int], out_forms: Sequence[Form]
-    ) -> bool:
-        for t, f in zip(outs, out_forms):
-            p = self.pins.get(t)
-            if p is not None and p != f:
-                return False
-        for t, f in zip(ins, in_forms):
-            if self._loadable[t]:
-                p = self.pins.get(t)
-                if p is not None and p != f:
-                    return False
-        return True
 
     def _explain_no_strategy(self, op_id: int) -> str:
         g = self.graph
@@ -381,6 +348,15 @@ class Search:
             cv = Conversion(t, name, src, f)
             out.append((cv, self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))))
         return out
+
+    def _sfb_time(self, op: int, c: _Compiled) -> float:
+        """An SFB strategy's sync seconds (shared by the searches at these ratios)."""
+        key = (op, c.index)
+        v = self._sfb_of.get(key)
+        if v is None:
+            st = Step(op, c.strategy)
+            v = self._sfb_of[key] = sum(tm.time(self.ratios) for tm in self.cost_model.sfb_terms(st))
+        return v
 
     def _terms_time(self, key: Any, terms_fn: Any) -> float:
         v = self._term_cache.get(key)
@@ -472,6 +448,8 @@ class Search:
         op = g.ops[pos]
         props, comm = node.props, node.comm
         best_cost = self._nodes[self._best].base if self._best is not None else float("inf")
+        dies, dies_comm = self._dies_at[pos], self._dies_comm[pos]
+        generated = 0
         for c in self._ops[pos]:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
             # seconds); kind 1: a load, 2: a conversion (0: the form is present)
@@ -520,46 +498,49 @@ class Search:
                     pruned.append((f"{op.name}[{c.strategy.name}]", fail))
                 continue
             for combo in itertools.product(*per_need):
-                loads = tuple(x[0] for x in combo if x[3] == 1)
-                convs = tuple(x[0] for x in combo if x[3] == 2)
-                ct = [x.tensor for x in convs]
-                if len(ct) != len(set(ct)):
-                    continue  # one tensor converted twice in one step
-                if c.reshards:
-                    convs += c.reshards  # segment boundary: re-cut for this op's ratios
-                step = Step(op.id, c.strategy, loads, convs)
+                # one pass over the options: loads and conversions in order, new properties and tokens
+                loads_l: list[Any] = []
+                convs_l: list[Any] = []
+                conv_ts: list[float] = []
                 new_props = props | c.out_bits
                 new_comm = comm
+                grad_t = 0.0
                 for x in combo:
-                    new_props |= x[1]
-                    new_comm |= x[2]
-                new_props &= ~self._dies_at[pos]
-                new_comm &= ~self._dies_comm[pos]
-                comm_t = grad_t = 0.0
+                    kind = x[3]
+                    if kind == 1:
+                        loads_l.append(x[0])
+                        new_props |= x[1]
+                        grad_t += x[4]
+                    elif kind == 2:
+                        convs_l.append(x[0])
+                        new_props |= x[1]
+                        new_comm |= x[2]
+                        conv_ts.append(x[4])
+                if len(convs_l) > 1 and len({cv.tensor for cv in convs_l}) != len(convs_l):
+                    continue  # one tensor converted twice in one step
+                loads = tuple(loads_l)
+                convs = tuple(convs_l) + c.reshards  # a segment boundary: re-cut for this op's ratios
+                new_props &= ~dies
+                new_comm &= ~dies_comm
                 comp = c.comp
                 tail = node.tail
-                for x in combo:
-                    if x[3] != 1:
-                        continue
-                    grad_t += x[4]
-                    if self._has_inner:
-                        inner = self.cost_model.load_comp(x[0], self.ratios)
+                if self._has_inner:
+                    for ld in loads:
+                        inner = self.cost_model.load_comp(ld, self.ratios)
                         if self.duplex:  # once per iteration, after both micro-batches
                             tail = tuple(a + b for a, b in zip(tail, inner))
                         else:
                             comp = tuple(a + b for a, b in zip(comp, inner))
+                comm_t = 0.0
                 if not self.duplex:
                     comm_t += grad_t
-                for x in combo:
-                    if x[3] == 2:
-                        comm_t += x[4]
+                for x in conv_ts:
+                    comm_t += x
                 for cv in c.reshards:
                     comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
                 if c.strategy.sfb:
                     if c.sfb_s is None:
-                        c.sfb_s = self._terms_time(
-                            ("S", step.op, c.strategy), lambda st=step: self.cost_model.sfb_terms(st)
-                        )
+                        c.sfb_s = self._sfb_time(op.id, c)
                     comm_t += c.sfb_s
                 copen = 0.0
                 if self.duplex:
@@ -578,7 +559,7 @@ class Search:
                 else:
                     base = node.base
                     acc = tuple(a + b for a, b in zip(node.acc, comp))
-                self._stats.generated += 1
+                generated += 1
                 npos = pos + 1
                 if self.duplex:
                     score = self._h_duplex(npos, base, copen, acc, tail, new_props)
@@ -611,8 +592,8 @@ class Search:
                     else:
                         base = base + max(acc)
                     if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
-                        deferred = [
-                            ld for st in (*self.program(nid), step) for ld in st.loads if ld.zero == -1
+                        deferred = [ld for st in self.program(nid) for ld in st.loads if ld.zero == -1] + [
+                            ld for ld in loads if ld.zero == -1
                         ]
                         done = self._mem.realize(self._mem.finish(ms, extra), deferred)
                         why = "memory: no storage of the replicated parameters fits" if done is None else ""
@@ -637,6 +618,7 @@ class Search:
                     if record:
                         pruned.append((desc, "dominated: same properties reached at no greater cost"))
                     continue
+                step = Step(op.id, c.strategy, loads, convs)
                 child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
                 if self.duplex:
                     child.copen, child.tail = copen, tail
@@ -646,6 +628,7 @@ class Search:
                     self._best = cid
                     best_cost = base
                 kids.append(cid)
+        self._stats.generated += generated
         return kids, pruned
 
     def _pop(self) -> int | None:

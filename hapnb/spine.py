@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .cost import Conversion, Step
+from .cost import Conversion
 from .forms import Form
 from .triples import LOADABLE_ROLES
 
@@ -69,14 +69,28 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar]
     single = [x.role == "param" and n_cons[x.id] == 1 for x in g.tensors]
 
+    # a strategy's communication terms (its single-consumer parameters' loads, an SFB sync), in order; the
+    # searches at these ratios share them unless loads depend on the search (memory, storage pins)
+    terms_of: dict[tuple[int, int], tuple[float, ...]] = (
+        s._shared.setdefault("spine_terms", {}) if s._mem is None and not s.storage else {}
+    )
+
     def local(op_id: int, c: Any) -> float:
+        key = (op_id, c.index)
+        terms = terms_of.get(key)
+        if terms is None:
+            op = g.ops[op_id]
+            terms = tuple(
+                s._load_time(s._load(ti, f, c.strategy.sfb and f.kind == "I"))
+                for ti, f in zip(op.inputs, c.strategy.inputs)
+                if single[ti]
+            )
+            if c.strategy.sfb:
+                terms += (s._sfb_time(op_id, c),)
+            terms_of[key] = terms
         v = 0.0 if comm_only else c.comp[jstar]
-        op = g.ops[op_id]
-        for ti, f in zip(op.inputs, c.strategy.inputs):
-            if single[ti]:
-                v += s._load_time(s._load(ti, f, c.strategy.sfb and f.kind == "I"))
-        if c.strategy.sfb:
-            v += sum(tm.time(s.ratios) for tm in cm.sfb_terms(Step(op_id, c.strategy)))
+        for x in terms:
+            v += x
         return v
 
     # a conversion's price depends on the tensor only through its bytes, ratio segment and whether

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tracing",),
     ("triples",),
     ("devices", "cluster", "memory", "cost"),
-    ("search", "searchspec", "spine", "memsearch", "balance", "optimize", "duplex"),
+    ("search", "searchspec", "searchtables", "spine", "memsearch", "balance", "optimize", "duplex"),
     ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
     ("expand", "codegen", "collectives", "run"),
     ("session",),

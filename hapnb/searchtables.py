@@ -1,0 +1,181 @@
+"""The ratio-independent tables of a search, built once per theory and shared by every search on it.
+
+:class:`~hapnb.search.Search` compiles its theory into integer tables (a property bit per (tensor, form),
+which properties die after each op, every strategy's needed inputs as bits). None of that depends on the
+ratios, and only the strategy filter depends on the pins, so :func:`theory_tables` builds it once per
+theory and :func:`entries_for` filters it for one search's pins and options, re-checking only the ops that
+touch a pinned tensor. A re-planning context (:class:`hapnb.optimize.Memo`) keeps the tables, so its
+searches (the Q/B loop's, the baseline seeds', a re-plan's) skip this work.
+
+>>> import hapnb
+>>> from hapnb.tracing import zoo_graph
+>>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0])
+>>> tb = theory_tables(th, (0,) * len(th.graph.tensors))
+>>> len(tb.entries) == len(th.graph.ops) and all(tb.entries)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .cost import Conversion
+from .forms import Form, Storage
+from .rules import Strategy
+from .triples import LOADABLE_ROLES, Theory
+
+__all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One strategy of one op, compiled: ``index`` its place in ``theory.strategies[op]``; ``out_bits`` the
+    properties it establishes (outputs that are used later, or the loss); ``needs`` its distinct (tensor,
+    form) inputs and ``need_bits`` their property bits; ``reshards`` the re-cuts of G inputs from another
+    ratio segment; ``sfb_params`` an SFB strategy's parameters taken replicated (SFB replaces their gradient
+    sync, so each must have one consumer and no storage pin); ``sfb_shared`` whether one of them has more
+    than one consumer (never allowed)."""
+
+    index: int
+    strategy: Strategy
+    out_bits: int
+    needs: tuple[tuple[int, Form], ...]
+    need_bits: tuple[int, ...]
+    reshards: tuple[Conversion, ...]
+    sfb_params: tuple[int, ...]
+    sfb_shared: bool
+
+
+@dataclass(frozen=True)
+class TheoryTables:
+    """A theory's search tables (see the module docstring); read-only for the searches that share them.
+
+    ``bit``: (tensor, form) -> property bit; ``forms_of_bit`` the inverse; ``tmask``: per tensor, the bits
+    of all its forms; ``loadable``: per tensor, whether it is a parameter/input/buffer/constant (loaded, not
+    computed); ``last_use``: per tensor, the last op reading it (-1: none); ``dies_at`` / ``dies_comm``: per
+    op, the property bits / communication bits dropped after it; ``entries``: per op, every strategy
+    compiled (:class:`Entry`), unfiltered."""
+
+    bit: Mapping[tuple[int, Form], int]
+    forms_of_bit: Mapping[int, tuple[int, Form]]
+    tmask: tuple[int, ...]
+    loadable: tuple[bool, ...]
+    last_use: tuple[int, ...]
+    dies_at: tuple[int, ...]
+    dies_comm: tuple[int, ...]
+    entries: tuple[tuple[Entry, ...], ...]
+
+
+def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
+    """Build the tables of ``th`` (``segment_of``: each tensor's ratio segment, as the cost model has it)."""
+    g = th.graph
+    bit: dict[tuple[int, Form], int] = {}
+    tmask = [0] * len(g.tensors)
+    for t, fs in enumerate(th.forms):
+        for f in fs:
+            b = 1 << len(bit)
+            bit[(t, f)] = b
+            tmask[t] |= b
+    loadable = tuple(t.role in LOADABLE_ROLES for t in g.tensors)
+    last_use = [-1] * len(g.tensors)
+    n_consumers = [0] * len(g.tensors)
+    for op in g.ops:
+        for t in op.inputs:
+            last_use[t] = op.id
+        for t in set(op.inputs):
+            n_consumers[t] += 1
+    dies_at = [0] * len(g.ops)
+    dies_comm = [0] * len(g.ops)
+    for t, i in enumerate(last_use):
+        if i >= 0:
+            dies_at[i] |= tmask[t]
+            dies_comm[i] |= 1 << t
+    is_param = [t.role == "param" for t in g.tensors]
+    entries = []
+    for op, ss in zip(g.ops, th.strategies):
+        row = []
+        for k, s in enumerate(ss):
+            out_bits = 0
+            for t, f in zip(op.outputs, s.outputs):
+                if g.tensors[t].consumers or t == g.loss:
+                    out_bits |= bit[(t, f)]
+            needs = tuple(dict.fromkeys(zip(op.inputs, s.inputs)))
+            # a G input from another segment is re-cut for this op's ratios: always recorded (free while
+            # the two segments' cuts agree), so that the LP may change the segments' ratios independently
+            resh = tuple(
+                Conversion(t, "reshard", f, f, op.segment)
+                for t, f in needs
+                if f.kind == "G" and segment_of[t] != op.segment
+            )
+            sfb_params = (
+                tuple(t for t, f in zip(op.inputs, s.inputs) if is_param[t] and f.kind == "I")
+                if s.sfb
+                else ()
+            )
+            row.append(
+                Entry(
+                    k,
+                    s,
+                    out_bits,
+                    needs,
+                    tuple(bit[tf] for tf in needs),
+                    resh,
+                    sfb_params,
+                    any(n_consumers[t] > 1 for t in sfb_params),
+                )
+            )
+        entries.append(tuple(row))
+    return TheoryTables(
+        bit, {b: p for p, b in bit.items()}, tuple(tmask), loadable, tuple(last_use), tuple(dies_at),
+        tuple(dies_comm), tuple(entries),
+    )  # fmt: skip
+
+
+def entries_for(
+    th: Theory,
+    tables: TheoryTables,
+    pins: Mapping[int, Form],
+    storage: Mapping[int, Storage],
+    sfb: bool,
+) -> list[tuple[Entry, ...]]:
+    """Per op, the strategies a search may use under ``pins`` (tensor -> form; an input's pin binds only a
+    loadable input, whose form is chosen by its load), ``storage`` (parameters with a ZeRO storage pin)
+    and the ``sfb`` option; an op left with none gets an empty tuple (the caller explains why)."""
+    g = th.graph
+    out = []
+    for op, row in zip(g.ops, tables.entries):
+        touched = any(t in pins or t in storage for t in op.inputs) or any(t in pins for t in op.outputs)
+        if not touched and not any(e.strategy.sfb and (not sfb or e.sfb_shared) for e in row):
+            out.append(row)  # nothing to filter: the shared tuple itself
+            continue
+        keep = []
+        for e in row:
+            s = e.strategy
+            if s.sfb and (not sfb or e.sfb_shared or any(t in storage for t in e.sfb_params)):
+                continue
+            if touched and not _pins_ok(pins, tables.loadable, op.inputs, s.inputs, op.outputs, s.outputs):
+                continue
+            keep.append(e)
+        out.append(tuple(keep))
+    return out
+
+
+def _pins_ok(
+    pins: Mapping[int, Form],
+    loadable: Sequence[bool],
+    ins: Sequence[int],
+    in_forms: Sequence[Form],
+    outs: Sequence[int],
+    out_forms: Sequence[Form],
+) -> bool:
+    for t, f in zip(outs, out_forms):
+        p = pins.get(t)
+        if p is not None and p != f:
+            return False
+    for t, f in zip(ins, in_forms):
+        if loadable[t]:
+            p = pins.get(t)
+            if p is not None and p != f:
+                return False
+    return True
