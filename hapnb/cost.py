@@ -284,10 +284,13 @@ class CostModel:
         self._bound: dict[int, bool] = {}
 
     # ------------------------------------------------------------------ computation
-    def comp(self, op: int, s: Strategy, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    def comp(
+        self, op: int, s: Strategy, ratios: Sequence[Sequence[float]], devices: Sequence[int] | None = None
+    ) -> tuple[float, ...]:
+        """Seconds of ``op`` under ``s`` per device at ``ratios`` (``devices``: only those, in that order)."""
         r = ratios[self.graph.ops[op].segment]
         out = []
-        for j in range(self.n):
+        for j in range(self.n) if devices is None else devices:
             if self.models[j] is None:
                 out.append((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j])
             else:

@@ -62,7 +62,7 @@ from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
 from .searchspec import PinError, normalize_ratios, resolve_pins
-from .searchtables import entries_for, theory_tables
+from .searchtables import device_classes, entries_for, theory_tables
 from .spine import CONVERSIONS, spine_bound, spine_value
 from .triples import Theory
 from .triples import theory as build_theory
@@ -201,6 +201,9 @@ class Search:
         self.memory = bool(memory) and not self.duplex
         self._mem: MemoryTracker | None = None
         self.n = cluster.n
+        #: devices whose computation is the same for every op (same speed, device model and ratios): the
+        #: search keeps one per class in its per-device vectors (exact: they are equal within a class)
+        self._reps = device_classes(cm, self.ratios)
         self._compile()
         self._stats = _Stats()
         self._nodes: list[_Node] = []
@@ -208,7 +211,7 @@ class Search:
         self._seen: dict[tuple[int, int, int], list[tuple[float, tuple[float, ...]]]] = {}
         self._best: int | None = None
         self._counter = itertools.count()
-        zero = (0.0,) * self.n
+        zero = (0.0,) * len(self._reps)
         if self.duplex:
             root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h_duplex(0, 0.0, 0.0, zero, zero, 0), tail=zero)
             self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
@@ -228,11 +231,14 @@ class Search:
         static = self._shared.get("static")
         hit = static.get("tables") if static is not None else None
         if hit is not None and hit[0] is th:
-            tables = hit[1]
+            tables, self._cv_lists = hit[1], hit[2]
         else:
             tables = theory_tables(th, cm.segment_of)
+            # (source bit, target bit) -> the collectives between the two forms (ratio-independent)
+            self._cv_lists: dict[tuple[int, int], tuple[Conversion, ...]] = {}
             if static is not None:
-                static["tables"] = (th, tables)
+                static["tables"] = (th, tables, self._cv_lists)
+        self._price_class = tables.price_class
         self._bit = tables.bit
         self._tmask = tables.tmask
         self._forms_of_bit = tables.forms_of_bit
@@ -252,7 +258,7 @@ class Search:
                 key = (op.id, e.index)
                 comp = comp_of.get(key)
                 if comp is None:
-                    comp = comp_of[key] = cm.comp(op.id, e.strategy, self.ratios)
+                    comp = comp_of[key] = cm.comp(op.id, e.strategy, self.ratios, self._reps)
                 comp_list.append(
                     _Compiled(e.strategy, comp, e.out_bits, e.needs, e.reshards, e.need_bits, e.index)
                 )
@@ -261,7 +267,7 @@ class Search:
         if self.memory:
             self._mem = MemoryTracker(self)
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
-        rem = [(0.0,) * self.n]
+        rem = [(0.0,) * len(self._reps)]
         for v in reversed(lb):
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
@@ -280,11 +286,14 @@ class Search:
             "convs" if self.options["grouped"] else "convs_ungrouped", {}
         )
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
+        self._conv_t: dict[tuple[int, str], float] = self._shared.setdefault(
+            "conv_t", {}
+        )  # (class, name) -> s
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
         self._jstar, self._spine_opts = spine_bound(self)
-        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(self.n))
+        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
         self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
@@ -338,15 +347,25 @@ class Search:
             return self._mem.time(ld)
         return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
 
-    def _conversions(self, t: int, src_bit: int, f: Form) -> list[tuple[Conversion, float]]:
-        """The collectives that turn tensor ``t`` from the form of ``src_bit`` into ``f``, with their times."""
-        _, src = self._forms_of_bit[src_bit]
+    def _conversions(self, t: int, src_bit: int, f: Form, dst_bit: int) -> list[tuple[Conversion, float]]:
+        """The collectives that turn tensor ``t`` from the form of ``src_bit`` into ``f`` (``dst_bit``), with
+        their times (a collective's time is shared by the tensors of one price class)."""
+        cvs = self._cv_lists.get((src_bit, dst_bit))
+        if cvs is None:
+            _, src = self._forms_of_bit[src_bit]
+            cvs = tuple(Conversion(t, name, src, f) for name in CONVERSIONS.get((src.kind, f.kind), ()))
+            self._cv_lists[(src_bit, dst_bit)] = cvs
+        pc = self._price_class[t]
         out = []
-        for name in CONVERSIONS.get((src.kind, f.kind), ()):
-            if name.startswith("grouped") and not self.options["grouped"]:
+        for cv in cvs:
+            if not self.options["grouped"] and cv.name.startswith("grouped"):
                 continue
-            cv = Conversion(t, name, src, f)
-            out.append((cv, self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))))
+            v = self._conv_t.get((pc, cv.name))
+            if v is None:
+                v = self._conv_t[(pc, cv.name)] = sum(
+                    tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv)
+                )
+            out.append((cv, v))
         return out
 
     def _sfb_time(self, op: int, c: _Compiled) -> float:
@@ -486,7 +505,7 @@ class Search:
                     have ^= low
                     cvs = self._convs_of.get((low, bit))
                     if cvs is None:
-                        cvs = self._convs_of[(low, bit)] = self._conversions(t, low, f)
+                        cvs = self._convs_of[(low, bit)] = self._conversions(t, low, f, bit)
                     for cv, ct in cvs:
                         opts.append((cv, bit, tbit, 2, ct))
                 if not opts:
@@ -526,7 +545,8 @@ class Search:
                 tail = node.tail
                 if self._has_inner:
                     for ld in loads:
-                        inner = self.cost_model.load_comp(ld, self.ratios)
+                        inner_all = self.cost_model.load_comp(ld, self.ratios)
+                        inner = tuple(inner_all[j] for j in self._reps)
                         if self.duplex:  # once per iteration, after both micro-batches
                             tail = tuple(a + b for a, b in zip(tail, inner))
                         else:
@@ -588,7 +608,7 @@ class Search:
                     if self.duplex:
                         p = 0.5 * max(acc)
                         base = base + max(0.5 * copen, p) + p + max(tail)
-                        copen, tail = 0.0, (0.0,) * self.n
+                        copen, tail = 0.0, (0.0,) * len(self._reps)
                     else:
                         base = base + max(acc)
                     if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
@@ -606,7 +626,7 @@ class Search:
                                 pruned.append((desc, why))
                             continue
                         base, real, ms = base + done[0], done[1], None  # type: ignore[index]
-                    acc = (0.0,) * self.n
+                    acc = (0.0,) * len(self._reps)
                     score = base
                 key = (npos, new_props, new_comm)
                 if (

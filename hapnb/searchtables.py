@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .cost import Conversion
+from .cost import Conversion, CostModel
 from .forms import Form, Storage
 from .rules import Strategy
 from .triples import LOADABLE_ROLES, Theory
 
-__all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for"]
+__all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "device_classes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,8 @@ class TheoryTables:
     of all its forms; ``loadable``: per tensor, whether it is a parameter/input/buffer/constant (loaded, not
     computed); ``last_use``: per tensor, the last op reading it (-1: none); ``dies_at`` / ``dies_comm``: per
     op, the property bits / communication bits dropped after it; ``entries``: per op, every strategy
-    compiled (:class:`Entry`), unfiltered."""
+    compiled (:class:`Entry`), unfiltered; ``price_class``: per tensor, the class of tensors whose collectives
+    cost the same (same bytes, ratio segment and need of a gradient)."""
 
     bit: Mapping[tuple[int, Form], int]
     forms_of_bit: Mapping[int, tuple[int, Form]]
@@ -65,6 +66,7 @@ class TheoryTables:
     dies_at: tuple[int, ...]
     dies_comm: tuple[int, ...]
     entries: tuple[tuple[Entry, ...], ...]
+    price_class: tuple[int, ...]
 
 
 def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
@@ -91,6 +93,13 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
         if i >= 0:
             dies_at[i] |= tmask[t]
             dies_comm[i] |= 1 << t
+    # a collective's price depends on its tensor only through the bytes, the ratio segment and whether it
+    # has a gradient (hapnb.cost.CostModel.conversion_terms): tensors of one class share their prices
+    classes: dict[tuple[int, int, bool], int] = {}
+    price_class = tuple(
+        classes.setdefault((t.nbytes, segment_of[t.id], th.requires_grad[t.id]), len(classes))
+        for t in g.tensors
+    )
     is_param = [t.role == "param" for t in g.tensors]
     entries = []
     for op, ss in zip(g.ops, th.strategies):
@@ -128,7 +137,7 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
         entries.append(tuple(row))
     return TheoryTables(
         bit, {b: p for p, b in bit.items()}, tuple(tmask), loadable, tuple(last_use), tuple(dies_at),
-        tuple(dies_comm), tuple(entries),
+        tuple(dies_comm), tuple(entries), price_class,
     )  # fmt: skip
 
 
@@ -179,3 +188,26 @@ def _pins_ok(
             if p is not None and p != f:
                 return False
     return True
+
+
+def device_classes(cm: CostModel, ratios: Sequence[Sequence[float]]) -> tuple[int, ...]:
+    """The first device of each class of devices whose computation is equal for every op and strategy
+    (the same flop/s, device model, GPUs per device, inner gradient sync and ratio in every segment), in
+    device order. Their per-device computation is computed by the same expression from equal inputs, so a
+    search that keeps one entry per class gets exactly the same maxima, sums and comparisons.
+
+    >>> import hapnb
+    >>> from hapnb.tracing import zoo_graph
+    >>> cm = CostModel(hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0]),
+    ...                hapnb.Cluster.resolve("2xV100+2xP100"))
+    >>> device_classes(cm, ((0.3, 0.3, 0.2, 0.2),)), device_classes(cm, ((0.3, 0.3, 0.25, 0.15),))
+    ((0, 2), (0, 2, 3))
+    """
+    seen: dict[tuple[object, ...], int] = {}
+    for j in range(cm.n):
+        key = (
+            cm.flops[j], cm.models[j], cm.gpus[j], cm.reference_share[j], cm.inner_sync_s_per_byte[j],
+            tuple(row[j] for row in ratios),
+        )  # fmt: skip
+        seen.setdefault(key, j)
+    return tuple(seen.values())

@@ -37,14 +37,14 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
 
     ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, property bits,
     ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
-    weighs (``jstar``) and, per position, ``(property bit, bound)`` for each form of the live spine tensor
+    weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per position, ``(property bit, bound)`` for each form of the live spine tensor
     (``comm_only``: the communication alone, no computation).
     """
     g, th, cm = s.graph, s.theory, s.cost_model
     n_ops = len(g.ops)
     # weights on the device that has the most computation left even in the best case: any weights on
     # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-    jstar = max(range(s.n), key=lambda j: (s._rem[0][j], -j))
+    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
     inf = float("inf")
     # the spine: from the loss backwards, through the largest activation input (then the deepest): the
     # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
