@@ -275,6 +275,7 @@ class CostModel:
             inner.append(2.0 * (k - 1) / k / cluster.intra_machine_Bps if k > 1 else 0.0)
         self.inner_sync_s_per_byte = tuple(inner)
         self.models = tuple(d.model for d in cluster.devices)
+        self._flops_only = all(m is None for m in self.models)
         self.gpus = tuple(max(1, d.gpus) for d in cluster.devices)
         total = sum(self.flops)
         #: the device's reference share: efficiency and regime of the device model are read there
@@ -289,8 +290,12 @@ class CostModel:
     ) -> tuple[float, ...]:
         """Seconds of ``op`` under ``s`` per device at ``ratios`` (``devices``: only those, in that order)."""
         r = ratios[self.graph.ops[op].segment]
+        js = range(self.n) if devices is None else devices
+        if self._flops_only:
+            sf, ff, fl = s.scaled_flops, s.fixed_flops, self.flops
+            return tuple([(sf * r[j] + ff) / fl[j] for j in js])
         out = []
-        for j in range(self.n) if devices is None else devices:
+        for j in js:
             if self.models[j] is None:
                 out.append((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j])
             else:

@@ -280,8 +280,8 @@ class Search:
         # load's (Load, time) by (bit, sfb) (plain loads only: not with memory or a storage pin), a
         # conversion's options [(Conversion, time)] by (source bit, target bit, grouped), an SFB sync's time
         self._load_of: dict[tuple[int, bool], tuple[Load, float]] = (
-            {} if self.storage else self._shared.setdefault("loads", {})
-        )
+            {} if self.storage else self._terms_of.setdefault("plain loads", {})
+        )  # a plain load's price does not depend on the ratios: shared per cluster
         self._convs_of: dict[tuple[int, int], list[tuple[Conversion, float]]] = self._shared.setdefault(
             "convs" if self.options["grouped"] else "convs_ungrouped", {}
         )
@@ -340,6 +340,18 @@ class Search:
         if st is not None:
             return Load(t, f, False, st.zero, st.form)
         return self._mem.load(t, f, sfb) if self._mem is not None else Load(t, f, sfb)
+
+    def _load_entry(self, t: int, f: Form, sfb: bool) -> tuple[Load, float]:
+        """The load of ``t`` in ``f`` and its seconds (plain loads from the per-cluster table)."""
+        if self._mem is not None:
+            ld = self._load(t, f, sfb)
+            return ld, self._load_time(ld)
+        key = (self._bit[(t, f)], sfb)
+        lt = self._load_of.get(key)
+        if lt is None:
+            ld = self._load(t, f, sfb)
+            lt = self._load_of[key] = (ld, self._load_time(ld))
+        return lt
 
     def _load_time(self, ld: Load) -> float:
         """Communication seconds of a load (a deferred one: its cheapest storage)."""

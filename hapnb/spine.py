@@ -81,7 +81,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         if terms is None:
             op = g.ops[op_id]
             terms = tuple(
-                s._load_time(s._load(ti, f, c.strategy.sfb and f.kind == "I"))
+                s._load_entry(ti, f, c.strategy.sfb and f.kind == "I")[1]
                 for ti, f in zip(op.inputs, c.strategy.inputs)
                 if single[ti]
             )
@@ -93,30 +93,42 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
             v += x
         return v
 
-    # a conversion's price depends on the tensor only through its bytes, ratio segment and whether
-    # it has a gradient (CostModel.conversion_terms): spine tensors of one shape share their prices
-    # (and the searches of one re-planning context at the same ratios share them: s._shared)
+    # a conversion's price depends on the tensor only through its price class (bytes, ratio segment, need
+    # of a gradient: hapnb.searchtables): the cheapest collective between two forms, per class; and per
+    # (class, the tensor's forms, the forms an op takes) which prices a row adds (the searches of one
+    # re-planning context at the same ratios share both: s._shared)
     conv_cache: dict[tuple[Any, ...], float] = s._shared.setdefault("conv", {})
-    sig_of: dict[tuple[int, int, bool], int] = s._shared.setdefault("conv_sig", {})
+    row_plans: dict[tuple[Any, ...], list[tuple[Form, tuple[float, ...]]]] = s._shared.setdefault(
+        "conv_rows", {}
+    )
+    price_class = s._price_class
+
+    def price(ti: int, a: Form, b: Form) -> float:
+        key = (price_class[ti], a, b)
+        x = conv_cache.get(key)
+        if x is None:
+            x = inf
+            for name in CONVERSIONS.get((a.kind, b.kind), ()):
+                cv = Conversion(ti, name, a, b)
+                x = min(x, sum(tm.time(s.ratios) for tm in cm.conversion_terms(cv)))
+            conv_cache[key] = x
+        return x
 
     def conv_row(ti: int, by_in: dict[Form, float]) -> dict[Form, float]:
         """For each form of spine tensor ti: the cheapest conversion to a form in by_in plus its value."""
-        sig = (g.tensors[ti].nbytes, cm.segment_of[ti], th.requires_grad[ti])
-        sid = sig_of.setdefault(sig, len(sig_of))
+        keys = tuple(by_in)
+        pk = (price_class[ti], th.forms[ti], keys)
+        plan = row_plans.get(pk)
+        if plan is None:
+            plan = row_plans[pk] = [
+                (a, tuple(0.0 if a == b else price(ti, a, b) for b in keys)) for a in th.forms[ti]
+            ]
+        vals = tuple(by_in.values())
         row = {}
-        for a in th.forms[ti]:
+        for a, xs in plan:
             best = inf
-            for b, v in by_in.items():
-                if a != b:
-                    key = (sid, a, b)
-                    x = conv_cache.get(key)
-                    if x is None:
-                        x = inf
-                        for name in CONVERSIONS.get((a.kind, b.kind), ()):
-                            cv = Conversion(ti, name, a, b)
-                            x = min(x, sum(tm.time(s.ratios) for tm in cm.conversion_terms(cv)))
-                        conv_cache[key] = x
-                    v += x
+            for v, x in zip(vals, xs):
+                v += x
                 if v < best:
                     best = v
             row[a] = best
