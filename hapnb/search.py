@@ -481,6 +481,16 @@ class Search:
         best_cost = self._nodes[self._best].base if self._best is not None else float("inf")
         dies, dies_comm = self._dies_at[pos], self._dies_comm[pos]
         generated = 0
+        # what every child shares: its parent's open-stage maximum and the heuristic's tables at pos + 1
+        # (:meth:`_h` inlined below: the same arithmetic, without a call per child)
+        node_max = max(node.acc)
+        opens = node.parent == -1  # the root: its first step always opens a stage
+        rem_next, sopts, sany, jstar = (
+            self._rem[pos + 1],
+            self._spine_opts[pos + 1],
+            self._spine_any[pos + 1],
+            self._jstar,
+        )
         for c in self._ops[pos]:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
             # seconds); kind 1: a load, 2: a conversion (0: the form is present)
@@ -585,8 +595,8 @@ class Search:
                     else:
                         base, copen = node.base + grad_t, node.copen
                         acc = tuple(a + b for a, b in zip(node.acc, comp))
-                elif comm_t > 0.0 or node.parent == -1:
-                    base = node.base + max(node.acc) + comm_t
+                elif comm_t > 0.0 or opens:
+                    base = node.base + node_max + comm_t
                     acc = comp
                 else:
                     base = node.base
@@ -595,8 +605,19 @@ class Search:
                 npos = pos + 1
                 if self.duplex:
                     score = self._h_duplex(npos, base, copen, acc, tail, new_props)
-                else:
-                    score = base + self._h(npos, acc, new_props)
+                else:  # base + self._h(npos, acc, new_props)
+                    h = max(map(operator.add, acc, rem_next))
+                    if sopts:
+                        vb = _INF
+                        for sbit, v in sopts:
+                            if new_props & sbit and v < vb:
+                                vb = v
+                        if vb == _INF:
+                            vb = sany
+                        h2 = acc[jstar] + vb
+                        if h2 > h:
+                            h = h2
+                    score = base + h
                 desc = f"{op.name}[{c.strategy.name}]" if record else ""
                 ms, real = None, ()
                 if self._mem is not None and score < best_cost - _EPS:
