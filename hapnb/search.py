@@ -282,9 +282,10 @@ class Search:
         self._load_of: dict[tuple[int, bool], tuple[Load, float]] = (
             {} if self.storage else self._terms_of.setdefault("plain loads", {})
         )  # a plain load's price does not depend on the ratios: shared per cluster
-        self._convs_of: dict[tuple[int, int], list[tuple[Conversion, float]]] = self._shared.setdefault(
-            "convs" if self.options["grouped"] else "convs_ungrouped", {}
+        self._convs_of: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
+            "convs", {}
         )
+        self._grouped = 0 if self.options["grouped"] else 1  # which list of _conversions' pair
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
         self._conv_t: dict[tuple[int, str], float] = self._shared.setdefault(
             "conv_t", {}
@@ -359,9 +360,12 @@ class Search:
             return self._mem.time(ld)
         return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
 
-    def _conversions(self, t: int, src_bit: int, f: Form, dst_bit: int) -> list[tuple[Conversion, float]]:
+    def _conversions(
+        self, t: int, src_bit: int, f: Form, dst_bit: int
+    ) -> tuple[list[tuple[Conversion, float]], list[tuple[Conversion, float]]]:
         """The collectives that turn tensor ``t`` from the form of ``src_bit`` into ``f`` (``dst_bit``), with
-        their times (a collective's time is shared by the tensors of one price class)."""
+        their times: all of them, and those without the grouped ones (option ``grouped=False``); a
+        collective's time is shared by the tensors of one price class."""
         cvs = self._cv_lists.get((src_bit, dst_bit))
         if cvs is None:
             _, src = self._forms_of_bit[src_bit]
@@ -370,15 +374,13 @@ class Search:
         pc = self._price_class[t]
         out = []
         for cv in cvs:
-            if not self.options["grouped"] and cv.name.startswith("grouped"):
-                continue
             v = self._conv_t.get((pc, cv.name))
             if v is None:
                 v = self._conv_t[(pc, cv.name)] = sum(
                     tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv)
                 )
             out.append((cv, v))
-        return out
+        return out, [x for x in out if not x[0].name.startswith("grouped")]
 
     def _sfb_time(self, op: int, c: _Compiled) -> float:
         """An SFB strategy's sync seconds (shared by the searches at these ratios)."""
@@ -525,10 +527,10 @@ class Search:
                 while have:
                     low = have & -have
                     have ^= low
-                    cvs = self._convs_of.get((low, bit))
-                    if cvs is None:
-                        cvs = self._convs_of[(low, bit)] = self._conversions(t, low, f, bit)
-                    for cv, ct in cvs:
+                    pair = self._convs_of.get((low, bit))
+                    if pair is None:
+                        pair = self._convs_of[(low, bit)] = self._conversions(t, low, f, bit)
+                    for cv, ct in pair[self._grouped]:
                         opts.append((cv, bit, tbit, 2, ct))
                 if not opts:
                     fail = f"no collective gives {g.tensors[t].name}:{f}"
