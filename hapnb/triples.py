@@ -243,13 +243,23 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
         from . import rules
 
         strategies = rules.strategies
+        signature = _op_signature  # the rules' answer depends only on it: one call per signature
+    else:
+        signature = _no_signature
     g = graph
     forms = [tuple(_valid_forms(t)) for t in g.tensors]
     classes = _DimClasses()
     per_op: list[tuple[Strategy, ...]] = []
+    answered: dict[Any, Sequence[Strategy]] = {}
     for op in g.ops:
         ok = []
-        for s in strategies(g, op):
+        key = signature(g, op)
+        found = answered.get(key) if key is not None else None
+        if found is None:
+            found = strategies(g, op)
+            if key is not None:
+                answered[key] = found
+        for s in found:
             pairs = [(t, f) for t, f in zip(op.inputs, s.inputs)] + [
                 (t, f) for t, f in zip(op.outputs, s.outputs)
             ]
@@ -280,6 +290,30 @@ def theory(graph: Graph, strategies: Callable[[Graph, Op], Sequence[Strategy]] |
         return _all_triples(g, per_op, forms)
 
     return Theory(g, _Triples(make), tuple(per_op), tuple(forms), units, _requires_grad(g))
+
+
+def _op_signature(g: Graph, op: Op) -> Any:
+    """What :func:`hapnb.rules.strategies` reads of an op (its target, family, flops, non-tensor arguments,
+    the shapes and dtypes of its tensors, which inputs are the same tensor, which results it keeps): ops
+    with equal signatures (a model's repeated layers) get equal strategies. None when an argument cannot
+    be hashed."""
+    ts = g.tensors
+    key = (
+        op.target, op.family, op.flops, op.args, op.kwargs, op.output_items,
+        tuple(op.inputs.index(t) for t in op.inputs),
+        tuple((ts[t].shape, ts[t].dtype) for t in op.inputs),
+        tuple((ts[t].shape, ts[t].dtype) for t in op.outputs),
+    )  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _no_signature(g: Graph, op: Op) -> Any:
+    """A caller's own strategies function may read anything: no sharing."""
+    return None
 
 
 def _all_triples(

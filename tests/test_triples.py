@@ -77,3 +77,27 @@ def test_filter_and_shard_lengths():
         f"Theory of mlp: {len(th)} triples ({kinds['collective']} collective, {kinds['compute']} compute, "
         f"{kinds['load']} load)"
     )
+
+
+def test_ops_with_one_signature_share_the_rules_answer_exactly():
+    """theory() asks the rules once per op signature (repeated layers): the strategies, forms and dim units
+    are those of asking for every op (a caller's own strategies function is asked for every op)."""
+    import pytest
+
+    from hapnb import rules
+    from hapnb.tracing import zoo_graph
+
+    for name in ("bert-moe", "vit", "gpt"):
+        g = zoo_graph(name, layers=3)[0]
+        asked: list[int] = []
+
+        def every_op(g, op, asked=asked):  # noqa: ANN001, ANN202 - the strategies callable
+            asked.append(op.id)
+            return rules.strategies(g, op)
+
+        shared, each = theory(g), theory(g, every_op)
+        assert asked == [op.id for op in g.ops]
+        assert shared.strategies == each.strategies, name
+        assert shared.forms == each.forms and shared.units == each.units, name
+    with pytest.raises(ValueError, match="no valid strategy"):
+        theory(g, lambda g, op: ())
