@@ -62,7 +62,7 @@ from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
 from .searchspec import PinError, normalize_ratios, resolve_pins
-from .searchtables import device_classes, entries_for, theory_tables
+from .searchtables import entries_for, ratio_classes, theory_tables
 from .spine import CONVERSIONS, spine_bound, spine_value
 from .triples import Theory
 from .triples import theory as build_theory
@@ -203,7 +203,7 @@ class Search:
         self.n = cluster.n
         #: devices whose computation is the same for every op (same speed, device model and ratios): the
         #: search keeps one per class in its per-device vectors (exact: they are equal within a class)
-        self._reps = device_classes(cm, self.ratios)
+        self._reps = ratio_classes(cm, self.ratios)
         self._compile()
         self._stats = _Stats()
         self._nodes: list[_Node] = []

@@ -25,7 +25,7 @@ from .forms import Form, Storage
 from .rules import Strategy
 from .triples import LOADABLE_ROLES, Theory
 
-__all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "device_classes"]
+__all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "ratio_classes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +190,7 @@ def _pins_ok(
     return True
 
 
-def device_classes(cm: CostModel, ratios: Sequence[Sequence[float]]) -> tuple[int, ...]:
+def ratio_classes(cm: CostModel, ratios: Sequence[Sequence[float]]) -> tuple[int, ...]:
     """The first device of each class of devices whose computation is equal for every op and strategy
     (the same flop/s, device model, GPUs per device, inner gradient sync and ratio in every segment), in
     device order. Their per-device computation is computed by the same expression from equal inputs, so a
@@ -200,7 +200,7 @@ def device_classes(cm: CostModel, ratios: Sequence[Sequence[float]]) -> tuple[in
     >>> from hapnb.tracing import zoo_graph
     >>> cm = CostModel(hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0]),
     ...                hapnb.Cluster.resolve("2xV100+2xP100"))
-    >>> device_classes(cm, ((0.3, 0.3, 0.2, 0.2),)), device_classes(cm, ((0.3, 0.3, 0.25, 0.15),))
+    >>> ratio_classes(cm, ((0.3, 0.3, 0.2, 0.2),)), ratio_classes(cm, ((0.3, 0.3, 0.25, 0.15),))
     ((0, 2), (0, 2, 3))
     """
     seen: dict[tuple[object, ...], int] = {}
