@@ -314,9 +314,11 @@ def balance(
     duplex: bool = False,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
-    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found)."""
+    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found). Identical devices
+    share one ratio (:func:`ratio_lp` ``symmetric``: the same optimum from an LP with a row per device kind,
+    not per device; without ratio pins, duplex or segments), so they get exactly equal ratios."""
     t0 = time.perf_counter()
-    sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex), ratio_pins)
+    sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex, symmetric=True), ratio_pins)
     return _result(cm, program, sol, duplex, t0)
 
 
