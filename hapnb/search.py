@@ -238,6 +238,7 @@ class Search:
             self._cv_lists: dict[tuple[int, int], tuple[Conversion, ...]] = {}
             if static is not None:
                 static["tables"] = (th, tables, self._cv_lists)
+        self._tables = tables
         self._price_class = tables.price_class
         self._bit = tables.bit
         self._tmask = tables.tmask

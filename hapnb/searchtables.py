@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .cost import Conversion, CostModel
 from .forms import Form, Storage
 from .rules import Strategy
+from .spine import spine_path
 from .triples import LOADABLE_ROLES, Theory
 
 __all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "ratio_classes"]
@@ -35,7 +36,8 @@ class Entry:
     form) inputs and ``need_bits`` their property bits; ``reshards`` the re-cuts of G inputs from another
     ratio segment; ``sfb_params`` an SFB strategy's parameters taken replicated (SFB replaces their gradient
     sync, so each must have one consumer and no storage pin); ``sfb_shared`` whether one of them has more
-    than one consumer (never allowed)."""
+    than one consumer (never allowed); ``in_forms`` / ``out_forms`` and ``spine_terms`` for the spine bound
+    (:mod:`hapnb.spine`)."""
 
     index: int
     strategy: Strategy
@@ -45,6 +47,9 @@ class Entry:
     reshards: tuple[Conversion, ...]
     sfb_params: tuple[int, ...]
     sfb_shared: bool
+    in_forms: tuple[int, ...]  # per input position, the index of its form in the tensor's forms
+    out_forms: tuple[int, ...]  # likewise per output
+    spine_terms: bool  # SFB, or an input that is a parameter with one consumer (the spine bound prices it)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,10 @@ class TheoryTables:
     computed); ``last_use``: per tensor, the last op reading it (-1: none); ``dies_at`` / ``dies_comm``: per
     op, the property bits / communication bits dropped after it; ``entries``: per op, every strategy
     compiled (:class:`Entry`), unfiltered; ``price_class``: per tensor, the class of tensors whose collectives
-    cost the same (same bytes, ratio segment and need of a gradient)."""
+    cost the same (same bytes, ratio segment and need of a gradient); ``bits_of``: per tensor, the bit of
+    each of its forms (in ``theory.forms`` order); ``forms_class``: per tensor, which distinct tuple of forms
+    it has; ``spine``: op -> (spine input, spine output) along the spine path (:func:`hapnb.spine.spine_path`);
+    ``single_param``: per tensor, whether it is a parameter with one consumer."""
 
     bit: Mapping[tuple[int, Form], int]
     forms_of_bit: Mapping[int, tuple[int, Form]]
@@ -67,6 +75,10 @@ class TheoryTables:
     dies_comm: tuple[int, ...]
     entries: tuple[tuple[Entry, ...], ...]
     price_class: tuple[int, ...]
+    bits_of: tuple[tuple[int, ...], ...]
+    forms_class: tuple[int, ...]
+    spine: Mapping[int, tuple[int, int]]
+    single_param: tuple[bool, ...]
 
 
 def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
@@ -101,6 +113,11 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
         for t in g.tensors
     )
     is_param = [t.role == "param" for t in g.tensors]
+    single_param = tuple(p and n_consumers[t] == 1 for t, p in enumerate(is_param))
+    index_of = [{f: k for k, f in enumerate(fs)} for fs in th.forms]
+    bits_of = tuple(tuple(bit[(t, f)] for f in fs) for t, fs in enumerate(th.forms))
+    distinct: dict[tuple[Form, ...], int] = {}
+    forms_class = tuple(distinct.setdefault(fs, len(distinct)) for fs in th.forms)
     entries = []
     for op, ss in zip(g.ops, th.strategies):
         row = []
@@ -132,12 +149,15 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
                     resh,
                     sfb_params,
                     any(n_consumers[t] > 1 for t in sfb_params),
+                    tuple(index_of[t][f] for t, f in zip(op.inputs, s.inputs)),
+                    tuple(index_of[t][f] for t, f in zip(op.outputs, s.outputs)),
+                    s.sfb or any(single_param[t] for t in op.inputs),
                 )
             )
         entries.append(tuple(row))
     return TheoryTables(
         bit, {b: p for p, b in bit.items()}, tuple(tmask), loadable, tuple(last_use), tuple(dies_at),
-        tuple(dies_comm), tuple(entries), price_class,
+        tuple(dies_comm), tuple(entries), price_class, bits_of, forms_class, spine_path(g), single_param,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from .cost import Conversion
 from .forms import Form
 from .triples import LOADABLE_ROLES
 
-__all__ = ["CONVERSIONS", "spine_bound", "spine_value"]
+__all__ = ["CONVERSIONS", "spine_bound", "spine_path", "spine_value"]
 
 #: Which collectives turn a form kind into another: (src kind, dst kind) -> names.
 CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -25,36 +25,17 @@ CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[int, float]]]]:
-    """Backward DP over a relaxed problem along one path (the spine) from an input to the loss.
-
-    Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
-    spine is free to take any form; computation is counted on one device, the one with the most
-    computation left (a stage's max over devices is at least any one device's time); stages merge freely; tokens
-    (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
-    parameters with one consumer. Along the spine the forms must match: converting the spine
-    tensor costs the cheapest collective between the two forms.
-
-    ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, property bits,
-    ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
-    weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per position, ``(property bit, bound)`` for each form of the live spine tensor
-    (``comm_only``: the communication alone, no computation).
-    """
-    g, th, cm = s.graph, s.theory, s.cost_model
-    n_ops = len(g.ops)
-    # weights on the device that has the most computation left even in the best case: any weights on
-    # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
-    inf = float("inf")
-    # the spine: from the loss backwards, through the largest activation input (then the deepest): the
-    # big activations are where unavoidable communication is (a MoE layer's expert path, [B, E, C, D],
-    # with its all-to-alls and expert weights, rather than its longer gating path on [B, S, E])
+def spine_path(g: Any) -> dict[int, tuple[int, int]]:
+    """The spine: from the loss backwards, through each op's largest activation input (then the deepest),
+    as op -> (spine input, spine output). The big activations are where unavoidable communication is (a
+    MoE layer's expert path, [B, E, C, D], with its all-to-alls and expert weights, rather than its longer
+    gating path on [B, S, E])."""
     depth = [0] * len(g.tensors)
     for op in g.ops:
         d = 1 + max((depth[t] for t in op.inputs), default=0)
         for t in op.outputs:
             depth[t] = d
-    spine_ops: dict[int, tuple[int, int]] = {}  # op -> (spine input, spine output)
+    out: dict[int, tuple[int, int]] = {}
     t = g.loss
     while g.tensors[t].producer is not None:
         op = g.ops[g.tensors[t].producer]
@@ -62,20 +43,49 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         if not acts:
             break
         src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x))
-        spine_ops[op.id] = (src, t)
+        out[op.id] = (src, t)
         t = src
-    n_cons = [len(set(x.consumers)) for x in g.tensors]
+    return out
 
-    # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar]
-    single = [x.role == "param" and n_cons[x.id] == 1 for x in g.tensors]
 
-    # a strategy's communication terms (its single-consumer parameters' loads, an SFB sync), in order; the
-    # searches at these ratios share them unless loads depend on the search (memory, storage pins)
+def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[int, float]]]]:
+    """Backward DP over a relaxed problem along one path (the spine, :func:`spine_path`) from an input to the
+    loss.
+
+    Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
+    spine is free to take any form; computation is counted on one device, the one with the most
+    computation left (a stage's max over devices is at least any one device's time); stages merge freely;
+    tokens (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
+    parameters with one consumer. Along the spine the forms must match: converting the spine
+    tensor costs the cheapest collective between the two forms.
+
+    ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, theory tables,
+    ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
+    weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per
+    position, ``(property bit, bound)`` for each form of the live spine tensor (``comm_only``: the
+    communication alone, no computation). Values are kept per form index (``theory.forms`` order).
+    """
+    g, th, cm, tb = s.graph, s.theory, s.cost_model, s._tables
+    n_ops = len(g.ops)
+    # weights on the device that has the most computation left even in the best case: any weights on
+    # the simplex give a valid bound, and this one is tight when that device is the bottleneck
+    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
+    inf = float("inf")
+    spine_ops = tb.spine
+    single = tb.single_param
+
+    # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar];
+    # its communication terms (its single-consumer parameters' loads, an SFB sync), in order; the searches
+    # at these ratios share them unless loads depend on the search (memory, storage pins)
     terms_of: dict[tuple[int, int], tuple[float, ...]] = (
         s._shared.setdefault("spine_terms", {}) if s._mem is None and not s.storage else {}
     )
+    entries = tb.entries
 
     def local(op_id: int, c: Any) -> float:
+        v = 0.0 if comm_only else c.comp[jstar]
+        if not entries[op_id][c.index].spine_terms:
+            return v
         key = (op_id, c.index)
         terms = terms_of.get(key)
         if terms is None:
@@ -88,57 +98,27 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
             if c.strategy.sfb:
                 terms += (s._sfb_time(op_id, c),)
             terms_of[key] = terms
-        v = 0.0 if comm_only else c.comp[jstar]
         for x in terms:
             v += x
         return v
 
     # a conversion's price depends on the tensor only through its price class (bytes, ratio segment, need
-    # of a gradient: hapnb.searchtables): the cheapest collective between two forms, per class; and per
-    # (class, the tensor's forms, the forms an op takes) which prices a row adds (the searches of one
-    # re-planning context at the same ratios share both: s._shared)
-    conv_cache: dict[tuple[Any, ...], float] = s._shared.setdefault("conv", {})
-    row_plans: dict[tuple[Any, ...], list[tuple[Form, tuple[float, ...]]]] = s._shared.setdefault(
-        "conv_rows", {}
-    )
-    price_class = s._price_class
+    # of a gradient: hapnb.searchtables): per (price class, the tensor's forms), the cheapest collective
+    # from each form to each (0 to itself; the searches at the same ratios share them: s._shared)
+    prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
 
-    def price(ti: int, a: Form, b: Form) -> float:
-        key = (price_class[ti], a, b)
-        x = conv_cache.get(key)
-        if x is None:
-            x = inf
-            for name in CONVERSIONS.get((a.kind, b.kind), ()):
-                cv = Conversion(ti, name, a, b)
-                x = min(x, sum(tm.time(s.ratios) for tm in cm.conversion_terms(cv)))
-            conv_cache[key] = x
-        return x
+    def price_matrix(ti: int) -> list[list[float]]:
+        key = (tb.price_class[ti], tb.forms_class[ti])
+        m = prices.get(key)
+        if m is None:
+            fs = th.forms[ti]
+            m = prices[key] = [[0.0 if a == b else _cheapest(s, cm, ti, a, b) for b in fs] for a in fs]
+        return m
 
-    def conv_row(ti: int, by_in: dict[Form, float]) -> dict[Form, float]:
-        """For each form of spine tensor ti: the cheapest conversion to a form in by_in plus its value."""
-        keys = tuple(by_in)
-        pk = (price_class[ti], th.forms[ti], keys)
-        plan = row_plans.get(pk)
-        if plan is None:
-            plan = row_plans[pk] = [
-                (a, tuple(0.0 if a == b else price(ti, a, b) for b in keys)) for a in th.forms[ti]
-            ]
-        vals = tuple(by_in.values())
-        row = {}
-        for a, xs in plan:
-            best = inf
-            for v, x in zip(vals, xs):
-                v += x
-                if v < best:
-                    best = v
-            row[a] = best
-        return row
-
-    # V[i]: form of the live spine tensor before op i -> lower bound of ops i.. end
-    spine_at: list[int | None] = [None] * (n_ops + 1)
-    V: list[dict[Form, float]] = [{} for _ in range(n_ops + 1)]
-    V[n_ops] = {f: 0.0 for f in th.forms[g.loss]}
-    spine_at[n_ops] = g.loss
+    # V[i]: per form (index) of the live spine tensor before op i, a lower bound of ops i.. end
+    spine_at: list[int] = [g.loss] * (n_ops + 1)
+    V: list[list[float]] = [[]] * (n_ops + 1)
+    V[n_ops] = [0.0] * len(th.forms[g.loss])
     cur = g.loss
     for i in range(n_ops - 1, -1, -1):
         comp = s._ops[i]
@@ -148,26 +128,41 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
             k_in = op.inputs.index(src)
             k_out = op.outputs.index(out)
             nxt = V[i + 1]
+            row_of = entries[i]
             # the best rest per form the op takes its spine input in, then the cheapest way there
-            by_in: dict[Form, float] = {}
+            by_in = [inf] * len(th.forms[src])
             for c in comp:
-                f_in = c.strategy.inputs[k_in]
-                v = local(i, c) + nxt.get(c.strategy.outputs[k_out], inf)
-                if v < by_in.get(f_in, inf):
-                    by_in[f_in] = v
-            V[i] = conv_row(src, by_in)
+                e = row_of[c.index]
+                v = local(i, c) + nxt[e.out_forms[k_out]]
+                a = e.in_forms[k_in]
+                if v < by_in[a]:
+                    by_in[a] = v
+            row = []
+            for xs in price_matrix(src):
+                best = inf
+                for v, x in zip(by_in, xs):
+                    v += x
+                    if v < best:
+                        best = v
+                row.append(best)
+            V[i] = row
             cur = src
         else:
             m = min(local(i, c) for c in comp)
-            V[i] = {f: v + m for f, v in V[i + 1].items()}
+            V[i] = [v + m for v in V[i + 1]]
         spine_at[i] = cur
-    spine_opts: list[list[tuple[int, float]]] = []
-    for i in range(n_ops + 1):
-        ti = spine_at[i]
-        opts = [(s._bit[(ti, f)], v) for f, v in V[i].items() if v < inf and (ti, f) in s._bit]
-        # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
-        spine_opts.append(opts)
+    spine_opts = [
+        [(b, v) for b, v in zip(tb.bits_of[spine_at[i]], V[i]) if v < inf] for i in range(n_ops + 1)
+    ]  # a not-yet-loaded spine input may take any form: handled by "no present form" in _h
     return jstar, spine_opts
+
+
+def _cheapest(s: Any, cm: Any, ti: int, a: Form, b: Form) -> float:
+    """Seconds of the cheapest collective turning tensor ``ti`` from form ``a`` into ``b`` (inf: none)."""
+    x = float("inf")
+    for name in CONVERSIONS.get((a.kind, b.kind), ()):
+        x = min(x, sum(tm.time(s.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b))))
+    return x
 
 
 def spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:
