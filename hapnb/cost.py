@@ -232,6 +232,17 @@ class Step:
     loads: tuple[Load, ...] = ()
     conversions: tuple[Conversion, ...] = ()
 
+    def __hash__(self) -> int:
+        # computed once per step: programs (tuples of hundreds of steps) key the memos of hapnb.optimize
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.op, self.strategy, self.loads, self.conversions))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process hashes again (str hashes are salted)
+        return (Step, (self.op, self.strategy, self.loads, self.conversions))
+
 
 @dataclass(frozen=True)
 class StageCost:
