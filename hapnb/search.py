@@ -71,6 +71,7 @@ __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "N
 
 _EPS = 1e-12
 _INF = float("inf")
+_PRESENT = [(None, 0, 0, 0, 0.0)]  # the option of a needed form that is present (nothing to add)
 
 
 class NoProgramError(RuntimeError):
@@ -498,14 +499,14 @@ class Search:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
             # seconds); kind 1: a load, 2: a conversion (0: the form is present)
             per_need: list[list[tuple[Any, int, int, int, float]]] = []
-            fail = ""
+            fail = 0  # why the strategy cannot run here: 1 loaded in another form, 2 communicated, 3 no collective
             for (t, f), bit in zip(c.needs, c.need_bits):
                 if props & bit:
-                    per_need.append([(None, 0, 0, 0, 0.0)])
+                    per_need.append(_PRESENT)
                     continue
                 if self._loadable[t]:
                     if props & self._tmask[t]:
-                        fail = f"{g.tensors[t].name} is already loaded in another form"
+                        fail = 1
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
                     if self._mem is None:
@@ -519,7 +520,7 @@ class Search:
                         per_need.append([(ld, bit, 0, 1, self._load_time(ld))])
                     continue
                 if comm >> t & 1:
-                    fail = f"{g.tensors[t].name} was already communicated once"
+                    fail = 2
                     self._stats.pruned_repeated_comm += 1
                     break
                 opts = []
@@ -534,12 +535,18 @@ class Search:
                     for cv, ct in pair[self._grouped]:
                         opts.append((cv, bit, tbit, 2, ct))
                 if not opts:
-                    fail = f"no collective gives {g.tensors[t].name}:{f}"
+                    fail = 3
                     break
                 per_need.append(opts)
             if fail:
                 if record:
-                    pruned.append((f"{op.name}[{c.strategy.name}]", fail))
+                    name = g.tensors[t].name
+                    why = (
+                        f"{name} is already loaded in another form" if fail == 1
+                        else f"{name} was already communicated once" if fail == 2
+                        else f"no collective gives {name}:{f}"
+                    )  # fmt: skip
+                    pruned.append((f"{op.name}[{c.strategy.name}]", why))
                 continue
             for combo in itertools.product(*per_need):
                 # one pass over the options: loads and conversions in order, new properties and tokens
