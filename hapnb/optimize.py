@@ -173,6 +173,12 @@ class Memo:
             raise value.error
         return value
 
+    def peek(self, kind: str, key: Any) -> Any:
+        """The value for ``key`` in table ``kind`` when one was made (None when not, or when its ``make()``
+        raised), without making it or counting a lookup."""
+        value = self.tables.get(kind, {}).get(key)
+        return None if isinstance(value, _Raised) else value
+
     def token(self, value: Any) -> int:
         """A small int standing for ``value`` (e.g. a cluster) in keys, hashed once per call instead of once
         per key; stable for the memo's life (the token table is never cleared)."""
