@@ -36,7 +36,8 @@ from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
 from .forms import Form, FullShard, G, I, parse_pin
 from .graph import Graph
-from .memory import overflow
+from .memory import MemoryLinear, memory_linear
+from .memory import fits as memory_fits
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
 from .triples import Theory
 
@@ -415,6 +416,7 @@ def optimize(
     mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
     fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
+    linear_memo: dict[tuple[int, int], tuple[Any, Any, MemoryLinear]] = {}
 
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
         if not memory:
@@ -424,7 +426,12 @@ def optimize(
         key = (id(prog), id(extra), id(ratios_))
         hit = fit_memo.get(key)
         if hit is None:
-            hit = fit_memo[key] = (prog, extra, ratios_, max(overflow(cm, prog, extra, ratios_)) <= 0)
+            # the program's memory as a linear function of the ratios, once per program: the checks at other
+            # ratios that its upper bound settles skip the breakdown
+            lin = linear_memo.get((id(prog), id(extra)))
+            if lin is None:
+                lin = linear_memo[(id(prog), id(extra))] = (prog, extra, memory_linear(cm, prog, extra))
+            hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin[2]))
         return hit[3]
 
     def run_search(
