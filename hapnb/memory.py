@@ -294,19 +294,23 @@ def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> li
     return out
 
 
-def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, Any]:
-    """Per device parts ``P, In, A, L, F, X`` (numpy rows) of ``pieces`` with ``local(piece) -> bytes per
-    device``."""
-    import numpy as np
-
-    parts = {k: np.zeros(n) for k in _PARTS}
+def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, list[float]]:
+    """Per device parts ``P, In, A, L, F, X`` (one float per device) of ``pieces`` with ``local(piece) ->
+    bytes per device``."""
+    parts = {k: [0.0] * n for k in _PARTS}
     for p in pieces:
-        v = p.scale * np.asarray(local(p), dtype=float)
+        sc = p.scale
+        v = local(p)
         if p.kind in ("output", "regather"):
             row = parts["L" if p.kind == "output" else "F"]
-            np.maximum(row, v, out=row)
+            for j in range(n):
+                x = sc * float(v[j])
+                if x > row[j]:
+                    row[j] = x
         else:
-            parts[_PART_OF[p.kind]] += v
+            row = parts[_PART_OF[p.kind]]
+            for j in range(n):
+                row[j] += sc * float(v[j])
     return parts
 
 

@@ -413,6 +413,7 @@ def iteration_time(plan: Plan, slowdown: float | None = None) -> float:
         gamma = tuple(gamma[j] for j in keep)
     sim = _Overlap(plan, c, costs, True, gamma)
     sim.n = len(keep)
+    sim.labels = False
     sim.build()
     return sim.loop()
 
@@ -617,6 +618,7 @@ class _Overlap:
         self.n = cluster.n
         self.tasks: list[_Task] = []
         self.queues: dict[tuple[Any, ...], list[int]] = {}
+        self.labels = True  # the compute tasks' labels (spans' ``what``); iteration_time needs none
 
     def add(
         self, stream: tuple[Any, ...], work: float, deps: list[int], i: int, phase: str, mb: int, what: str
@@ -687,7 +689,7 @@ class _Overlap:
                     )
             for mb in mbs:
                 deps = [cf[(p, mb)] for p in comm_of[s]] + ([cf[(s, mb)]] if (s, mb) in cf else [])
-                what = str(prog[s])
+                what = str(prog[s]) if self.labels else ""
                 fwd[(s, mb)] = [
                     self.add(
                         ("compute", j), k * FORWARD_FRACTION * costs.comp[s][j], deps, s, "forward", mb, what
@@ -705,7 +707,7 @@ class _Overlap:
                     t = self.add(("feature-comm",), feature(s, "backward_s"), nxt, s, "backward", mb, "sfb gathers")  # fmt: skip
                     block.setdefault((s, mb), []).append(t)
             for mb in mbs:
-                what = str(prog[s])
+                what = str(prog[s]) if self.labels else ""
                 deps = block.get((s, mb), [])
                 work = [k * (1 - FORWARD_FRACTION) * x for x in costs.comp[s]]
                 bwd[(s, mb)] = [

@@ -195,6 +195,13 @@ def _synthesize(
 
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
     ck = ctx.memo.token(c)
+    models: list[CostModel] = []
+
+    def cost_model() -> CostModel:
+        """One cost model (and its caches) for every candidate's bound and plan."""
+        if not models:
+            models.append(CostModel(th, c))
+        return models[0]
 
     def package(k: Candidate, stats: Mapping[str, Any], simulated_s: float | None = None) -> Plan:
         """The candidate as a Plan with its simulated time (memoised on everything the plan depends on)."""
@@ -212,6 +219,7 @@ def _synthesize(
                 stats=stats,
                 model=ctx.spec,
                 options={**options, "segments": a["segments"]},
+                cost_model=cost_model(),
             )
             if duplex:
                 plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
@@ -235,13 +243,9 @@ def _synthesize(
 
         return ctx.memo.get("simulate", sim_key(k), run), (made[0] if made else None)
 
-    models: list[CostModel] = []
-
     def lower_bound(k: Candidate) -> float:
         """A lower bound of the candidate's simulated time without packaging it."""
-        if not models:
-            models.append(CostModel(th, c))
-        return program_lower_bound(models[0], k.program, k.ratios, duplex)
+        return program_lower_bound(cost_model(), k.program, k.ratios, duplex)
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
@@ -278,7 +282,7 @@ def _synthesize(
             k.ratios, th.graph.tensors[th.graph.inputs[0]].shape[0] if th.graph.inputs else 0
         )
         if even != k.ratios and keeps_ratio_pins(even, best.ratio_pins, c.names):
-            cost = duplex_cost(CostModel(th, c), k.program, even)
+            cost = duplex_cost(cost_model(), k.program, even)
             chosen = package(dataclasses.replace(k, ratios=even, cost_s=cost), best.stats)
             stats["ratios_even_batch"] = True
     plan = dataclasses.replace(
