@@ -283,17 +283,22 @@ class CostModel:
         self._op_bytes: dict[int, tuple[float, int]] = {}
         self._bound: dict[int, bool] = {}
         self._lower_bound: float | None = None
+        self._rows: dict[tuple[int, Strategy], tuple[tuple[float, float] | None, ...]] = {}
 
     # ------------------------------------------------------------------ computation
     def comp(self, op: int, s: Strategy, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         r = ratios[self.graph.ops[op].segment]
+        row = self._rows.get((op, s))  # per device: (const, coef) of a device model, None if flops-only
+        if row is None:
+            row = self._rows[(op, s)] = tuple(
+                None if m is None else self.op_linear(op, s, j) for j, m in enumerate(self.models)
+            )
         out = []
-        for j in range(self.n):
-            if self.models[j] is None:
+        for j, lin in enumerate(row):
+            if lin is None:
                 out.append((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j])
             else:
-                const, coef = self.op_linear(op, s, j)
-                out.append(const + coef * r[j])
+                out.append(lin[0] + lin[1] * r[j])
         return tuple(out)
 
     def op_traffic(self, op: int) -> tuple[float, int]:

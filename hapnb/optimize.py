@@ -416,7 +416,7 @@ def optimize(
     mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
     fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
-    linear_memo: dict[tuple[int, int], tuple[Any, Any, MemoryLinear]] = {}
+    linear_memo: dict[tuple[Any, Any], MemoryLinear] = {}
 
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
         if not memory:
@@ -426,12 +426,14 @@ def optimize(
         key = (id(prog), id(extra), id(ratios_))
         hit = fit_memo.get(key)
         if hit is None:
-            # the program's memory as a linear function of the ratios, once per program: the checks at other
-            # ratios that its upper bound settles skip the breakdown
-            lin = linear_memo.get((id(prog), id(extra)))
+            # the program's memory as a linear function of the ratios, once per program (by value: rounds
+            # find the same program again): the checks at other ratios that its upper bound settles skip the
+            # breakdown
+            pk = (tuple(prog), tuple(extra))
+            lin = linear_memo.get(pk)
             if lin is None:
-                lin = linear_memo[(id(prog), id(extra))] = (prog, extra, memory_linear(cm, prog, extra))
-            hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin[2]))
+                lin = linear_memo[pk] = memory_linear(cm, prog, extra)
+            hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin))
         return hit[3]
 
     def run_search(

@@ -457,11 +457,13 @@ def iteration_lower_bound(
     k, mbs = (0.5, 2) if duplex else (1.0, 1)
     fwd = [0.0] * cluster.n
     work = [max(0.0, x) for x in optimizer] or [0.0] * cluster.n
-    for row in comp:
-        for j, x in enumerate(row):  # the simulator's forward and backward task of each micro-batch
-            f = mbs * max(0.0, k * FORWARD_FRACTION * x)
-            fwd[j] += f
-            work[j] += f + mbs * max(0.0, k * (1 - FORWARD_FRACTION) * x)
+    for j, col in enumerate(zip(*comp)):  # the simulator's forward and backward task of each micro-batch
+        if min(col) >= 0:
+            fwd[j] = mbs * k * FORWARD_FRACTION * sum(col)
+            work[j] += mbs * k * sum(col)
+        else:
+            fwd[j] = sum(mbs * max(0.0, k * FORWARD_FRACTION * x) for x in col)
+            work[j] += fwd[j] + sum(mbs * max(0.0, k * (1 - FORWARD_FRACTION) * x) for x in col)
     f_fwd = sum(mbs * max(0.0, k * f) for f, _ in feature)
     f_bwd = sum(mbs * max(0.0, k * b) for _, b in feature)
     ar = cluster.collective("all_reduce")
