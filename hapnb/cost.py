@@ -255,6 +255,7 @@ class CostModel:
     """Per-device computation vectors and communication terms for one theory on one cluster."""
 
     def __init__(self, th: Theory, cluster: Cluster) -> None:
+        self._lower_bound: float | None = None  # lower_bound(), once
         self.theory = th
         self.graph = g = th.graph
         self.cluster = cluster
@@ -282,23 +283,17 @@ class CostModel:
         self._lin: dict[tuple[int, Strategy, int], tuple[float, float]] = {}
         self._op_bytes: dict[int, tuple[float, int]] = {}
         self._bound: dict[int, bool] = {}
-        self._lower_bound: float | None = None
-        self._rows: dict[tuple[int, Strategy], tuple[tuple[float, float] | None, ...]] = {}
 
     # ------------------------------------------------------------------ computation
     def comp(self, op: int, s: Strategy, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         r = ratios[self.graph.ops[op].segment]
-        row = self._rows.get((op, s))  # per device: (const, coef) of a device model, None if flops-only
-        if row is None:
-            row = self._rows[(op, s)] = tuple(
-                None if m is None else self.op_linear(op, s, j) for j, m in enumerate(self.models)
-            )
         out = []
-        for j, lin in enumerate(row):
-            if lin is None:
+        for j in range(self.n):
+            if self.models[j] is None:
                 out.append((s.scaled_flops * r[j] + s.fixed_flops) / self.flops[j])
             else:
-                out.append(lin[0] + lin[1] * r[j])
+                const, coef = self.op_linear(op, s, j)
+                out.append(const + coef * r[j])
         return tuple(out)
 
     def op_traffic(self, op: int) -> tuple[float, int]:
