@@ -662,8 +662,13 @@ class _Overlap:
                 for t, _ in ins.outputs:
                     defined[t] = i
 
+        feat: dict[tuple[int, str], float] = {}
+
         def feature(i: int, part: str) -> float:
-            return k * sum(getattr(c, part) for c in costs.comm[i] if not c.gradient)
+            hit = feat.get((i, part))
+            if hit is None:
+                hit = feat[(i, part)] = k * sum(getattr(c, part) for c in costs.comm[i] if not c.gradient)
+            return hit
 
         fwd: dict[tuple[int, int], list[int]] = {}  # (step, mb) -> its forward task per device
         bwd: dict[tuple[int, int], list[int]] = {}
@@ -679,13 +684,14 @@ class _Overlap:
                 return list(fwd[(i, mb)])
             return [cf[(i, mb)]] if (i, mb) in cf else []
 
+        before: int | None = None  # the step before s
         for s in steps:
             for mb in mbs:
                 for p in comm_of[s]:
                     deps = produced(producer[p], mb) if p in producer else []
                     cf[(p, mb)] = self.add(("feature-comm",), feature(p, "forward_s"), deps, p, "forward", mb, prog[p].name + " " + prog[p].tensor)  # fmt: skip
                 if feature(s, "forward_s") > 0:  # an SFB step's forward part (the cost model has none)
-                    prev = [t for q in steps if q < s for t in fwd.get((q, mb), [])][-n:]
+                    prev = list(fwd[(before, mb)]) if before is not None else []  # the last step's forwards
                     cf[(s, mb)] = self.add(
                         ("feature-comm",), feature(s, "forward_s"), prev, s, "forward", mb, "sfb"
                     )
@@ -698,6 +704,7 @@ class _Overlap:
                     )
                     for j in range(n)
                 ]
+            before = s
         # backward: reverse order; SFB gathers before the step's backward, collectives after it
         cb: dict[tuple[int, int], int] = {}
         block: dict[tuple[int, int], list[int]] = {}  # (instruction, mb) -> tasks its backward waits for
@@ -743,8 +750,17 @@ class _Overlap:
         busy: dict[tuple[Any, ...], int] = {}
         finished = 0
         t = 0.0
-        for x in tasks:
+        waiting = [len(x.deps) for x in tasks]  # per task: its dependencies not finished yet
+        dependents: list[list[int]] = [[] for _ in tasks]
+        for i, x in enumerate(tasks):
             x.left = x.work
+            for d in x.deps:
+                dependents[d].append(i)
+
+        def done(i: int) -> None:
+            for k in dependents[i]:
+                waiting[k] -= 1
+
         while finished < len(tasks):
             progressed = True
             while progressed:  # start every task that can start now (zero-work tasks finish at once)
@@ -752,16 +768,18 @@ class _Overlap:
                 for s, q in self.queues.items():
                     if s in busy or heads[s] >= len(q):
                         continue
-                    x = tasks[q[heads[s]]]
-                    if all(tasks[d].end >= 0 for d in x.deps):
+                    i = q[heads[s]]
+                    if not waiting[i]:
+                        x = tasks[i]
                         x.start = t
                         heads[s] += 1
                         progressed = True
                         if x.left <= 0:
                             x.end = t
                             finished += 1
+                            done(i)
                         else:
-                            busy[s] = q[heads[s] - 1]
+                            busy[s] = i
             if not busy:
                 if finished < len(tasks):
                     raise RuntimeError("simulation deadlocked (a dependency cycle in the task graph)")
@@ -782,6 +800,7 @@ class _Overlap:
                     x.left = 0.0
                     x.end = t
                     finished += 1
+                    done(i)
                     del busy[s]
                 else:
                     x.left -= rates[i] * dt
