@@ -111,8 +111,10 @@ def synthesize(
     ``pick``: ``"simulated"`` (default): the loop's candidates (the :data:`FINAL_CANDIDATES` cheapest
     programs it balanced, and each baseline's program at the baseline's own ratios) are simulated with
     overlap (:func:`hapnb.simulate`) and the fastest is the plan, so its ``simulated_s`` is never above a
-    baseline's; ``"cost"``: the loop's optimum under the stage model (or duplex) cost, as HAP picks it (the
-    paper comparisons). Either way ``plan.cost_s`` is the stage-model (or duplex) cost and
+    baseline's (a candidate whose lower bound, :func:`hapnb.simulation.iteration_lower_bound`, is above the
+    fastest time simulated so far cannot win and is not simulated: ``stats["candidates_bounded"]``);
+    ``"cost"``: the loop's optimum under the stage model (or duplex) cost, as HAP picks it (the paper
+    comparisons). Either way ``plan.cost_s`` is the stage-model (or duplex) cost and
     ``plan.simulated_s`` the simulated time; ``stats["chosen"]`` says where the program came from.
     """
     if pick not in ("simulated", "cost"):
