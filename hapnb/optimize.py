@@ -174,6 +174,11 @@ class Memo:
             raise value.error
         return value
 
+    def cost_model(self, th: Theory, cluster: Cluster) -> CostModel:
+        """The :class:`~hapnb.cost.CostModel` of ``th`` on ``cluster``, kept for reuse (its caches: each op's
+        times, the lower bound) by the Q/B loop and the plans packaged from it."""
+        return self.get("cost_model", (self.token(cluster), id(th)), lambda: CostModel(th, cluster))
+
     def peek(self, kind: str, key: Any) -> Any:
         """The value for ``key`` in table ``kind`` when one was made (None when not, or when its ``make()``
         raised), without making it or counting a lookup."""
@@ -383,7 +388,7 @@ def optimize(
     """
     c = cluster
     ck = None if memo is None else memo.token(c)  # the cluster in memo keys
-    cm = CostModel(th, c)
+    cm = CostModel(th, c) if memo is None else memo.cost_model(th, c)
     form_pins = dict(pins or {})
     fixed: tuple[tuple[float, ...], ...] | None = None
     ratio_pins: tuple[RatioPin, ...] = ()

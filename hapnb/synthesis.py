@@ -197,13 +197,9 @@ def _synthesize(
 
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
     ck = ctx.memo.token(c)
-    models: list[CostModel] = []
-
     def cost_model() -> CostModel:
-        """One cost model (and its caches) for every candidate's bound and plan."""
-        if not models:
-            models.append(CostModel(th, c))
-        return models[0]
+        """One cost model (and its caches) for the Q/B loop and every candidate's bound and plan."""
+        return ctx.memo.cost_model(th, c)
 
     def package(k: Candidate, stats: Mapping[str, Any], simulated_s: float | None = None) -> Plan:
         """The candidate as a Plan with its simulated time (memoised on everything the plan depends on)."""
