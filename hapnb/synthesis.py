@@ -197,6 +197,7 @@ def _synthesize(
 
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
     ck = ctx.memo.token(c)
+
     def cost_model() -> CostModel:
         """One cost model (and its caches) for the Q/B loop and every candidate's bound and plan."""
         return ctx.memo.cost_model(th, c)
