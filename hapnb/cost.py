@@ -266,6 +266,7 @@ class CostModel:
     """Per-device computation vectors and communication terms for one theory on one cluster."""
 
     def __init__(self, th: Theory, cluster: Cluster) -> None:
+        self._lower_bound: float | None = None  # lower_bound(), once
         self.theory = th
         self.graph = g = th.graph
         self.cluster = cluster
@@ -425,6 +426,11 @@ class CostModel:
     def lower_bound(self) -> float:
         """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
         a device model counts its peak per GPU (no efficiency reaches more; overheads left out)."""
+        if self._lower_bound is None:
+            self._lower_bound = self._flops_bound()
+        return self._lower_bound
+
+    def _flops_bound(self) -> float:
         total = 0.0
         modelled = any(m is not None for m in self.models)  # then the gradients autograd skips are skipped
         for op, ss in zip(self.graph.ops, self.theory.strategies):
@@ -641,36 +647,46 @@ class CostModel:
         program: Sequence[Step],
         ratios: Sequence[Sequence[float]] | None = None,
         terms_of: Callable[[Step], Sequence[Term]] | None = None,
+        terms: Sequence[Sequence[Term]] | None = None,
     ) -> list[list[int]]:
         """Group step indices into stages: a step that communicates starts a new stage. A reshard moves
         data only where the segments' ratios differ: with ``ratios`` it counts when it moves data, without
         (the LP's view) it never starts a stage. ``terms_of``: which of a step's terms count (default all,
-        :meth:`step_terms`; the duplex model counts its feature terms only)."""
+        :meth:`step_terms`; the duplex model counts its feature terms only); ``terms``: those terms
+        already computed, one entry per step."""
         out: list[list[int]] = []
         for i, st in enumerate(program):
-            terms = (terms_of or self.step_terms)(st)
+            tms = terms[i] if terms is not None else (terms_of or self.step_terms)(st)
             if ratios is None:
-                comm = any(tm.segment2 < 0 for tm in terms)
+                comm = any(tm.segment2 < 0 for tm in tms)
             else:
-                comm = any(tm.time(ratios) > 0 for tm in terms)
+                comm = any(tm.time(ratios) > 0 for tm in tms)
             if not out or comm:
                 out.append([i])
             else:
                 out[-1].append(i)
         return out
 
-    def evaluate(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> Evaluation:
+    def evaluate(
+        self,
+        program: Sequence[Step],
+        ratios: Sequence[Sequence[float]],
+        terms: Sequence[Sequence[Term]] | None = None,
+        comps: Sequence[Sequence[float]] | None = None,
+    ) -> Evaluation:
         """Iteration time: stages of communication + the slowest device's computation; the optimizer
-        step of device-model devices is charged to the last stage."""
+        step of device-model devices is charged to the last stage. ``terms`` / ``comps``: each step's
+        :meth:`step_terms` / :meth:`step_comp` at ``ratios`` when the caller has them already."""
         stages = []
         total = 0.0
-        groups = self.stages(program, ratios)
+        terms = [self.step_terms(st) for st in program] if terms is None else terms
+        groups = self.stages(program, ratios, terms=terms)
         opt = self.optimizer_comp(program, ratios) if any(self.models) else (0.0,) * self.n
         for k, idx in enumerate(groups):
-            comm = sum(tm.time(ratios) for tm in self.step_terms(program[idx[0]]))
+            comm = sum(tm.time(ratios) for tm in terms[idx[0]])
             comp = [0.0] * self.n
             for i in idx:
-                for j, x in enumerate(self.step_comp(program[i], ratios)):
+                for j, x in enumerate(self.step_comp(program[i], ratios) if comps is None else comps[i]):
                     comp[j] += x
             if k == len(groups) - 1:
                 comp = [c + x for c, x in zip(comp, opt)]

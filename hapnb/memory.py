@@ -67,6 +67,7 @@ __all__ = [
     "peak_raw",
     "largest_pieces",
     "overflow",
+    "fits",
     "lean_linear",
 ]
 
@@ -142,6 +143,9 @@ class MemoryLinear:
     L_const: float
     L_coef: dict[int, float] = field(default_factory=dict)
     F: float = 0.0
+    #: per part ("P", "In", "A", "X": summed; "L": the largest): the most the integer shard lengths can add
+    #: to the continuous shares (a G-form tensor's shard is at most one length unit longer than its share)
+    slack: Mapping[str, float] = field(default_factory=dict)
 
     def parts(self, r: Sequence[Sequence[float]], j: int) -> dict[str, float]:
         """The parts on device j at ratios ``r`` (continuous shares; for checks and tests)."""
@@ -151,6 +155,26 @@ class MemoryLinear:
 
         L = max([self.L_const] + [c * r[s][j] for s, c in self.L_coef.items()])
         return {"P": val(self.P), "In": val(self.In), "A": val(self.A), "X": val(self.X), "L": L, "F": self.F}
+
+    def upper(self, ratios: Sequence[Sequence[float]], j: int, model: Any = None, gpus: int = 1) -> float:
+        """An upper bound of the predicted peak bytes per GPU (:func:`memory_breakdown`'s sum) on device j at
+        ``ratios``: the parts at the shares :func:`hapnb.forms.shard_lengths` cuts (each row normalised)
+        plus the :attr:`slack`, with the device model's overhead (``model``; ``gpus``: a virtual device's
+        GPUs); infinite when a row cannot be cut."""
+        rows = []
+        for row in ratios:
+            total = float(sum(row))
+            if not total > 0 or min(row) < 0:
+                return float("inf")
+            rows.append([x / total for x in row])
+        v = self.parts(rows, j)
+        up = {k: x * (1 + 1e-9) + self.slack.get(k, 0.0) * (1 + 1e-6) for k, x in v.items()}
+        raw = peak_raw(**up)
+        over = model.memory_overhead if model is not None else 0.0
+        if over < -1.0:
+            return float("inf")
+        const = model.memory_const_bytes * gpus if model is not None else 0.0
+        return (raw * (1.0 + over) + const) / gpus * (1 + 1e-9) + 1.0
 
 
 def peak_raw(P: float, In: float, A: float, L: float, F: float, X: float) -> float:
@@ -270,19 +294,23 @@ def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> li
     return out
 
 
-def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, Any]:
-    """Per device parts ``P, In, A, L, F, X`` (numpy rows) of ``pieces`` with ``local(piece) -> bytes per
-    device``."""
-    import numpy as np
-
-    parts = {k: np.zeros(n) for k in _PARTS}
+def _fold(pieces: Sequence[Piece], local: Any, n: int) -> dict[str, list[float]]:
+    """Per device parts ``P, In, A, L, F, X`` (one float per device) of ``pieces`` with ``local(piece) ->
+    bytes per device``."""
+    parts = {k: [0.0] * n for k in _PARTS}
     for p in pieces:
-        v = p.scale * np.asarray(local(p), dtype=float)
+        sc = p.scale
+        v = local(p)
         if p.kind in ("output", "regather"):
             row = parts["L" if p.kind == "output" else "F"]
-            np.maximum(row, v, out=row)
+            for j in range(n):
+                x = sc * float(v[j])
+                if x > row[j]:
+                    row[j] = x
         else:
-            parts[_PART_OF[p.kind]] += v
+            row = parts[_PART_OF[p.kind]]
+            for j in range(n):
+                row[j] += sc * float(v[j])
     return parts
 
 
@@ -325,9 +353,16 @@ def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> Memo
     g = cm.graph
     acc: dict[str, list[Any]] = {k: [0.0, {}] for k in ("P", "In", "A", "X")}
     L_const, L_coef, F = 0.0, {}, 0.0
+    units = cm.theory.units
+    slack = dict.fromkeys(("P", "In", "A", "X", "L"), 0.0)
     for p in _program_pieces(cm, program, extra):
         t = g.tensors[p.tensor]
         nbytes = float(t.nbytes) * p.scale
+        if p.form.kind == "G" and t.shape and p.kind != "regather":  # a shard: up to one unit over its share
+            size = t.shape[p.form.dim]
+            over = nbytes / size * units.get((p.tensor, p.form.dim), (1, size))[0]
+            key = "L" if p.kind == "output" else _PART_OF[p.kind]
+            slack[key] = max(slack[key], over) if key == "L" else slack[key] + over
         if p.kind == "output":
             if p.form.kind == "G" and t.shape:
                 seg = cm.segment_of[p.tensor] if p.segment < 0 else p.segment
@@ -343,6 +378,7 @@ def memory_linear(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> Memo
         L_const=L_const,
         L_coef=L_coef,
         F=F,
+        slack=slack,
     )
 
 
@@ -382,6 +418,24 @@ def overflow(
     """Bytes per device by which ``program``'s predicted peak exceeds the device's memory (<= 0: fits)."""
     peak = cm.memory(program, extra, ratios)
     return [m - d.memory_bytes // d.gpus for m, d in zip(peak, cm.cluster.devices)]
+
+
+def fits(
+    cm: Any,
+    program: Sequence[Any],
+    extra: Sequence[Any],
+    ratios: Sequence[Sequence[float]],
+    linear: MemoryLinear | None = None,
+) -> bool:
+    """Whether ``program``'s predicted peak fits every device's memory (``max(overflow(...)) <= 0``).
+    ``linear``: the program's :func:`memory_linear` (made once per program, for checks at several ratios):
+    when its upper bound (:meth:`MemoryLinear.upper`) fits every device, the breakdown is not computed."""
+    if linear is not None and all(
+        linear.upper(ratios, j, d.model, k) <= d.memory_bytes // d.gpus
+        for j, (d, k) in enumerate(zip(cm.cluster.devices, cm.gpus))
+    ):
+        return True
+    return max(overflow(cm, program, extra, ratios)) <= 0
 
 
 def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:

@@ -36,7 +36,8 @@ from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
 from .forms import Form, FullShard, G, I, parse_pin
 from .graph import Graph
-from .memory import overflow
+from .memory import MemoryLinear, memory_linear
+from .memory import fits as memory_fits
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
 from .triples import Theory
 
@@ -172,6 +173,17 @@ class Memo:
         if isinstance(value, _Raised):
             raise value.error
         return value
+
+    def cost_model(self, th: Theory, cluster: Cluster) -> CostModel:
+        """The :class:`~hapnb.cost.CostModel` of ``th`` on ``cluster``, kept for reuse (its caches: each op's
+        times, the lower bound) by the Q/B loop and the plans packaged from it."""
+        return self.get("cost_model", (self.token(cluster), id(th)), lambda: CostModel(th, cluster))
+
+    def peek(self, kind: str, key: Any) -> Any:
+        """The value for ``key`` in table ``kind`` when one was made (None when not, or when its ``make()``
+        raised), without making it or counting a lookup."""
+        value = self.tables.get(kind, {}).get(key)
+        return None if isinstance(value, _Raised) else value
 
     def token(self, value: Any) -> int:
         """A small int standing for ``value`` (e.g. a cluster) in keys, hashed once per call instead of once
@@ -376,7 +388,7 @@ def optimize(
     """
     c = cluster
     ck = None if memo is None else memo.token(c)  # the cluster in memo keys
-    cm = CostModel(th, c)
+    cm = CostModel(th, c) if memo is None else memo.cost_model(th, c)
     form_pins = dict(pins or {})
     fixed: tuple[tuple[float, ...], ...] | None = None
     ratio_pins: tuple[RatioPin, ...] = ()
@@ -409,6 +421,7 @@ def optimize(
     mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
     fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
+    linear_memo: dict[tuple[Any, Any], MemoryLinear] = {}
 
     def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
         if not memory:
@@ -418,7 +431,14 @@ def optimize(
         key = (id(prog), id(extra), id(ratios_))
         hit = fit_memo.get(key)
         if hit is None:
-            hit = fit_memo[key] = (prog, extra, ratios_, max(overflow(cm, prog, extra, ratios_)) <= 0)
+            # the program's memory as a linear function of the ratios, once per program (by value: rounds
+            # find the same program again): the checks at other ratios that its upper bound settles skip the
+            # breakdown
+            pk = (tuple(prog), tuple(extra))
+            lin = linear_memo.get(pk)
+            if lin is None:
+                lin = linear_memo[pk] = memory_linear(cm, prog, extra)
+            hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin))
         return hit[3]
 
     def run_search(

@@ -600,11 +600,26 @@ def make_plan(
     model: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
     synthesis_s: float = 0.0,
+    cost_model: CostModel | None = None,
 ) -> Plan:
-    """Turn a searched program and its ratios into a :class:`Plan` (instructions, lengths, stages)."""
+    """Turn a searched program and its ratios into a :class:`Plan` (instructions, lengths, stages).
+    ``cost_model``: a :class:`~hapnb.cost.CostModel` of ``th`` on ``cluster`` to reuse (its caches), e.g.
+    when packaging several programs."""
     g = th.graph
-    cm = CostModel(th, cluster)
-    ev = cm.evaluate(program, ratios)
+    if cost_model is not None and (cost_model.theory is not th or cost_model.cluster != cluster):
+        raise ValueError("make_plan: cost_model must be a CostModel of the same theory and cluster")
+    cm = cost_model if cost_model is not None else CostModel(th, cluster)
+    # each load's, conversion's and SFB step's terms and each step's computation, computed once: the
+    # evaluation (stages, cost) and the instructions (their priced terms) both use them
+    load_terms = [[cm.load_terms(ld) for ld in st.loads] for st in program]
+    conv_terms = [[cm.conversion_terms(cv) for cv in st.conversions] for st in program]
+    sfb_terms = [cm.sfb_terms(st) for st in program]
+    step_terms = [
+        () if cm.n == 1 else tuple(tm for ts in (*lt, *ct, sf) for tm in ts)
+        for lt, ct, sf in zip(load_terms, conv_terms, sfb_terms)
+    ]
+    comps = [cm.step_comp(st, ratios) for st in program]
+    ev = cm.evaluate(program, ratios, terms=step_terms, comps=comps)
     stage_of_step = {}
     for sc in ev.stages:
         for i in sc.steps:
@@ -636,7 +651,7 @@ def make_plan(
     for k, st in enumerate(program):
         stage = stage_of_step[k]
         op = g.ops[st.op]
-        for ld in st.loads:
+        for ld, lterms in zip(st.loads, load_terms[k]):
             emit(
                 Instruction(
                     "load",
@@ -645,15 +660,15 @@ def make_plan(
                     tensor=name(ld.tensor),
                     src=str(ld.storage) if ld.zero > 0 else "",
                     form=str(ld.form),
-                    comm=priced(cm.load_terms(ld), g.tensors[ld.tensor].nbytes),
+                    comm=priced(lterms, g.tensors[ld.tensor].nbytes),
                 )
             )
             if ld.storage.kind == "G":
                 used.add((ld.tensor, ld.storage.dim))
-            for tm in cm.load_terms(ld):
+            for tm in lterms:
                 stage_comm.setdefault(stage, []).append(tm.what)
         resharded = {}
-        for cv in st.conversions:
+        for cv, cterms in zip(st.conversions, conv_terms[k]):
             if cv.name == "reshard":
                 dst = f"{cv.dst}@{cv.segment}"
                 resharded[cv.tensor] = dst
@@ -666,7 +681,7 @@ def make_plan(
                         src=str(cv.src),
                         form=dst,
                         lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
-                        comm=priced(cm.conversion_terms(cv)),
+                        comm=priced(cterms),
                     )
                 )
             else:
@@ -678,15 +693,15 @@ def make_plan(
                         tensor=name(cv.tensor),
                         src=str(cv.src),
                         form=str(cv.dst),
-                        comm=priced(cm.conversion_terms(cv)),
+                        comm=priced(cterms),
                     )
                 )
             for f in (cv.src, cv.dst):
                 if f.kind == "G":
                     used.add((cv.tensor, f.dim))
-            for tm in cm.conversion_terms(cv):
+            for tm in cterms:
                 stage_comm.setdefault(stage, []).append(tm.what)
-        for tm in cm.sfb_terms(st):
+        for tm in sfb_terms[k]:
             stage_comm.setdefault(stage, []).append(tm.what)
         s = st.strategy
         for t, f in list(zip(op.inputs, s.inputs)) + list(zip(op.outputs, s.outputs)):
@@ -704,8 +719,8 @@ def make_plan(
                     for t, f in zip(op.inputs, s.inputs)
                 ),
                 outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
-                comp_s=tuple(float(x) for x in cm.step_comp(st, ratios)),
-                comm=priced(cm.sfb_terms(st)),
+                comp_s=tuple(float(x) for x in comps[k]),
+                comm=priced(sfb_terms[k]),
             )
         )
     last_stage = ev.stages[-1].index if ev.stages else 0

@@ -59,6 +59,8 @@ __all__ = [
     "Span",
     "Segment",
     "iteration_time",
+    "iteration_lower_bound",
+    "plan_lower_bound",
     "Timeline",
     "simulate",
     "STREAMS",
@@ -411,8 +413,89 @@ def iteration_time(plan: Plan, slowdown: float | None = None) -> float:
         gamma = tuple(gamma[j] for j in keep)
     sim = _Overlap(plan, c, costs, True, gamma)
     sim.n = len(keep)
+    sim.labels = False
     sim.build()
     return sim.loop()
+
+
+def iteration_lower_bound(
+    comp: Sequence[Sequence[float]],
+    feature: Sequence[tuple[float, float]],
+    gradient_bytes: Sequence[int],
+    optimizer: Sequence[float],
+    cluster: Cluster,
+    duplex: bool = False,
+) -> float:
+    """A lower bound of :func:`iteration_time` of a plan on its own ``cluster``, from its costs alone:
+    ``comp`` the per-device seconds of each compute instruction (``Instruction.comp_s``), ``feature`` each
+    instruction's feature communication (forward, backward seconds: the sums of its non-gradient
+    ``CommCost`` parts), ``gradient_bytes`` the bytes of each gradient all-reduce in program order and
+    ``optimizer`` the optimizer step per device (``plan.optimizer_s``). :func:`hapnb.synthesize` skips the
+    candidates whose bound is above the fastest simulated one (:func:`plan_lower_bound`: a plan's).
+
+    Why it holds (the overlap simulation with bandwidth sharing, :func:`iteration_time`): the collectives
+    together progress at a rate of at most 1, so they take at least their total work ``C`` (feature parts
+    and the gradient buckets); a device's compute tasks run one at a time at a rate of at most 1, and at
+    ``1 / (1 + γ)`` while a collective runs, so the iteration lasts at least its compute work
+    ``W + C γ / (1 + γ)``; a device runs every forward before any backward, and every backward collective
+    and gradient bucket waits for backwards on every device, so they all start after the slowest device's
+    forward work ``S``: the iteration lasts at least ``S`` + the backward communication, and ``S`` + the
+    gradient buckets + the optimizer step (which waits for the last bucket). A duplex plan's two
+    micro-batches each carry half of every step's computation and feature communication. 0 when a γ is
+    negative (a rate above 1 would break the bound).
+
+    >>> from hapnb.cluster import Cluster
+    >>> c = Cluster.resolve("2xV100")
+    >>> round(iteration_lower_bound([(3e-3, 6e-3), (1e-3, 2e-3)], [], [], (0.0, 1e-3), c), 9)  # compute
+    0.009
+    >>> round(iteration_lower_bound([(3e-3, 3e-3)], [(0.0, 5e-3)], [], (0.0, 0.0), c), 9)  # fwd, then comm
+    0.006
+    """
+    gamma = _slowdowns(cluster, None)
+    if any(g < 0 for g in gamma):
+        return 0.0
+    k, mbs = (0.5, 2) if duplex else (1.0, 1)
+    fwd = [0.0] * cluster.n
+    work = [max(0.0, x) for x in optimizer] or [0.0] * cluster.n
+    for j, col in enumerate(zip(*comp)):  # the simulator's forward and backward task of each micro-batch
+        if min(col) >= 0:
+            fwd[j] = mbs * k * FORWARD_FRACTION * sum(col)
+            work[j] += mbs * k * sum(col)
+        else:
+            fwd[j] = sum(mbs * max(0.0, k * FORWARD_FRACTION * x) for x in col)
+            work[j] += fwd[j] + sum(mbs * max(0.0, k * (1 - FORWARD_FRACTION) * x) for x in col)
+    f_fwd = sum(mbs * max(0.0, k * f) for f, _ in feature)
+    f_bwd = sum(mbs * max(0.0, k * b) for _, b in feature)
+    ar = cluster.collective("all_reduce")
+    ready = [(i, b) for i, b in reversed(list(enumerate(gradient_bytes)))]
+    buckets = [sum(gradient_bytes[i] for i in bucket) for bucket in ddp_buckets(ready)]
+    grad = sum(max(0.0, ar.latency_s + b / ar.bandwidth_Bps) for b in buckets)
+    total = f_fwd + f_bwd + grad
+    if (
+        duplex and comp
+    ):  # the last step's first micro-batch may start its backward gathers before the second's forward
+        fwd = [f - max(0.0, k * FORWARD_FRACTION * x) for f, x in zip(fwd, comp[-1])]
+    start = max(fwd, default=0.0)
+    out = max(total, start + f_bwd + grad)
+    if buckets:
+        out = max(out, start + grad + max(max(0.0, x) for x in optimizer or (0.0,)))
+    return max([out] + [w + total * g / (1 + g) for w, g in zip(work, gamma)])
+
+
+def plan_lower_bound(plan: Plan) -> float:
+    """:func:`iteration_lower_bound` of a costed plan (0 for one without per-instruction costs)."""
+    if not plan.costed:
+        return 0.0
+    comp = [i.comp_s for i in plan.program if i.kind == "compute"]
+    feature = [
+        (
+            sum(c.forward_s for c in i.comm if not c.gradient),
+            sum(c.backward_s for c in i.comm if not c.gradient),
+        )
+        for i in plan.program
+    ]
+    grads = [c.nbytes for i in plan.program for c in i.comm if c.gradient]
+    return iteration_lower_bound(comp, feature, grads, plan.optimizer_s, plan.cluster, plan.duplex)
 
 
 def _stage_only(plan: Plan, caps: tuple[int, ...]) -> Timeline:
@@ -537,6 +620,7 @@ class _Overlap:
         self.n = cluster.n
         self.tasks: list[_Task] = []
         self.queues: dict[tuple[Any, ...], list[int]] = {}
+        self.labels = True  # the compute tasks' labels (spans' ``what``); iteration_time needs none
 
     def add(
         self, stream: tuple[Any, ...], work: float, deps: list[int], i: int, phase: str, mb: int, what: str
@@ -578,8 +662,13 @@ class _Overlap:
                 for t, _ in ins.outputs:
                     defined[t] = i
 
+        feat: dict[tuple[int, str], float] = {}
+
         def feature(i: int, part: str) -> float:
-            return k * sum(getattr(c, part) for c in costs.comm[i] if not c.gradient)
+            hit = feat.get((i, part))
+            if hit is None:
+                hit = feat[(i, part)] = k * sum(getattr(c, part) for c in costs.comm[i] if not c.gradient)
+            return hit
 
         fwd: dict[tuple[int, int], list[int]] = {}  # (step, mb) -> its forward task per device
         bwd: dict[tuple[int, int], list[int]] = {}
@@ -595,25 +684,27 @@ class _Overlap:
                 return list(fwd[(i, mb)])
             return [cf[(i, mb)]] if (i, mb) in cf else []
 
+        before: int | None = None  # the step before s
         for s in steps:
             for mb in mbs:
                 for p in comm_of[s]:
                     deps = produced(producer[p], mb) if p in producer else []
                     cf[(p, mb)] = self.add(("feature-comm",), feature(p, "forward_s"), deps, p, "forward", mb, prog[p].name + " " + prog[p].tensor)  # fmt: skip
                 if feature(s, "forward_s") > 0:  # an SFB step's forward part (the cost model has none)
-                    prev = [t for q in steps if q < s for t in fwd.get((q, mb), [])][-n:]
+                    prev = list(fwd[(before, mb)]) if before is not None else []  # the last step's forwards
                     cf[(s, mb)] = self.add(
                         ("feature-comm",), feature(s, "forward_s"), prev, s, "forward", mb, "sfb"
                     )
             for mb in mbs:
                 deps = [cf[(p, mb)] for p in comm_of[s]] + ([cf[(s, mb)]] if (s, mb) in cf else [])
-                what = str(prog[s])
+                what = str(prog[s]) if self.labels else ""
                 fwd[(s, mb)] = [
                     self.add(
                         ("compute", j), k * FORWARD_FRACTION * costs.comp[s][j], deps, s, "forward", mb, what
                     )
                     for j in range(n)
                 ]
+            before = s
         # backward: reverse order; SFB gathers before the step's backward, collectives after it
         cb: dict[tuple[int, int], int] = {}
         block: dict[tuple[int, int], list[int]] = {}  # (instruction, mb) -> tasks its backward waits for
@@ -625,7 +716,7 @@ class _Overlap:
                     t = self.add(("feature-comm",), feature(s, "backward_s"), nxt, s, "backward", mb, "sfb gathers")  # fmt: skip
                     block.setdefault((s, mb), []).append(t)
             for mb in mbs:
-                what = str(prog[s])
+                what = str(prog[s]) if self.labels else ""
                 deps = block.get((s, mb), [])
                 work = [k * (1 - FORWARD_FRACTION) * x for x in costs.comp[s]]
                 bwd[(s, mb)] = [
@@ -659,8 +750,17 @@ class _Overlap:
         busy: dict[tuple[Any, ...], int] = {}
         finished = 0
         t = 0.0
-        for x in tasks:
+        waiting = [len(x.deps) for x in tasks]  # per task: its dependencies not finished yet
+        dependents: list[list[int]] = [[] for _ in tasks]
+        for i, x in enumerate(tasks):
             x.left = x.work
+            for d in x.deps:
+                dependents[d].append(i)
+
+        def done(i: int) -> None:
+            for k in dependents[i]:
+                waiting[k] -= 1
+
         while finished < len(tasks):
             progressed = True
             while progressed:  # start every task that can start now (zero-work tasks finish at once)
@@ -668,16 +768,18 @@ class _Overlap:
                 for s, q in self.queues.items():
                     if s in busy or heads[s] >= len(q):
                         continue
-                    x = tasks[q[heads[s]]]
-                    if all(tasks[d].end >= 0 for d in x.deps):
+                    i = q[heads[s]]
+                    if not waiting[i]:
+                        x = tasks[i]
                         x.start = t
                         heads[s] += 1
                         progressed = True
                         if x.left <= 0:
                             x.end = t
                             finished += 1
+                            done(i)
                         else:
-                            busy[s] = q[heads[s] - 1]
+                            busy[s] = i
             if not busy:
                 if finished < len(tasks):
                     raise RuntimeError("simulation deadlocked (a dependency cycle in the task graph)")
@@ -698,6 +800,7 @@ class _Overlap:
                     x.left = 0.0
                     x.end = t
                     finished += 1
+                    done(i)
                     del busy[s]
                 else:
                     x.left -= rates[i] * dt

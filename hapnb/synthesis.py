@@ -46,7 +46,7 @@ from .optimize import (
 )
 from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
-from .simulation import iteration_time
+from .simulation import iteration_lower_bound, iteration_time
 from .tracing import resolve_model
 from .triples import Theory, theory
 from .tuning import rebuild_graph, sensitivity, why_not
@@ -111,8 +111,10 @@ def synthesize(
     ``pick``: ``"simulated"`` (default): the loop's candidates (the :data:`FINAL_CANDIDATES` cheapest
     programs it balanced, and each baseline's program at the baseline's own ratios) are simulated with
     overlap (:func:`hapnb.simulate`) and the fastest is the plan, so its ``simulated_s`` is never above a
-    baseline's; ``"cost"``: the loop's optimum under the stage model (or duplex) cost, as HAP picks it (the
-    paper comparisons). Either way ``plan.cost_s`` is the stage-model (or duplex) cost and
+    baseline's (a candidate whose lower bound, :func:`hapnb.simulation.iteration_lower_bound`, is above the
+    fastest time simulated so far cannot win and is not simulated: ``stats["candidates_bounded"]``);
+    ``"cost"``: the loop's optimum under the stage model (or duplex) cost, as HAP picks it (the paper
+    comparisons). Either way ``plan.cost_s`` is the stage-model (or duplex) cost and
     ``plan.simulated_s`` the simulated time; ``stats["chosen"]`` says where the program came from.
     """
     if pick not in ("simulated", "cost"):
@@ -196,6 +198,10 @@ def _synthesize(
     frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
     ck = ctx.memo.token(c)
 
+    def cost_model() -> CostModel:
+        """One cost model (and its caches) for the Q/B loop and every candidate's bound and plan."""
+        return ctx.memo.cost_model(th, c)
+
     def package(k: Candidate, stats: Mapping[str, Any], simulated_s: float | None = None) -> Plan:
         """The candidate as a Plan with its simulated time (memoised on everything the plan depends on)."""
 
@@ -212,6 +218,7 @@ def _synthesize(
                 stats=stats,
                 model=ctx.spec,
                 options={**options, "segments": a["segments"]},
+                cost_model=cost_model(),
             )
             if duplex:
                 plan = dataclasses.replace(plan, duplex=True, cost_s=k.cost_s)
@@ -222,6 +229,9 @@ def _synthesize(
                freeze_mapping(options), freeze_mapping(ctx.spec))  # fmt: skip
         return ctx.memo.get("plan", key, make)
 
+    def sim_key(k: Candidate) -> Any:
+        return (ck, k.program, k.extra, k.ratios, k.cost_s, duplex)
+
     def simulated(k: Candidate) -> tuple[float, Plan | None]:
         """The candidate's simulated time (from the memo when simulated before) and its plan if made now."""
         made: list[Plan] = []
@@ -230,8 +240,11 @@ def _synthesize(
             made.append(package(k, best.stats))
             return made[0].simulated_s  # type: ignore[return-value]
 
-        key = (ck, k.program, k.extra, k.ratios, k.cost_s, duplex)
-        return ctx.memo.get("simulate", key, run), (made[0] if made else None)
+        return ctx.memo.get("simulate", sim_key(k), run), (made[0] if made else None)
+
+    def lower_bound(k: Candidate) -> float:
+        """A lower bound of the candidate's simulated time without packaging it."""
+        return program_lower_bound(cost_model(), k.program, k.ratios, duplex)
 
     # the final program: the loop's optimum (pick="cost"), or the candidate the overlap simulator finds
     # fastest (pick="simulated"; ties: the lower cost_s): the cheapest searched ones and every baseline's
@@ -241,13 +254,24 @@ def _synthesize(
     else:
         searched = [k for k in best.candidates if k.source == "search"][:FINAL_CANDIDATES]
         top = searched + [k for k in best.candidates if k.source != "search"]
-    sims = [simulated(k) for k in top]
-    i = min(range(len(sims)), key=lambda i: (sims[i][0], top[i].cost_s, i))
+    # candidates simulated before cost nothing; the others are simulated cheapest lower bound first, and
+    # one whose bound is above the fastest simulated so far is skipped: it can be neither the min nor a tie
+    known = [ctx.memo.peek("simulate", sim_key(k)) for k in top]
+    bounds = [v if v is not None else lower_bound(k) if len(top) > 1 else 0.0 for k, v in zip(top, known)]
+    sims: dict[int, tuple[float, Plan | None]] = {}
+    fastest = float("inf")
+    for i in sorted(range(len(top)), key=lambda i: (known[i] is None, bounds[i], i)):
+        if known[i] is None and bounds[i] * (1 - 1e-9) > fastest:
+            continue
+        sims[i] = simulated(top[i])
+        fastest = min(fastest, sims[i][0])
+    i = min(sims, key=lambda i: (sims[i][0], top[i].cost_s, i))
     chosen = sims[i][1] or package(top[i], best.stats, sims[i][0])
     # chosen: where the final program came from ("search", or e.g. "baseline dp_cp" when the simulator
-    # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among those simulated
-    stats = {**best.stats, "candidates_simulated": len(sims), "chosen": top[i].source, "cost_rank": i,
-             "pick": a["pick"], **ctx.traced}  # fmt: skip
+    # prefers a baseline's program at its own ratios); cost_rank: its place by cost_s among the candidates;
+    # candidates_bounded: those not simulated, their lower bound above the fastest simulated time
+    stats = {**best.stats, "candidates_simulated": len(sims), "candidates_bounded": len(top) - len(sims),
+             "chosen": top[i].source, "cost_rank": i, "pick": a["pick"], **ctx.traced}  # fmt: skip
     if start is not None:
         stats["replan"] = "fast"  # a fixpoint of the Q/B loop from the previous plan's ratios
     if duplex and not isinstance(ratios, Sequence):
@@ -257,7 +281,7 @@ def _synthesize(
             k.ratios, th.graph.tensors[th.graph.inputs[0]].shape[0] if th.graph.inputs else 0
         )
         if even != k.ratios and keeps_ratio_pins(even, best.ratio_pins, c.names):
-            cost = duplex_cost(CostModel(th, c), k.program, even)
+            cost = duplex_cost(cost_model(), k.program, even)
             chosen = package(dataclasses.replace(k, ratios=even, cost_s=cost), best.stats)
             stats["ratios_even_batch"] = True
     plan = dataclasses.replace(
@@ -266,6 +290,33 @@ def _synthesize(
     if a["check_memory"]:
         _check_memory(plan)
     return plan
+
+
+def program_lower_bound(cm: CostModel, program: Sequence[Any], ratios: Any, duplex: bool = False) -> float:
+    """:func:`hapnb.simulation.iteration_lower_bound` of the plan :func:`make_plan` would make of ``program``
+    at ``ratios``, priced as it prices the plan's instructions (a load, a conversion, a computation each),
+    without making the plan."""
+    comp, feature, grads = [], [], []
+    for st in program:
+        comp.append(cm.step_comp(st, ratios))
+        if cm.n == 1:
+            continue
+        for terms, nbytes in (
+            [(cm.load_terms(ld), cm.graph.tensors[ld.tensor].nbytes) for ld in st.loads]
+            + [(cm.conversion_terms(cv), 0) for cv in st.conversions]
+            + [(cm.sfb_terms(st), 0)]
+        ):
+            f = b = 0.0
+            for tm in terms:
+                total, bwd = tm.time(ratios), tm.backward_time(ratios)
+                if tm.gradient:
+                    grads.append(nbytes)
+                else:
+                    f += total - bwd
+                    b += bwd
+            feature.append((f, b))
+    opt = cm.optimizer_comp(program, ratios) if any(cm.models) else (0.0,) * cm.n
+    return iteration_lower_bound(comp, feature, grads, opt, cm.cluster, duplex)
 
 
 @without_gc
