@@ -278,16 +278,19 @@ class Search:
         # the terms themselves do not depend on the ratios: ``shared["terms_of"]`` may be one dict for every
         # ratio on this theory and cluster (hapnb.optimize passes one)
         self._terms_of: dict[Any, tuple[Any, ...]] = self._shared.setdefault("terms_of", {})
-        # the hot loop's lookups by property bits (ints hash fast), shared by the searches at these ratios: a
-        # load's (Load, time) by (bit, sfb) (plain loads only: not with memory or a storage pin), a
-        # conversion's options [(Conversion, time)] by (source bit, target bit, grouped), an SFB sync's time
+        # the hot loop's lookups by property bits (ints hash fast): a load's (Load, time) by (bit, sfb) (plain
+        # loads only, not with memory or a storage pin: their price does not depend on the ratios, so shared
+        # per cluster) and its option list (per search); the options to get a tensor's needed form from its
+        # present ones by (present bits, target bit), with and without the grouped collectives (shared by
+        # the searches at these ratios); an SFB sync's time
         self._load_of: dict[tuple[int, bool], tuple[Load, float]] = (
             {} if self.storage else self._terms_of.setdefault("plain loads", {})
-        )  # a plain load's price does not depend on the ratios: shared per cluster
-        self._convs_of: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
-            "convs", {}
         )
-        self._grouped = 0 if self.options["grouped"] else 1  # which list of _conversions' pair
+        self._load_opts: dict[tuple[int, bool], list[Any]] = {}
+        self._conv_opts: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
+            "conv_opts", {}
+        )
+        self._grouped = 0 if self.options["grouped"] else 1  # which list of the pair
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
         self._conv_t: dict[tuple[int, str], float] = self._shared.setdefault(
             "conv_t", {}
@@ -383,6 +386,18 @@ class Search:
                 )
             out.append((cv, v))
         return out, [x for x in out if not x[0].name.startswith("grouped")]
+
+    def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], list[Any]]:
+        """The hot loop's options to get tensor ``t`` in ``f`` (``bit``) from its present forms (``have``):
+        one per collective from each present form, with and without the grouped collectives."""
+        opts: tuple[list[Any], list[Any]] = ([], [])
+        tbit = 1 << t
+        while have:
+            low = have & -have
+            have ^= low
+            for k, cvs in enumerate(self._conversions(t, low, f, bit)):
+                opts[k].extend((cv, bit, tbit, 2, ct) for cv, ct in cvs)
+        return opts
 
     def _sfb_time(self, op: int, c: _Compiled) -> float:
         """An SFB strategy's sync seconds (shared by the searches at these ratios)."""
@@ -495,6 +510,8 @@ class Search:
             self._spine_any[pos + 1],
             self._jstar,
         )
+        loadable, tmask, grouped = self._loadable, self._tmask, self._grouped
+        load_opts, conv_opts = self._load_opts, self._conv_opts
         for c in self._ops[pos]:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
             # seconds); kind 1: a load, 2: a conversion (0: the form is present)
@@ -504,17 +521,17 @@ class Search:
                 if props & bit:
                     per_need.append(_PRESENT)
                     continue
-                if self._loadable[t]:
-                    if props & self._tmask[t]:
+                if loadable[t]:
+                    if props & tmask[t]:
                         fail = 1
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
                     if self._mem is None:
-                        lt = self._load_of.get((bit, sfb))
-                        if lt is None:
-                            ld = self._load(t, f, sfb)
-                            lt = self._load_of[(bit, sfb)] = (ld, self._load_time(ld))
-                        per_need.append([(lt[0], bit, 0, 1, lt[1])])
+                        opts = load_opts.get((bit, sfb))
+                        if opts is None:
+                            ld, lt = self._load_entry(t, f, sfb)
+                            opts = load_opts[(bit, sfb)] = [(ld, bit, 0, 1, lt)]
+                        per_need.append(opts)
                     else:
                         ld = self._load(t, f, sfb)
                         per_need.append([(ld, bit, 0, 1, self._load_time(ld))])
@@ -523,17 +540,11 @@ class Search:
                     fail = 2
                     self._stats.pruned_repeated_comm += 1
                     break
-                opts = []
-                have = props & self._tmask[t]
-                tbit = 1 << t
-                while have:
-                    low = have & -have
-                    have ^= low
-                    pair = self._convs_of.get((low, bit))
-                    if pair is None:
-                        pair = self._convs_of[(low, bit)] = self._conversions(t, low, f, bit)
-                    for cv, ct in pair[self._grouped]:
-                        opts.append((cv, bit, tbit, 2, ct))
+                have = props & tmask[t]
+                pair = conv_opts.get((have, bit))
+                if pair is None:
+                    pair = conv_opts[(have, bit)] = self._conversion_options(t, have, f, bit)
+                opts = pair[grouped]
                 if not opts:
                     fail = 3
                     break
