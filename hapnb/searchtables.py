@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .cost import Conversion, CostModel
 from .forms import Form, Storage
@@ -29,15 +30,14 @@ from .triples import LOADABLE_ROLES, Theory
 __all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "ratio_classes"]
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
     """One strategy of one op, compiled: ``index`` its place in ``theory.strategies[op]``; ``out_bits`` the
     properties it establishes (outputs that are used later, or the loss); ``needs`` its distinct (tensor,
     form) inputs and ``need_bits`` their property bits; ``reshards`` the re-cuts of G inputs from another
     ratio segment; ``sfb_params`` an SFB strategy's parameters taken replicated (SFB replaces their gradient
     sync, so each must have one consumer and no storage pin); ``sfb_shared`` whether one of them has more
     than one consumer (never allowed); ``in_forms`` / ``out_forms`` and ``spine_terms`` for the spine bound
-    (:mod:`hapnb.spine`)."""
+    (:mod:`hapnb.spine`). A named tuple: thousands are made per theory."""
 
     index: int
     strategy: Strategy
