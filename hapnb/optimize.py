@@ -231,6 +231,50 @@ class _Searched:
     seed_seconds: float = 0.0
 
 
+#: search options that only restrict the search space when False (the default is True)
+_RESTRICTING = ("sfb", "grouped", "zero")
+
+
+def _subsumes(
+    th: Theory,
+    res: Any,
+    pins0: Mapping[str, Any],
+    opts0: Mapping[str, bool],
+    pins: Mapping[str, Any],
+    opts: Mapping[str, bool],
+) -> bool:
+    """Whether a search with ``pins`` / ``opts`` at the ratios of a finished search (``res``, made with
+    ``pins0`` / ``opts0``) has ``res``'s program as an optimum: ``res`` is proven optimal, every pin of the
+    earlier search is a pin of this one, every option this one allows the earlier one allowed (so this
+    space is a subset of that one), and the program keeps this search's pins and options (so it is in this
+    space, and optimal there). Storage pins are never answered this way."""
+    if not res.optimal or any(pins.get(k) != v for k, v in pins0.items()):
+        return False
+    if any(opts0.get(k, True) is False and opts.get(k, True) is not False for k in _RESTRICTING):
+        return False
+    rest0 = {k: v for k, v in opts0.items() if k not in _RESTRICTING and k != "dive"}
+    if rest0 != {k: v for k, v in opts.items() if k not in _RESTRICTING and k != "dive"}:
+        return False
+    try:
+        ids = resolve_pins(th, pins)
+    except ValueError:
+        return False
+    if any(not isinstance(f, Form) for f in ids.values()):
+        return False
+    g = th.graph
+    sfb, grouped = opts.get("sfb", True) is not False, opts.get("grouped", True) is not False
+    for st in res.program:
+        if st.strategy.sfb and not sfb:
+            return False
+        if not grouped and any(cv.name.startswith("grouped") for cv in st.conversions):
+            return False
+        if any(ld.zero != 0 or ids.get(ld.tensor, ld.form) != ld.form for ld in st.loads):
+            return False
+        if any(ids.get(t, f) != f for t, f in zip(g.ops[st.op].outputs, st.strategy.outputs)):
+            return False
+    return True
+
+
 def _fits_shape(ratios: Sequence[Sequence[float]] | None, segments: int, devices: int) -> bool:
     """Whether ``ratios`` has one row of ``devices`` ratios per segment, with a positive sum."""
     return (
@@ -441,6 +485,24 @@ def optimize(
             hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin))
         return hit[3]
 
+    # this call's searches: (ratios, pins, options, memory, outcome), for :func:`_subsumes`
+    done: list[tuple[Any, dict[str, Any], dict[str, bool], bool, _Searched]] = []
+
+    def subsumed(ratios_: Any, pins_: Mapping[str, Any], merged: Mapping[str, bool], mem: bool) -> Any:
+        """An earlier search of this call whose proven optimum answers this one (:func:`_subsumes`), as
+        this search's outcome (no expansions), or None."""
+        if duplex:
+            return None
+        key = tuple(map(tuple, ratios_))
+        for r0, p0, o0, m0, out in done:
+            if r0 == key and m0 == mem and _subsumes(th, out.result, p0, o0, pins_, merged):
+                res = out.result
+                zero = {k: 0 for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
+                return _Searched(
+                    type(res)(res.program, res.cost, True, 0, 0.0), out.final, tuple(zero.items()), out.ratios
+                )
+        return None
+
     def run_search(
         ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
     ) -> _Searched:
@@ -486,6 +548,10 @@ def optimize(
                 stats["memory_start"] = True
                 ratios_ = tuple(row for _ in ratios_)
         mem = mem_on[0]
+        found = subsumed(ratios_, pins_, merged, mem)
+        if found is not None:
+            stats["searches_subsumed"] = stats.get("searches_subsumed", 0) + 1
+            return found.result, found
         if memo is not None and max_seconds is None:
             key = (
                 ck,
@@ -499,6 +565,7 @@ def optimize(
             out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem))
         else:
             out = run_search(ratios_, pins_, merged, mem)
+        done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         if duplex:
             stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
             stats["search_s"] += out.seed_seconds

@@ -48,3 +48,41 @@ def test_duplex_loop_returns_a_duplex_fixpoint():
     plain = optimize(th, c)
     assert not plain.stats["duplex"]
     assert best.cost_s < plain.cost_s
+
+
+def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pins():
+    """optimize answers a search from an earlier one at the same ratios when the earlier space contains it
+    and its proven optimum keeps the new pins and options (_subsumes): the optimum is then the one a search
+    of the smaller space finds (same cost); otherwise the search runs."""
+    from hapnb.forms import FullShard, G, I
+    from hapnb.optimize import _dp_pins, _subsumes
+    from hapnb.search import Search
+    from hapnb.tracing import zoo_graph
+
+    plain = {"sfb": False, "grouped": False}
+    answered = 0
+    for name, cluster in (("vit", "2xV100+2xP100"), ("gpt", "4xA100"), ("mlp", "1xV100+1xP100")):
+        th = hap.theory(zoo_graph(name, layers=2)[0])
+        c = hap.Cluster.parse(cluster)
+        wide = Search(th, c).run()
+        params = [t.name for t in th.graph.tensors if t.role == "param" and len(t.shape) == 2]
+        loads = {th.graph.tensors[ld.tensor].name: ld.form for st in wide.program for ld in st.loads}
+        other = G(0) if loads[params[0]] != G(0) else I
+        cases = [
+            (_dp_pins(th), plain),  # the data-parallel seed
+            ({params[0]: loads[params[0]]}, {}),  # a pin the optimum keeps
+            ({params[0]: other}, {}),  # one it does not
+            ({}, plain),
+        ]
+        for pins, opts in cases:
+            narrow = Search(th, c, pins=pins, options=opts).run()
+            if _subsumes(th, wide, {}, {}, pins, opts):
+                answered += 1
+                assert narrow.cost == pytest.approx(wide.cost, rel=1e-12), (name, pins, opts)
+            else:  # the optimum is outside the narrower space: the search must run
+                assert narrow.cost >= wide.cost * (1 - 1e-12)
+        assert not _subsumes(th, wide, {}, {}, {params[0]: other}, {})
+        assert not _subsumes(th, wide, {}, {}, {params[0]: FullShard(1)}, {})  # storage pins: never
+        assert not _subsumes(th, wide, {}, plain, {}, {})  # this search allows more than the earlier one
+        assert not _subsumes(th, wide, {params[0]: loads[params[0]]}, {}, {}, {})  # earlier pins it lacks
+    assert answered >= 3
