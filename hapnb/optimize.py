@@ -504,7 +504,7 @@ def optimize(
         return None
 
     def run_search(
-        ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool
+        ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool, incumbent: Any = None
     ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # communication terms do not depend on the ratios: one dict per cluster
@@ -514,6 +514,8 @@ def optimize(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
         )
         seed_exp, seed_s = 0, 0.0
+        if incumbent is not None and not duplex:
+            s.seed(incumbent, dive=False)  # its cost bounds the search; among equal costs it is kept
         if duplex:
             # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
             # from the start, and a duplex search stopped by a limit is never worse than it
@@ -531,7 +533,11 @@ def optimize(
         return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
 
     def search(
-        ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool] | None = None, move: bool = False
+        ratios_: Any,
+        pins_: Mapping[str, Form],
+        opts: Mapping[str, bool] | None = None,
+        move: bool = False,
+        incumbent: Any = None,
     ) -> tuple[Any, _Searched]:
         merged = {**(options or {}), **(opts or {})}
         if mem_on[0] and move and fixed is None and len({tuple(r) for r in ratios_}) == 1:
@@ -561,10 +567,11 @@ def optimize(
                 duplex,
                 max_expansions,
                 mem,
+                incumbent,
             )
-            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem))
+            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem, incumbent))
         else:
-            out = run_search(ratios_, pins_, merged, mem)
+            out = run_search(ratios_, pins_, merged, mem, incumbent)
         done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         if duplex:
             stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
@@ -577,7 +584,7 @@ def optimize(
         stats["optimal"] = stats["optimal"] and res.optimal
         if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
             mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
-            return search(ratios_, pins_, opts, move)
+            return search(ratios_, pins_, opts, move, incumbent)
         return res, out
 
     def lp(kind: str, what: tuple[Any, ...], make: Any) -> Any:
@@ -647,8 +654,11 @@ def optimize(
         """Q/B rounds from ratios B while the cost strictly improves; returns the iteration count."""
         while it < limit:
             it += 1
+            # at the best program's own ratios it seeds the search: it bounds the search from the start, and
+            # a program that only ties with it does not replace it (no LP for a tie)
+            inc = best[1] if best is not None and _same_ratios(best[3], B) else None
             try:
-                res, s = search(B, form_pins, move=True)
+                res, s = search(B, form_pins, move=True, incumbent=inc)
             except NoProgramError:
                 if best is None:
                     raise

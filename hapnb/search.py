@@ -71,6 +71,9 @@ __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "N
 
 _EPS = 1e-12
 _INF = float("inf")
+#: :meth:`Search.run` dives after this share of the ops' count of A* expansions (at least DIVE_AFTER_MIN)
+DIVE_AFTER = 0.05
+DIVE_AFTER_MIN = 8
 _PRESENT = [(None, 0, 0, 0, 0.0)]  # the option of a needed form that is present (nothing to add)
 
 
@@ -752,15 +755,21 @@ class Search:
     ) -> SearchResult:
         """Search until the best complete program is proven optimal (or a limit is hit).
 
-        Before the A* loop, a greedy dive (always the child with the lowest score) finds a complete
-        program whose cost then prunes every partial program that cannot beat it; if a limit stops the
-        search before any complete program is known, a last dive from the best open program completes
-        one, and up to ``dives`` dives from the best open programs try to improve it. ``optimal`` in the
-        result says whether the best program was proven optimal.
+        Unless a complete program is known (:meth:`seed`), after a short A* phase (:data:`DIVE_AFTER` of the
+        ops' count of expansions) a greedy dive (always the child with the lowest score) from the best open
+        program finds a complete program whose cost then prunes every partial program that cannot beat it
+        (the short phase first: a dive from the root follows the heuristic's first misjudgement to its
+        end, which the A* then walks again); if a limit stops the search before any complete program is
+        known, a last dive from the best open program completes one, and up to ``dives`` dives from the
+        best open programs try to improve it. ``optimal`` in the result says whether the best program was
+        proven optimal.
         """
         t0 = time.perf_counter()
-        if self._best is None and self.options.get("dive", True) and self._heap:
-            self._dive(self._heap[0][2])
+        dive_at = (
+            max(DIVE_AFTER_MIN, int(DIVE_AFTER * len(self.graph.ops)))
+            if self._best is None and self.options.get("dive", True)
+            else None
+        )
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -769,6 +778,14 @@ class Search:
         n = 0
         try:
             while not self.done:
+                if dive_at is not None and n >= dive_at:
+                    dive_at = None
+                    nid = self._pop() if self._best is None else None
+                    if nid is not None and not self._nodes[nid].complete:
+                        self._dive(nid)
+                    elif nid is not None:
+                        heapq.heappush(self._heap, (self._nodes[nid].score, -1, nid))
+                    continue
                 if max_expansions is not None and n >= max_expansions:
                     break
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
@@ -804,10 +821,10 @@ class Search:
         self._stats.expansions += 1
         return self._children(nid, record)
 
-    def seed(self, program: Sequence[Step]) -> bool:
+    def seed(self, program: Sequence[Step], dive: bool = True) -> bool:
         """Walk a known complete program (e.g. the plain search's optimum, for a duplex search) down the
-        tree, so that its cost bounds the search from the start (a greedy dive runs first, as in
-        :meth:`run`). Returns whether the walk reached a complete node; it stops early (False) where the
+        tree, so that its cost bounds the search from the start (with ``dive``, a greedy dive from the root
+        runs first and the better of the two is kept). Returns whether the walk reached a complete node; it stops early (False) where the
         program leaves the search space or where the best complete program already beats its prefix
         (the bound pruned it). Where a step's child was dominated, the walk goes on from the cheapest
         live node with the same properties (no worse, by dominance). Afterwards the best complete
@@ -815,8 +832,8 @@ class Search:
         nid = 0 if self._nodes and self._nodes[0].parent == -1 else None
         if nid is None or len(program) != len(self.graph.ops):
             return False
-        if self._best is None and self.options.get("dive", True):
-            self._dive(0)  # the greedy dive :meth:`run` would start with (the better of the two is kept)
+        if dive and self._best is None and self.options.get("dive", True):
+            self._dive(0)
         for st in program:
             node = self._nodes[nid]
             if node.complete:
