@@ -118,26 +118,44 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
     bits_of = tuple(tuple(bit[(t, f)] for f in fs) for t, fs in enumerate(th.forms))
     distinct: dict[tuple[Form, ...], int] = {}
     forms_class = tuple(distinct.setdefault(fs, len(distinct)) for fs in th.forms)
+    live = [bool(t.consumers) or t.id == g.loss for t in g.tensors]
+    # what a strategy's entry needs of its op's tensors only through their forms (form indices, which input
+    # positions are distinct (tensor, form) needs): one template per (strategies, forms of the tensors,
+    # which inputs are one tensor), shared by a model's repeated layers (whose ops share the rules' Strategy
+    # objects, hapnb.triples.theory)
+    templates: dict[tuple[object, ...], list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = {}
     entries = []
     for op, ss in zip(g.ops, th.strategies):
+        ins, outs = op.inputs, op.outputs
+        key = (
+            tuple(map(id, ss)), tuple(forms_class[t] for t in ins), tuple(forms_class[t] for t in outs),
+            tuple(ins.index(t) for t in ins),
+        )  # fmt: skip
+        tpl = templates.get(key)
+        if tpl is None:
+            tpl = templates[key] = [_template(index_of, ins, outs, s) for s in ss]
+        seg_differs = any(segment_of[t] != op.segment for t in ins)
+        op_single = any(single_param[t] for t in ins)
         row = []
-        for k, s in enumerate(ss):
+        for k, (s, (in_idx, out_idx, need_pos)) in enumerate(zip(ss, tpl)):
             out_bits = 0
-            for t, f in zip(op.outputs, s.outputs):
-                if g.tensors[t].consumers or t == g.loss:
-                    out_bits |= bit[(t, f)]
-            needs = tuple(dict.fromkeys(zip(op.inputs, s.inputs)))
+            for t, i in zip(outs, out_idx):
+                if live[t]:
+                    out_bits |= bits_of[t][i]
+            needs = tuple((ins[q], s.inputs[q]) for q in need_pos)
             # a G input from another segment is re-cut for this op's ratios: always recorded (free while
             # the two segments' cuts agree), so that the LP may change the segments' ratios independently
-            resh = tuple(
-                Conversion(t, "reshard", f, f, op.segment)
-                for t, f in needs
-                if f.kind == "G" and segment_of[t] != op.segment
+            resh = (
+                tuple(
+                    Conversion(t, "reshard", f, f, op.segment)
+                    for t, f in needs
+                    if f.kind == "G" and segment_of[t] != op.segment
+                )
+                if seg_differs
+                else ()
             )
             sfb_params = (
-                tuple(t for t, f in zip(op.inputs, s.inputs) if is_param[t] and f.kind == "I")
-                if s.sfb
-                else ()
+                tuple(t for t, f in zip(ins, s.inputs) if is_param[t] and f.kind == "I") if s.sfb else ()
             )
             row.append(
                 Entry(
@@ -145,20 +163,38 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
                     s,
                     out_bits,
                     needs,
-                    tuple(bit[tf] for tf in needs),
+                    tuple(bits_of[ins[q]][in_idx[q]] for q in need_pos),
                     resh,
                     sfb_params,
                     any(n_consumers[t] > 1 for t in sfb_params),
-                    tuple(index_of[t][f] for t, f in zip(op.inputs, s.inputs)),
-                    tuple(index_of[t][f] for t, f in zip(op.outputs, s.outputs)),
-                    s.sfb or any(single_param[t] for t in op.inputs),
-                )
+                    in_idx,
+                    out_idx,
+                    s.sfb or op_single,
+                )  # fmt: skip
             )
         entries.append(tuple(row))
     return TheoryTables(
         bit, {b: p for p, b in bit.items()}, tuple(tmask), loadable, tuple(last_use), tuple(dies_at),
         tuple(dies_comm), tuple(entries), price_class, bits_of, forms_class, spine_path(g), single_param,
     )  # fmt: skip
+
+
+def _template(
+    index_of: Sequence[Mapping[Form, int]], ins: Sequence[int], outs: Sequence[int], s: Strategy
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A strategy's form index per input and per output, and the input positions of its distinct (tensor,
+    form) needs (first occurrences)."""
+    seen: set[tuple[int, Form]] = set()
+    need_pos = []
+    for q, tf in enumerate(zip(ins, s.inputs)):
+        if tf not in seen:
+            seen.add(tf)
+            need_pos.append(q)
+    return (
+        tuple(index_of[t][f] for t, f in zip(ins, s.inputs)),
+        tuple(index_of[t][f] for t, f in zip(outs, s.outputs)),
+        tuple(need_pos),
+    )
 
 
 def entries_for(
