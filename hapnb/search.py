@@ -238,8 +238,9 @@ class Search:
             tables, self._cv_lists = hit[1], hit[2]
         else:
             tables = theory_tables(th, cm.segment_of)
-            # (source bit, target bit) -> the collectives between the two forms (ratio-independent)
-            self._cv_lists: dict[tuple[int, int], tuple[Conversion, ...]] = {}
+            # (source bit, target bit) -> the collectives between the two forms, each with whether it is a
+            # grouped one (ratio-independent)
+            self._cv_lists: dict[tuple[int, int], tuple[tuple[Conversion, bool], ...]] = {}
             if static is not None:
                 static["tables"] = (th, tables, self._cv_lists)
         self._tables = tables
@@ -368,38 +369,34 @@ class Search:
             return self._mem.time(ld)
         return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
 
-    def _conversions(
-        self, t: int, src_bit: int, f: Form, dst_bit: int
-    ) -> tuple[list[tuple[Conversion, float]], list[tuple[Conversion, float]]]:
-        """The collectives that turn tensor ``t`` from the form of ``src_bit`` into ``f`` (``dst_bit``), with
-        their times: all of them, and those without the grouped ones (option ``grouped=False``); a
-        collective's time is shared by the tensors of one price class."""
-        cvs = self._cv_lists.get((src_bit, dst_bit))
-        if cvs is None:
-            _, src = self._forms_of_bit[src_bit]
-            cvs = tuple(Conversion(t, name, src, f) for name in CONVERSIONS.get((src.kind, f.kind), ()))
-            self._cv_lists[(src_bit, dst_bit)] = cvs
-        pc = self._price_class[t]
-        out = []
-        for cv in cvs:
-            v = self._conv_t.get((pc, cv.name))
-            if v is None:
-                v = self._conv_t[(pc, cv.name)] = sum(
-                    tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv)
-                )
-            out.append((cv, v))
-        return out, [x for x in out if not x[0].name.startswith("grouped")]
-
     def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], list[Any]]:
         """The hot loop's options to get tensor ``t`` in ``f`` (``bit``) from its present forms (``have``):
-        one per collective from each present form, with and without the grouped collectives."""
+        one per collective from each present form, with its time, with and without the grouped collectives.
+        A collective's time is shared by the tensors of one price class; the collectives between two forms
+        of a tensor are kept per theory (``_cv_lists``)."""
         opts: tuple[list[Any], list[Any]] = ([], [])
         tbit = 1 << t
+        pc = self._price_class[t]
         while have:
             low = have & -have
             have ^= low
-            for k, cvs in enumerate(self._conversions(t, low, f, bit)):
-                opts[k].extend((cv, bit, tbit, 2, ct) for cv, ct in cvs)
+            cvs = self._cv_lists.get((low, bit))
+            if cvs is None:
+                _, src = self._forms_of_bit[low]
+                cvs = self._cv_lists[(low, bit)] = tuple(
+                    (Conversion(t, name, src, f), name.startswith("grouped"))
+                    for name in CONVERSIONS.get((src.kind, f.kind), ())
+                )
+            for cv, grouped in cvs:
+                v = self._conv_t.get((pc, cv.name))
+                if v is None:
+                    v = self._conv_t[(pc, cv.name)] = sum(
+                        tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv)
+                    )
+                x = (cv, bit, tbit, 2, v)
+                opts[0].append(x)
+                if not grouped:
+                    opts[1].append(x)
         return opts
 
     def _sfb_time(self, op: int, c: _Compiled) -> float:
