@@ -231,6 +231,9 @@ class _Searched:
     seed_seconds: float = 0.0
 
 
+#: an LP's ratios this much (relative) costlier than those the program was searched at are not taken
+LP_WORSE = 1e-6
+
 #: search options that only restrict the search space when False (the default is True)
 _RESTRICTING = ("sfb", "grouped", "zero")
 
@@ -621,6 +624,13 @@ def optimize(
                     bal = None
             if bal is not None:
                 ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
+                if res.cost < cost_k * (1 - LP_WORSE) and keeps_ratio_pins(s.ratios, ratio_pins, c.names):
+                    # the LP prices a segmented program's re-cuts coarsely (a re-cut never starts a stage
+                    # there): where its ratios cost clearly more than those the program was found at, keep those
+                    at = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s
+                    if at < cost_k * (1 - LP_WORSE) and fits(prog, s.final, s.ratios):
+                        ratios_k, cost_k = s.ratios, at
+                        stats["lp_kept_ratios"] = stats.get("lp_kept_ratios", 0) + 1
             elif fits(prog, s.final, s.ratios):  # the LP's linear memory is coarser than the
                 # search's integer shards: keep the ratios the program was found (and fits) at
                 cost_s = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s

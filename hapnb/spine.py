@@ -75,10 +75,12 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     single = tb.single_param
 
     # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar];
-    # its communication terms (its single-consumer parameters' loads, an SFB sync), in order; the searches
-    # at these ratios share them unless loads depend on the search (memory, storage pins)
+    # its communication terms (its single-consumer parameters' loads, an SFB sync), in order; plain loads'
+    # prices do not depend on the ratios (shared per cluster), an SFB sync's do (shared per ratios); not
+    # shared where loads depend on the search (memory, storage pins)
+    plain = s._mem is None and not s.storage
     terms_of: dict[tuple[int, int], tuple[float, ...]] = (
-        s._shared.setdefault("spine_terms", {}) if s._mem is None and not s.storage else {}
+        s._terms_of.setdefault("spine loads", {}) if plain else {}
     )
     entries = tb.entries
 
@@ -90,14 +92,13 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         terms = terms_of.get(key)
         if terms is None:
             op = g.ops[op_id]
-            terms = tuple(
+            terms = terms_of[key] = tuple(
                 s._load_entry(ti, f, c.strategy.sfb and f.kind == "I")[1]
                 for ti, f in zip(op.inputs, c.strategy.inputs)
                 if single[ti]
             )
-            if c.strategy.sfb:
-                terms += (s._sfb_time(op_id, c),)
-            terms_of[key] = terms
+        if c.strategy.sfb:
+            terms += (s._sfb_time(op_id, c),)
         for x in terms:
             v += x
         return v

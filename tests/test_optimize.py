@@ -86,3 +86,16 @@ def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pi
         assert not _subsumes(th, wide, {}, plain, {}, {})  # this search allows more than the earlier one
         assert not _subsumes(th, wide, {params[0]: loads[params[0]]}, {}, {}, {})  # earlier pins it lacks
     assert answered >= 3
+
+
+def test_the_loop_never_takes_lp_ratios_costlier_than_those_searched_at():
+    """A segmented program's LP prices re-cuts coarsely; where its ratios cost more than the ratios the
+    program was searched at, the loop keeps the latter (stats lp_kept_ratios): every round's balanced cost
+    is at most its search cost (up to the LP's tolerance)."""
+    from hapnb.tracing import zoo_graph
+
+    th = hap.theory(zoo_graph("bert", layers=2)[0])
+    plan = hap.synthesize(th, "2xV100+2xP100", segments="layer", pick="cost")
+    for r in plan.history:
+        assert r.balanced_cost_s <= r.search_cost_s * (1 + 1e-6), r
+    assert plan.cost_s <= plan.history[0].search_cost_s * (1 + 1e-6)
