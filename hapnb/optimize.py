@@ -597,8 +597,12 @@ def optimize(
         return memo.get(kind, (ck, *what, ratio_pins, duplex), make)
 
     def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
-        if (prog, ratios_) not in seen and fits(prog, extra, ratios_):
-            seen.add((prog, ratios_))
+        # one candidate per program and ratios; ratios equal to 12 decimals count as equal (a baseline at
+        # throughput-proportional ratios and the LP's ratios for the same program often differ in the last
+        # bits only: the same plan, simulated once)
+        key = (prog, tuple(tuple(round(x, 12) for x in row) for row in ratios_))
+        if key not in seen and fits(prog, extra, ratios_):
+            seen.add(key)
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
     def consider(res: Any, s: _Searched, it: int, source: str = "search") -> bool:
