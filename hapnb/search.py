@@ -61,7 +61,7 @@ from .forms import Form, I, R, Storage
 from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
-from .searchspec import PinError, normalize_ratios, resolve_pins
+from .searchspec import PinError, explain_no_program, explain_no_strategy, normalize_ratios, resolve_pins
 from .searchtables import entries_for, ratio_classes, theory_tables
 from .spine import CONVERSIONS, spine_bound, spine_value
 from .triples import Theory
@@ -258,7 +258,7 @@ class Search:
         allowed = entries_for(th, tables, self.pins, self.storage, bool(self.options["sfb"]))
         for op, row in zip(g.ops, allowed):
             if not row:
-                raise PinError(self._explain_no_strategy(op.id))
+                raise PinError(explain_no_strategy(self, op.id))
             comp_list = []
             for e in row:
                 key = (op.id, e.index)
@@ -307,22 +307,6 @@ class Search:
         self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
-
-    def _explain_no_strategy(self, op_id: int) -> str:
-        g = self.graph
-        op = g.ops[op_id]
-        pinned = [(g.tensors[t].name, str(self.pins[t])) for t in op.inputs + op.outputs if t in self.pins]
-        forms = sorted(
-            {
-                ", ".join(f"{g.tensors[t].name}:{f}" for t, f in zip(op.outputs, s.outputs))
-                for s in self.theory.strategies[op_id]
-            }
-        )
-        return (
-            f"pin(s) {', '.join(f'{n}={f}' for n, f in pinned)} cannot be satisfied: op {op.name} ({op.target}) "
-            f"has no strategy that takes/produces these forms. Its strategies produce: {'; '.join(forms)}. "
-            "Pin one of those forms or remove the pin."
-        )
 
     # ------------------------------------------------------------------ costs
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
@@ -804,7 +788,7 @@ class Search:
         if not self.done:
             self._improve_by_dives(dives)
         if self._best is None:
-            raise NoProgramError(self._explain_no_program())
+            raise NoProgramError(explain_no_program(self))
         return SearchResult(
             self.program(self._best),
             self._nodes[self._best].base,
@@ -900,20 +884,6 @@ class Search:
                 break
             self._dive(nid)
             tried += 1
-
-    def _explain_no_program(self) -> str:
-        pins = ", ".join(f"{self.graph.tensors[t].name}={f}" for t, f in self.pins.items())
-        if self._mem is not None and self._mem.stats["pruned_memory"]:
-            return (
-                "no complete distributed program fits in device memory at these ratios "
-                f"({self._mem.stats['pruned_memory']} partial programs were pruned by memory)"
-                + (f" under the pins {pins}" if pins else "")
-            )
-        return (
-            "no complete distributed program exists"
-            + (f" under the pins {pins}; remove or change a pin" if pins else "")
-            + " (every candidate needed a tensor in a form it could not get)"
-        )
 
     # ------------------------------------------------------------------ views
     def program(self, nid: int) -> tuple[Step, ...]:

@@ -17,7 +17,9 @@ from .forms import Form, Storage, parse_pin
 from .graph import Graph
 from .triples import Theory
 
-__all__ = ["PinError", "normalize_ratios", "resolve_pins", "pin_choices"]
+__all__ = [
+    "PinError", "normalize_ratios", "resolve_pins", "pin_choices", "explain_no_strategy", "explain_no_program",
+]  # fmt: skip
 
 
 class PinError(ValueError):
@@ -110,3 +112,38 @@ def _module_output(g: Graph, name: str) -> Any:
     if not ops:
         return None
     return g.tensors[ops[-1].outputs[0]]
+
+
+def explain_no_strategy(search: Any, op_id: int) -> str:
+    """Why the pins of a :class:`~hapnb.search.Search` leave op ``op_id`` no strategy, and how to fix it."""
+    g = search.graph
+    op = g.ops[op_id]
+    pinned = [(g.tensors[t].name, str(search.pins[t])) for t in op.inputs + op.outputs if t in search.pins]
+    forms = sorted(
+        {
+            ", ".join(f"{g.tensors[t].name}:{f}" for t, f in zip(op.outputs, s.outputs))
+            for s in search.theory.strategies[op_id]
+        }
+    )
+    return (
+        f"pin(s) {', '.join(f'{n}={f}' for n, f in pinned)} cannot be satisfied: op {op.name} ({op.target}) "
+        f"has no strategy that takes/produces these forms. Its strategies produce: {'; '.join(forms)}. "
+        "Pin one of those forms or remove the pin."
+    )
+
+
+def explain_no_program(search: Any) -> str:
+    """Why a :class:`~hapnb.search.Search` found no complete program (memory, or the pins)."""
+    pins = ", ".join(f"{search.graph.tensors[t].name}={f}" for t, f in search.pins.items())
+    mem = search._mem
+    if mem is not None and mem.stats["pruned_memory"]:
+        return (
+            "no complete distributed program fits in device memory at these ratios "
+            f"({mem.stats['pruned_memory']} partial programs were pruned by memory)"
+            + (f" under the pins {pins}" if pins else "")
+        )
+    return (
+        "no complete distributed program exists"
+        + (f" under the pins {pins}; remove or change a pin" if pins else "")
+        + " (every candidate needed a tensor in a form it could not get)"
+    )
