@@ -318,7 +318,7 @@ def balance(
     share one ratio (:func:`ratio_lp` ``symmetric``: the same optimum from an LP with a row per device kind,
     not per device; without ratio pins, duplex or segments), so they get exactly equal ratios."""
     t0 = time.perf_counter()
-    sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex, symmetric=True), ratio_pins)
+    sol = solve_lp(ratio_lp(cm, program, ratio_pins, duplex=duplex, symmetric=True), ratio_pins, duals=False)
     return _result(cm, program, sol, duplex, t0)
 
 
@@ -330,8 +330,9 @@ def _result(
     return BalanceResult(sol.ratios, cost, time.perf_counter() - t0, sol.solver)
 
 
-def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = ()) -> LPSolution:
-    """Solve the LP; read the ratios (normalised), every variable's value, and every row's dual and slack."""
+def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = (), *, duals: bool = True) -> LPSolution:
+    """Solve the LP; read the ratios (normalised), every variable's value, and every row's dual and slack
+    (``duals=False``: the ratios and the cost only; values, duals and slacks are left empty)."""
     import pulp
 
     prob = lp.prob
@@ -346,6 +347,9 @@ def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = ()) -> LPSolution:
         row = [max(0.0, v.value() or 0.0) for v in row_vars]
         tot = sum(row)
         ratios.append(tuple(x / tot for x in row))
+    if not duals:
+        cost = float(pulp.value(prob.objective) or 0.0) / lp.unit
+        return LPSolution(tuple(ratios), cost, {}, {}, {}, lp.unit, solver_name())
     values = {v.name: float(v.value() or 0.0) for v in prob.variables()}
     rows = lp.rows()
     duals = {name: float(c.pi or 0.0) for name, c in rows.items()}

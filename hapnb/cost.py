@@ -293,6 +293,7 @@ class CostModel:
         #: the device's reference share: efficiency and regime of the device model are read there
         self.reference_share = tuple(f / total for f in self.flops)
         self._lin: dict[tuple[int, Strategy, int], tuple[float, float]] = {}
+        self._comp_lin: dict[Step, tuple[dict[int, tuple[float, ...]], tuple[float, ...]]] = {}
         self._op_bytes: dict[int, tuple[float, int]] = {}
         self._bound: dict[int, bool] = {}
 
@@ -630,6 +631,9 @@ class CostModel:
         ``sum_s coef[s][j] * ratios[s][j] + const[j]``. Read off the cost model itself (at zero ratios and
         at a unit ratio per segment the step touches), so the LP prices computation exactly as
         :meth:`evaluate` does; every computation term must be linear in the device's own ratio."""
+        hit = self._comp_lin.get(step)
+        if hit is not None:  # read-only: every LP of a context's programs asks for the same steps again
+            return hit
         segs = sorted({self.graph.ops[step.op].segment} | {self.segment_of[ld.tensor] for ld in step.loads})
         zero = [(0.0,) * self.n] * self.n_segments
         const = self.step_comp(step, zero)
@@ -639,6 +643,7 @@ class CostModel:
             unit[s] = (1.0,) * self.n
             at = self.step_comp(step, unit)
             coef[s] = tuple(a - c for a, c in zip(at, const))
+        self._comp_lin[step] = (coef, const)
         return coef, const
 
     # ------------------------------------------------------------------ programs
