@@ -495,6 +495,13 @@ class Search:
             self._jstar,
         )
         loadable, tmask, grouped = self._loadable, self._tmask, self._grouped
+        seen, nodes, heap, counter, heappush = (
+            self._seen,
+            self._nodes,
+            self._heap,
+            self._counter,
+            heapq.heappush,
+        )
         load_opts, conv_opts = self._load_opts, self._conv_opts
         for c in self._ops[pos]:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
@@ -667,11 +674,14 @@ class Search:
                     acc = (0.0,) * len(self._reps)
                     score = base
                 key = (npos, new_props, new_comm)
-                if (
-                    self._dominated_duplex(key, base, copen, acc, tail)
-                    if self.duplex
-                    else self._dominated(key, base, acc, ms)
-                ):
+                if self.duplex:
+                    dominated = self._dominated_duplex(key, base, copen, acc, tail)
+                elif key in seen:
+                    dominated = self._dominated(key, base, acc, ms)
+                else:  # the first program with these properties (as _dominated records it)
+                    seen[key] = [(base, acc, ms)]
+                    dominated = False
+                if dominated:
                     self._stats.pruned_dominated += 1
                     if record:
                         pruned.append((desc, "dominated: same properties reached at no greater cost"))
@@ -681,12 +691,16 @@ class Search:
                 if self.duplex:
                     child.copen, child.tail = copen, tail
                 child.ms, child.real = ms, real
-                cid = self._push(child)
+                cid = len(nodes)  # self._push(child), inlined
+                nodes.append(child)
+                heappush(heap, (score, next(counter), cid))
                 if complete and (self._best is None or base < self._nodes[self._best].base - _EPS):
                     self._best = cid
                     best_cost = base
                 kids.append(cid)
         self._stats.generated += generated
+        if len(heap) > self._stats.max_frontier:
+            self._stats.max_frontier = len(heap)
         return kids, pruned
 
     def _pop(self) -> int | None:
