@@ -34,14 +34,13 @@ linear in the ratios, in GiB): their duals say what a GiB more of that device's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import pulp  # imported with this module (0.02-0.1 s), not at the first LP of a synthesis
 
 from .cluster import Cluster
 from .cost import CostModel, Step
@@ -98,8 +97,13 @@ def proportional_ratios(flops: Sequence[float]) -> tuple[float, ...]:
     return tuple(f / tot for f in flops)
 
 
+@functools.cache
 def solver_name() -> str:
+    """The LP solver PuLP uses here ("HiGHS" when highspy is installed, else "CBC"); probed once per
+    process (the first call imports PuLP)."""
     try:
+        import pulp
+
         if pulp.HiGHS(msg=False).available():
             return "HiGHS"
     except Exception:  # noqa: BLE001 - any failure means HiGHS is not usable
@@ -128,6 +132,8 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _solver():  # noqa: ANN202
+    import pulp
+
     if solver_name() == "HiGHS":
         return pulp.HiGHS(msg=False)
     return pulp.PULP_CBC_CMD(msg=False)
@@ -243,6 +249,8 @@ def ratio_lp(
     constraint (one segment, no duplex, no ratio pins): the LP is convex and symmetric in them, so some
     optimum is symmetric and the cost is the same, from an LP as large as the number of device kinds
     (its rows name the first device of each class)."""
+    import pulp
+
     n, S = cm.n, cm.n_segments
     names = [d.name for d in cm.cluster.devices]
     bounds = {p.device: (p.lo, p.hi) for p in ratio_pins}
@@ -329,6 +337,8 @@ def _result(
 def solve_lp(lp: RatioLP, ratio_pins: Sequence[RatioPin] = (), *, duals: bool = True) -> LPSolution:
     """Solve the LP; read the ratios (normalised), every variable's value, and every row's dual and slack
     (``duals=False``: the ratios and the cost only; values, duals and slacks are left empty)."""
+    import pulp
+
     prob = lp.prob
     with _quiet_stdout():
         status = prob.solve(_solver())
@@ -396,6 +406,8 @@ class _Tangent:
     ``d`` (with HiGHS directly when it is installed: a warm-started dual simplex; else through PuLP)."""
 
     def __init__(self, base: RatioLP, sol: LPSolution, tol: float) -> None:
+        import pulp
+
         x = sol.values
         self.vars = list(base.prob.variables())
         col = {v.name: k for k, v in enumerate(self.vars)}
@@ -451,6 +463,8 @@ class _Tangent:
         return self._solve_pulp(d)
 
     def _solve_pulp(self, d: Mapping[str, float]) -> float | None:
+        import pulp
+
         prob = pulp.LpProblem("hapnb_tangent", pulp.LpMinimize)
         h = [prob.add_variable(f"h{k}", lo, hi) for k, (lo, hi) in enumerate(self.bounds)]
         for name, (sense, idx, vals) in self.rows.items():
@@ -521,6 +535,8 @@ def _epigraph(prob, name: str, rows, r) -> object:  # noqa: ANN001
 def _at_least(prob, name: str, X, terms, const: float) -> None:  # noqa: ANN001
     """The row ``X >= sum(a * v for v, a in terms) + const`` (built directly: PuLP's operators copy
     expressions, several times slower on LPs of thousands of rows)."""
+    import pulp
+
     coef = {X.name: (X, 1.0)}
     for v, a in terms:  # a variable may come several times: sum its coefficients
         w = coef.get(v.name)
@@ -532,6 +548,8 @@ def _at_least(prob, name: str, X, terms, const: float) -> None:  # noqa: ANN001
 def _comm_epigraph(prob, name: str, tm, r, unit: float = 1.0, reps=None) -> object:  # noqa: ANN001
     """``M >= unit * tm.time(r)``: ``const + slope * max_j r[seg][j]`` (a reshard: its boundary shares);
     ``reps``: the devices that need a row (one per class of identical devices; default all)."""
+    import pulp
+
     n = len(r[0])
     M = prob.add_variable(name, 0)
     if tm.segment2 >= 0:
@@ -567,6 +585,8 @@ def _duplex_objective(prob, cm: CostModel, program: Sequence[Step], r, unit: flo
     """Set the duplex LP's objective (see the module docstring), in units of the duplex time at
     throughput-proportional ratios (so that the solver's absolute tolerances do not swamp programs of
     nanoseconds)."""
+    import pulp
+
     if unit is None:
         ref = duplex_cost(cm, program, [proportional_ratios(cm.flops)] * cm.n_segments)
         unit = 1.0 / ref if ref > 0 else 1.0
@@ -679,6 +699,8 @@ def balance_in_memory(
 
 def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float]) -> None:  # noqa: ANN001
     """Each device's peak (both phases, :func:`hapnb.memory.peak_raw`) at most its memory, in GiB."""
+    import pulp
+
     gib = 2.0**30
 
     def part(p: tuple[float, dict[int, float]], j: int) -> Any:

@@ -607,17 +607,23 @@ class CostModel:
                 )
         return tuple(out)
 
-    def step_terms(self, step: Step) -> tuple[Term, ...]:
-        """Communication terms of one step; none on a one-device cluster (nothing to talk to)."""
+    def step_parts(
+        self, step: Step
+    ) -> tuple[tuple[tuple[Term, ...], ...], tuple[tuple[Term, ...], ...], tuple[Term, ...]]:
+        """A step's communication terms by part: per load, per conversion, and its SFB sync."""
+        return (
+            tuple(self.load_terms(ld) for ld in step.loads),
+            tuple(self.conversion_terms(cv) for cv in step.conversions),
+            self.sfb_terms(step),
+        )
+
+    def step_terms(self, step: Step, parts: Any = None) -> tuple[Term, ...]:
+        """Communication terms of one step (its :meth:`step_parts`, or ``parts`` when the caller has them),
+        in order; none on a one-device cluster (nothing to talk to)."""
         if self.n == 1:
             return ()
-        terms: list[Term] = []
-        for ld in step.loads:
-            terms += self.load_terms(ld)
-        for cv in step.conversions:
-            terms += self.conversion_terms(cv)
-        terms += self.sfb_terms(step)
-        return tuple(terms)
+        loads, convs, sfb = self.step_parts(step) if parts is None else parts
+        return tuple(tm for part in (*loads, *convs, sfb) for tm in part)
 
     def step_comp(self, step: Step, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         v = list(self.comp(step.op, step.strategy, ratios))

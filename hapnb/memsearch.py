@@ -78,14 +78,10 @@ class MemoryTracker:
         self._sbit: dict[tuple[int, str, float], int] = {}
         self._op: dict[int, tuple[np.ndarray | None, list[tuple[int, np.ndarray]]]] = {}
         self._realized: dict[Any, tuple[float, tuple[Load, ...]] | None] = {}
-        last = [-1] * len(g.tensors)
-        for op in g.ops:
-            for t in op.inputs:
-                last[t] = op.id
         self._dies = [0] * (len(g.ops) + 1)
         for pos, comp in enumerate(s._ops):
             for c in comp:
-                self._compile_op(pos, c, last)
+                self._compile_op(pos, c, s._last_use)  # each tensor's last reader (the search's tables)
         self._future(s)
         self._groups()
         self.stats = {"realized": 0, "milp": 0, "pruned_memory": 0}

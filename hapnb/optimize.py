@@ -19,7 +19,7 @@ labels) alternates with the duplex LP, and the costs in the result and its histo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .balance import (
@@ -193,7 +193,7 @@ class Memo:
 
     def shared(self, key: Any) -> dict[str, Any]:
         """A dict of costs shared by the searches at ``key`` (cluster and ratios, see ``Search(shared=)``; or
-        cluster and ``"terms"``: the communication terms, which do not depend on the ratios)."""
+        cluster and ``"per_cluster"``: what does not depend on the ratios)."""
         table = self.tables.setdefault("shared", {})
         if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
             table.clear()
@@ -499,19 +499,17 @@ def optimize(
         key = tuple(map(tuple, ratios_))
         for r0, p0, o0, m0, out in done:
             if r0 == key and m0 == mem and _subsumes(th, out.result, p0, o0, pins_, merged):
-                res = out.result
                 zero = {k: 0 for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
-                return _Searched(
-                    type(res)(res.program, res.cost, True, 0, 0.0), out.final, tuple(zero.items()), out.ratios
-                )
+                res = replace(out.result, expansions=0, seconds=0.0)  # proven optimal: _subsumes checked
+                return _Searched(res, out.final, tuple(zero.items()), out.ratios)
         return None
 
     def run_search(
         ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool, incumbent: Any = None
     ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
-        if shared is not None:  # communication terms do not depend on the ratios: one dict per cluster
-            shared.setdefault("terms_of", memo.shared((ck, "terms")))
+        if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
+            shared.setdefault("per_cluster", memo.shared((ck, "per_cluster")))
             shared.setdefault("static", memo.shared("static"))  # the theory's search tables
         s = Search(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
@@ -605,14 +603,17 @@ def optimize(
             seen.add(key)
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
+    def cost_at(prog: Any, ratios_: Any) -> float:
+        """The loop's objective for ``prog`` at ``ratios_``: the duplex time or the stage cost."""
+        return duplex_cost(cm, prog, ratios_) if duplex else cm.evaluate(prog, ratios_).cost_s
+
     def consider(res: Any, s: _Searched, it: int, source: str = "search") -> bool:
         nonlocal best
         prog = res.program
         if fixed is not None:
             if not fits(prog, s.final, fixed):
                 return False
-            cost_f = duplex_cost(cm, prog, fixed) if duplex else cm.evaluate(prog, fixed).cost_s
-            ratios_k, cost_k, b_sec = fixed, cost_f, 0.0
+            ratios_k, cost_k, b_sec = fixed, cost_at(prog, fixed), 0.0
         else:
             bal = (
                 None if mem_on[0] else lp("lp", (prog,), lambda: balance(cm, prog, ratio_pins, duplex=duplex))
@@ -626,21 +627,22 @@ def optimize(
                     )
                 except MemoryCapError:
                     bal = None
-            if bal is not None:
-                ratios_k, cost_k, b_sec = bal.ratios, bal.cost, bal.seconds
-                if res.cost < cost_k * (1 - LP_WORSE) and keeps_ratio_pins(s.ratios, ratio_pins, c.names):
-                    # the LP prices a segmented program's re-cuts coarsely (a re-cut never starts a stage
-                    # there): where its ratios cost clearly more than those the program was found at, keep those
-                    at = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s
-                    if at < cost_k * (1 - LP_WORSE) and fits(prog, s.final, s.ratios):
-                        ratios_k, cost_k = s.ratios, at
-                        stats["lp_kept_ratios"] = stats.get("lp_kept_ratios", 0) + 1
-            elif fits(prog, s.final, s.ratios):  # the LP's linear memory is coarser than the
-                # search's integer shards: keep the ratios the program was found (and fits) at
-                cost_s = duplex_cost(cm, prog, s.ratios) if duplex else cm.evaluate(prog, s.ratios).cost_s
-                ratios_k, cost_k, b_sec = s.ratios, cost_s, 0.0
-                stats["memory_lp_kept_ratios"] = stats.get("memory_lp_kept_ratios", 0) + 1
-            else:
+            # keep the ratios the program was found at (when it fits there) where the LP has no ratios (its
+            # linear memory is coarser than the search's integer shards) or clearly costlier ones (a segmented
+            # program's LP prices re-cuts coarsely: a re-cut never starts a stage there)
+            ratios_k, cost_k, b_sec = (
+                (bal.ratios, bal.cost, bal.seconds) if bal is not None else (None, 0.0, 0.0)
+            )
+            worse = bal is not None and res.cost < cost_k * (1 - LP_WORSE)
+            if (bal is None or (worse and keeps_ratio_pins(s.ratios, ratio_pins, c.names))) and fits(
+                prog, s.final, s.ratios
+            ):
+                at = cost_at(prog, s.ratios)
+                if bal is None or at < cost_k * (1 - LP_WORSE):
+                    ratios_k, cost_k = s.ratios, at
+                    kept = "memory_lp_kept_ratios" if bal is None else "lp_kept_ratios"
+                    stats[kept] = stats.get(kept, 0) + 1
+            if ratios_k is None:
                 stats["memory_rejected"] = stats.get("memory_rejected", 0) + 1
                 return False
             stats["balance_s"] += b_sec
@@ -696,12 +698,9 @@ def optimize(
             if keeps_ratio_pins(
                 bratios, ratio_pins, c.names
             ):  # a candidate only where it keeps the ratio pins
-                at_own = (
-                    duplex_cost(cm, res.program, bratios)
-                    if duplex
-                    else cm.evaluate(res.program, bratios).cost_s
+                add_candidate(
+                    cost_at(res.program, bratios), res.program, s.final, bratios, f"baseline {name}"
                 )
-                add_candidate(at_own, res.program, s.final, bratios, f"baseline {name}")
             if res.program in tried:
                 continue  # the same program was balanced already
             tried.add(res.program)

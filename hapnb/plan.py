@@ -611,13 +611,8 @@ def make_plan(
     cm = cost_model if cost_model is not None else CostModel(th, cluster)
     # each load's, conversion's and SFB step's terms and each step's computation, computed once: the
     # evaluation (stages, cost) and the instructions (their priced terms) both use them
-    load_terms = [[cm.load_terms(ld) for ld in st.loads] for st in program]
-    conv_terms = [[cm.conversion_terms(cv) for cv in st.conversions] for st in program]
-    sfb_terms = [cm.sfb_terms(st) for st in program]
-    step_terms = [
-        () if cm.n == 1 else tuple(tm for ts in (*lt, *ct, sf) for tm in ts)
-        for lt, ct, sf in zip(load_terms, conv_terms, sfb_terms)
-    ]
+    parts = [cm.step_parts(st) for st in program]
+    step_terms = [cm.step_terms(st, p) for st, p in zip(program, parts)]
     comps = [cm.step_comp(st, ratios) for st in program]
     ev = cm.evaluate(program, ratios, terms=step_terms, comps=comps)
     stage_of_step = {}
@@ -651,7 +646,8 @@ def make_plan(
     for k, st in enumerate(program):
         stage = stage_of_step[k]
         op = g.ops[st.op]
-        for ld, lterms in zip(st.loads, load_terms[k]):
+        load_terms, conv_terms, sfb_terms = parts[k]
+        for ld, lterms in zip(st.loads, load_terms):
             emit(
                 Instruction(
                     "load",
@@ -668,7 +664,7 @@ def make_plan(
             for tm in lterms:
                 stage_comm.setdefault(stage, []).append(tm.what)
         resharded = {}
-        for cv, cterms in zip(st.conversions, conv_terms[k]):
+        for cv, cterms in zip(st.conversions, conv_terms):
             if cv.name == "reshard":
                 dst = f"{cv.dst}@{cv.segment}"
                 resharded[cv.tensor] = dst
@@ -701,7 +697,7 @@ def make_plan(
                     used.add((cv.tensor, f.dim))
             for tm in cterms:
                 stage_comm.setdefault(stage, []).append(tm.what)
-        for tm in sfb_terms[k]:
+        for tm in sfb_terms:
             stage_comm.setdefault(stage, []).append(tm.what)
         s = st.strategy
         for t, f in list(zip(op.inputs, s.inputs)) + list(zip(op.outputs, s.outputs)):
@@ -720,7 +716,7 @@ def make_plan(
                 ),
                 outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
                 comp_s=tuple(float(x) for x in comps[k]),
-                comm=priced(sfb_terms[k]),
+                comm=priced(sfb_terms),
             )
         )
     last_stage = ev.stages[-1].index if ev.stages else 0

@@ -127,7 +127,7 @@ class _Compiled:
     reshards: tuple[Conversion, ...]  # G inputs from another segment (re-cut for this op's ratios)
     need_bits: tuple[int, ...]  # the property bit of each of ``needs``
     index: int  # its place in the theory's strategies of the op
-    sfb_s: float | None = None  # an SFB strategy's sync time (made on first use)
+    fixed: tuple[float, ...] | None = None  # its own communication seconds: re-cuts, then SFB (first use)
 
 
 @dataclass
@@ -278,29 +278,24 @@ class Search:
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
         self._rem = rem
-        self._term_cache: dict[Any, float] = self._shared.setdefault("terms", {})
-        # the terms themselves do not depend on the ratios: ``shared["terms_of"]`` may be one dict for every
-        # ratio on this theory and cluster (hapnb.optimize passes one)
-        self._terms_of: dict[Any, tuple[Any, ...]] = self._shared.setdefault("terms_of", {})
-        # the hot loop's lookups by property bits (ints hash fast): a load's (Load, time) by (bit, sfb) (plain
-        # loads only, not with memory or a storage pin: their price does not depend on the ratios, so shared
-        # per cluster) and its option list (per search); the options to get a tensor's needed form from its
+        # what does not depend on the ratios is kept per cluster: ``shared["per_cluster"]`` (hapnb.optimize
+        # passes one dict for every search of a context on this cluster)
+        self._per_cluster: dict[Any, Any] = self._shared.setdefault("per_cluster", {})
+        # the hot loop's lookups by property bits (ints hash fast): a load's option [(Load, bit, 0, 1, seconds)]
+        # by (bit, sfb) (a plain load's price does not depend on the ratios: shared per cluster, unless a
+        # storage pin makes the search's loads its own); the options to get a tensor's needed form from its
         # present ones by (present bits, target bit), with and without the grouped collectives (shared by
-        # the searches at these ratios); an SFB sync's time
-        self._load_of: dict[tuple[int, bool], tuple[Load, float]] = (
-            {} if self.storage else self._terms_of.setdefault("plain loads", {})
+        # the searches at these ratios); an SFB sync's time; a collective's time per price class
+        self._load_opts: dict[tuple[int, bool], list[Any]] = (
+            {} if self.storage else self._per_cluster.setdefault("plain loads", {})
         )
-        self._load_opts: dict[tuple[int, bool], list[Any]] = {}
         self._conv_opts: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
             "conv_opts", {}
         )
         self._grouped = 0 if self.options["grouped"] else 1  # which list of the pair
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
-        self._conv_t: dict[tuple[int, str], float] = self._shared.setdefault(
-            "conv_t", {}
-        )  # (class, name) -> s
+        self._conv_t: dict[tuple[int, str, int], float] = self._shared.setdefault("conv_t", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
-        self._loss_bit_I = self._bit.get((g.loss, I), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
         self._jstar, self._spine_opts = spine_bound(self)
         self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
@@ -335,23 +330,35 @@ class Search:
             return Load(t, f, False, st.zero, st.form)
         return self._mem.load(t, f, sfb) if self._mem is not None else Load(t, f, sfb)
 
-    def _load_entry(self, t: int, f: Form, sfb: bool) -> tuple[Load, float]:
-        """The load of ``t`` in ``f`` and its seconds (plain loads from the per-cluster table)."""
-        if self._mem is not None:
+    def _load_option(self, t: int, f: Form, sfb: bool, bit: int) -> list[Any]:
+        """The hot loop's one option to load ``t`` in ``f`` (``bit``): ``[(Load, bit, 0, 1, seconds)]``, kept
+        per (bit, sfb) unless loads are priced by the memory tracker."""
+        opts = self._load_opts.get((bit, sfb)) if self._mem is None else None
+        if opts is None:
             ld = self._load(t, f, sfb)
-            return ld, self._load_time(ld)
-        key = (self._bit[(t, f)], sfb)
-        lt = self._load_of.get(key)
-        if lt is None:
-            ld = self._load(t, f, sfb)
-            lt = self._load_of[key] = (ld, self._load_time(ld))
-        return lt
+            opts = [(ld, bit, 0, 1, self._load_time(ld))]
+            if self._mem is None:
+                self._load_opts[(bit, sfb)] = opts
+        return opts
+
+    def _load_s(self, t: int, f: Form, sfb: bool) -> float:
+        """Seconds of loading ``t`` in ``f`` (the spine bound's price of a load)."""
+        return self._load_option(t, f, sfb, self._bit[(t, f)])[0][4]
+
+    def _collective_s(self, cv: Conversion) -> float:
+        """Seconds of a collective at the search's ratios, shared by the tensors of one price class (same
+        bytes, ratio segment and need of a gradient) and by the searches at these ratios."""
+        key = (self._price_class[cv.tensor], cv.name, cv.segment)
+        v = self._conv_t.get(key)
+        if v is None:
+            v = self._conv_t[key] = sum(tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv))
+        return v
 
     def _load_time(self, ld: Load) -> float:
         """Communication seconds of a load (a deferred one: its cheapest storage)."""
         if self._mem is not None:
             return self._mem.time(ld)
-        return self._terms_time(("L", ld), lambda: self.cost_model.load_terms(ld))
+        return sum(tm.time(self.ratios) for tm in self.cost_model.load_terms(ld))
 
     def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], list[Any]]:
         """The hot loop's options to get tensor ``t`` in ``f`` (``bit``) from its present forms (``have``):
@@ -360,7 +367,6 @@ class Search:
         of a tensor are kept per theory (``_cv_lists``)."""
         opts: tuple[list[Any], list[Any]] = ([], [])
         tbit = 1 << t
-        pc = self._price_class[t]
         while have:
             low = have & -have
             have ^= low
@@ -372,16 +378,20 @@ class Search:
                     for name in CONVERSIONS.get((src.kind, f.kind), ())
                 )
             for cv, grouped in cvs:
-                v = self._conv_t.get((pc, cv.name))
-                if v is None:
-                    v = self._conv_t[(pc, cv.name)] = sum(
-                        tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv)
-                    )
-                x = (cv, bit, tbit, 2, v)
+                x = (cv, bit, tbit, 2, self._collective_s(cv))
                 opts[0].append(x)
                 if not grouped:
                     opts[1].append(x)
         return opts
+
+    def _fixed(self, op: int, c: _Compiled) -> tuple[float, ...]:
+        """A compiled strategy's own communication seconds, in the order the cost adds them: its re-cuts of
+        inputs from another ratio segment, then its SFB sync."""
+        if c.fixed is None:
+            c.fixed = tuple(self._collective_s(cv) for cv in c.reshards) + (
+                (self._sfb_time(op, c),) if c.strategy.sfb else ()
+            )
+        return c.fixed
 
     def _sfb_time(self, op: int, c: _Compiled) -> float:
         """An SFB strategy's sync seconds (shared by the searches at these ratios)."""
@@ -390,16 +400,6 @@ class Search:
         if v is None:
             st = Step(op, c.strategy)
             v = self._sfb_of[key] = sum(tm.time(self.ratios) for tm in self.cost_model.sfb_terms(st))
-        return v
-
-    def _terms_time(self, key: Any, terms_fn: Any) -> float:
-        v = self._term_cache.get(key)
-        if v is None:
-            terms = self._terms_of.get(key)
-            if terms is None:
-                terms = self._terms_of[key] = tuple(terms_fn())
-            v = sum(tm.time(self.ratios) for tm in terms)
-            self._term_cache[key] = v
         return v
 
     # ------------------------------------------------------------------ core
@@ -517,15 +517,8 @@ class Search:
                         fail = 1
                         break
                     sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
-                    if self._mem is None:
-                        opts = load_opts.get((bit, sfb))
-                        if opts is None:
-                            ld, lt = self._load_entry(t, f, sfb)
-                            opts = load_opts[(bit, sfb)] = [(ld, bit, 0, 1, lt)]
-                        per_need.append(opts)
-                    else:
-                        ld = self._load(t, f, sfb)
-                        per_need.append([(ld, bit, 0, 1, self._load_time(ld))])
+                    opts = load_opts.get((bit, sfb)) if self._mem is None else None
+                    per_need.append(opts or self._load_option(t, f, sfb, bit))
                     continue
                 if comm >> t & 1:
                     fail = 2
@@ -590,12 +583,8 @@ class Search:
                     comm_t += grad_t
                 for x in conv_ts:
                     comm_t += x
-                for cv in c.reshards:
-                    comm_t += self._terms_time(("C", cv), lambda cv=cv: self.cost_model.conversion_terms(cv))
-                if c.strategy.sfb:
-                    if c.sfb_s is None:
-                        c.sfb_s = self._sfb_time(op.id, c)
-                    comm_t += c.sfb_s
+                for x in c.fixed if c.fixed is not None else self._fixed(op.id, c):
+                    comm_t += x
                 copen = 0.0
                 if self.duplex:
                     # base: HiDup's ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i) of the open stage i, plus the

