@@ -89,7 +89,9 @@ class Op:
     forward flop count from the op's rule family; ``segment`` the sharding-ratio segment.
     ``output_items`` is empty when the op returns one tensor; for a tuple/list result it gives, for
     every entry of ``outputs``, its position in the result (``outputs[k] = result[output_items[k]]``;
-    unused results of the tuple have no tensor).
+    unused results of the tuple have no tensor). ``origin`` is the op target this op was lowered from
+    (:mod:`hapnb.tracing.lower`: an in-place or composite op without a rule, e.g. ``aten.pad.default``),
+    empty for an op the model wrote itself.
     """
 
     id: int
@@ -104,6 +106,7 @@ class Op:
     family: str = "unknown"
     segment: int = 0
     output_items: tuple[int, ...] = ()
+    origin: str = ""
 
     @property
     def kw(self) -> dict[str, Any]:

@@ -244,6 +244,7 @@ class _Builder:
         outs: list[tuple[str, Any, Any]],
         module: str,
         items: tuple[int, ...] = (),
+        origin: str = "",
     ) -> None:
         from .. import rules
 
@@ -275,6 +276,7 @@ class _Builder:
                 flops=fl,
                 family=rules.family(target),
                 output_items=items,
+                origin=origin,
             )
         )
 
@@ -314,8 +316,37 @@ def _loss_of(b: _Builder, out_ids: list[int], where: str) -> int:
     return cands[0]
 
 
-def from_export(ep: Any, names: list[str], name: str) -> Graph:
+def _live_nodes(ep: Any) -> set[Any]:
+    """The nodes the exported program's user outputs depend on (a lowered program also returns its
+    buffer updates, e.g. batch norm's running statistics: they do not reach the loss)."""
     import torch
+
+    sig = ep.graph_signature
+    user = set(sig.user_outputs)
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    outs = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    todo = [o for o in outs if isinstance(o, torch.fx.Node) and (not user or o.name in user)]
+    live: set[Any] = set()
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo.extend(n.all_input_nodes)
+    return live
+
+
+def from_export(ep: Any, names: list[str], name: str, origins: dict[str, str] | None = None) -> Graph:
+    """The Graph of an exported program. ``origins`` (a lowered program, :mod:`.lower`): the target each
+    lowered op node came from (kept as ``Op.origin``). A program that also returns buffer updates (batch
+    norm's running statistics, functionalized in-place updates) leaves out the ops that do not reach the
+    loss: the distributed program computes the loss and its gradients only."""
+    import torch
+
+    live = (
+        _live_nodes(ep)
+        if len(ep.graph_signature.output_specs) > len(ep.graph_signature.user_outputs)
+        else None
+    )
 
     sig = ep.graph_signature
     params = dict(sig.inputs_to_parameters)
@@ -351,7 +382,8 @@ def from_export(ep: Any, names: list[str], name: str) -> Graph:
                 in_ids.append(tid)
             b.node_tensor[node] = tid
         elif node.op == "call_function":
-            _export_call(b, node)
+            if live is None or node in live:
+                _export_call(b, node, (origins or {}).get(node.name, ""))
         elif node.op == "output":
             outs = node.args[0]
             user_out_names = list(sig.user_outputs)
@@ -366,7 +398,7 @@ def from_export(ep: Any, names: list[str], name: str) -> Graph:
     raise TraceError(f"{name}: the exported graph has no output node")
 
 
-def _export_call(b: _Builder, node: Any) -> None:
+def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
     import operator
 
     import torch
@@ -388,7 +420,7 @@ def _export_call(b: _Builder, node: Any) -> None:
     target = _canonical(node.target)
     if isinstance(val, torch.Tensor):
         args, kwargs = normalize_args(node.target, node.args, node.kwargs)
-        b.add_op(node.name, target, args, kwargs, [(node.name, node, val)], module)
+        b.add_op(node.name, target, args, kwargs, [(node.name, node, val)], module, origin=origin)
     elif isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val):
         outs = []
         items = []
@@ -402,7 +434,7 @@ def _export_call(b: _Builder, node: Any) -> None:
         if not outs:  # a tuple op whose results are unused: keep nothing
             return
         args, kwargs = normalize_args(node.target, node.args, node.kwargs)
-        b.add_op(node.name, target, args, kwargs, outs, module, tuple(items))
+        b.add_op(node.name, target, args, kwargs, outs, module, tuple(items), origin)
     elif val is None:
         return  # assertions and other ops without results
     else:
@@ -603,6 +635,16 @@ def _from_fx(wrapper: Any, example: tuple, names: list[str], name: str) -> Graph
     raise TraceError(f"{name}: the fx graph has no output node")
 
 
+def _from_lowered(ep: Any, names: list[str], name: str) -> Graph:
+    """The Graph of ``ep`` after :func:`.lower.lower` (unchanged when every op has a rule)."""
+    from .lower import lower
+
+    low = lower(ep)
+    if low.program is ep:
+        return from_export(ep, names, name)
+    return from_export(low.program, names, name, low.origins)
+
+
 def trace(
     model: Any,
     example_inputs: Sequence[Any],
@@ -625,7 +667,7 @@ def trace(
 
     if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
         specs = model.graph_signature.user_inputs
-        return from_export(model, list(specs), name or "model")
+        return _from_lowered(model, list(specs), name or "model")
     if not isinstance(example_inputs, (list, tuple)):
         example_inputs = (example_inputs,)
     inputs = tuple(example_inputs)
@@ -643,7 +685,7 @@ def trace(
         tracker = _ModuleTracker(wrapper)
         try:
             ep = torch.export.export(wrapper, example, strict=False)
-            return from_export(ep, names, gname)
+            return _from_lowered(ep, names, gname)
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -653,7 +695,7 @@ def trace(
             tracker.remove()
         try:
             ep = torch.export.export(wrapper, example, strict=True)
-            return from_export(ep, names, gname)
+            return _from_lowered(ep, names, gname)
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001

@@ -34,7 +34,7 @@ __all__ = ["cache_dir", "cache_key", "load", "save", "graph_to_json", "graph_fro
            "decode_value", "FORMAT"]  # fmt: skip
 
 #: version of the entry format (part of every key)
-FORMAT = 1
+FORMAT = 2
 
 #: hapnb sources a graph depends on (relative to the package): their contents are part of every key
 _SOURCES = ("graph.py", "zoo.py", "tracing", "rules")
@@ -138,7 +138,18 @@ def decode_value(v: Any) -> Any:
 # ------------------------------------------------------------------------------------------ graphs
 
 _TENSOR_FIELDS = ("name", "shape", "dtype", "role", "producer", "consumers", "requires_grad")
-_OP_FIELDS = ("name", "target", "inputs", "outputs", "module", "flops", "family", "segment", "output_items")
+_OP_FIELDS = (
+    "name",
+    "target",
+    "inputs",
+    "outputs",
+    "module",
+    "flops",
+    "family",
+    "segment",
+    "output_items",
+    "origin",
+)
 
 
 def graph_to_json(g: Graph) -> dict[str, Any]:

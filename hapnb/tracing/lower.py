@@ -1,0 +1,190 @@
+"""Lower an exported program to ops that have sharding rules (issue 18: coverage by construction).
+
+torch.export gives aten ops as the model wrote them: composite ops (``aten.pad``, ``aten.__and__``,
+``aten.diff``), in-place ops (``add_``, ``masked_fill_``, ``copy_``) and training ``batch_norm``. An op
+without a rule runs replicated and, worse, forces every tensor it touches to be replicated: one
+``aten.pad`` in a library's label shift replicates the whole batch. :func:`lower` rewrites such a program
+with ``ExportedProgram.run_decompositions``:
+
+* it functionalizes in-place ops (``add_`` -> ``add``, buffer updates become outputs);
+* it decomposes, with torch's own core-ATen table (:func:`torch.export.default_decompositions`), every
+  op that has no rule, and keeps whole every op that has one (``linear``, ``scaled_dot_product_attention``,
+  ``embedding``, ``layer_norm``, ``cross_entropy_loss``, ... are never decomposed);
+* it applies hapnb's own decompositions (:data:`HAPNB_DECOMPOSITIONS`), written so that the rules can
+  shard them: training-mode batch norm computes its statistics as sums over the batch and spatial dims,
+  so a batch-sharded input gives partial sums (``R``) that the search all-reduces: SyncBatchNorm
+  semantics, exact against one device.
+
+A program whose ops all have rules and that mutates nothing is returned unchanged (the zoo's graphs do
+not move). Each op that lowering produced keeps the target it came from (:attr:`Lowered.origins`, by
+node name; the tracer stores it as ``Op.origin``).
+
+>>> import torch
+>>> class Shift(torch.nn.Module):
+...     def forward(self, x):
+...         return torch.nn.functional.pad(x, (0, 1)).sum()
+>>> ep = torch.export.export(Shift(), (torch.randn(4, 3),), strict=False)
+>>> low = lower(ep)
+>>> sorted(set(low.origins.values()))
+['aten.pad.default']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Lowered", "lower", "needs_lowering", "HAPNB_DECOMPOSITIONS"]
+
+
+def _batch_norm_stats(x: Any) -> tuple[Any, Any, int]:
+    """Mean and biased variance of ``x`` per channel (dim 1), kept as ``[1, C, 1, ...]``, as sums over
+    every other dim divided by the count (two passes: the mean, then the centred squares)."""
+    import torch
+
+    dims = [0] + list(range(2, x.dim()))
+    count = x.numel() // x.shape[1]
+    mean = torch.sum(x, dims, keepdim=True) / count
+    centred = x - mean
+    var = torch.sum(centred * centred, dims, keepdim=True) / count
+    return mean, var, count
+
+
+def _batch_norm_functional(
+    x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool, momentum: float,
+    eps: float,
+) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
+    """``aten._native_batch_norm_legit_functional`` with its statistics as sums over the batch and spatial
+    dims, so a batch-sharded ``x`` gives partial sums that one all-reduce each completes (SyncBatchNorm).
+    Returns ``(y, mean, rstd, new_running_mean, new_running_var)`` like the aten op (running variance
+    unbiased, ``momentum`` as torch uses it)."""
+    import torch
+
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if training:
+        mean, var, count = _batch_norm_stats(x)
+        new_mean = running_mean * (1 - momentum) + mean.reshape(-1) * momentum
+        new_var = running_var * (1 - momentum) + var.reshape(-1) * (count / max(count - 1, 1)) * momentum
+    else:
+        mean, var = running_mean.reshape(shape), running_var.reshape(shape)
+        new_mean, new_var = running_mean, running_var
+    rstd = torch.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y, mean.reshape(-1), rstd.reshape(-1), new_mean, new_var
+
+
+def _batch_norm_no_stats(
+    x: Any, weight: Any, bias: Any, training: bool, momentum: float, eps: float
+) -> tuple[Any, Any, Any]:
+    """``aten._native_batch_norm_legit`` without running statistics: always the batch's statistics."""
+    import torch
+
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    mean, var, _ = _batch_norm_stats(x)
+    rstd = torch.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y, mean.reshape(-1), rstd.reshape(-1)
+
+
+def _hapnb_table() -> dict[Any, Callable[..., Any]]:
+    import torch
+
+    aten = torch.ops.aten
+    return {
+        aten._native_batch_norm_legit_functional.default: _batch_norm_functional,
+        aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
+    }
+
+
+#: hapnb's own decompositions, by op target: written so that the rules can shard the result.
+HAPNB_DECOMPOSITIONS: dict[str, str] = {
+    "aten._native_batch_norm_legit_functional.default": "training batch norm (what aten.batch_norm "
+    "becomes): statistics as sums over the batch and spatial dims, so a batch-sharded input gives partial "
+    "sums that one all-reduce each completes (SyncBatchNorm); running statistics updated as torch does",
+    "aten._native_batch_norm_legit.no_stats": "batch norm without running statistics: the same sums",
+}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The lowered program and, for each of its op nodes made by lowering, the target it came from."""
+
+    program: Any
+    origins: dict[str, str] = field(default_factory=dict)
+    lowered: tuple[str, ...] = ()  # the targets that were lowered (no rule, in-place, or hapnb's own)
+
+
+def _tensor_result(node: Any) -> bool:
+    import torch
+
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+def needs_lowering(ep: Any, has_rule: Callable[[str], bool]) -> tuple[str, ...]:
+    """The op targets of ``ep`` that lowering would rewrite: in-place (mutating) ops, ops with a hapnb
+    decomposition, and aten ops with a tensor result but no rule (``has_rule(target)`` is False)."""
+    import torch
+
+    own = {str(k) for k in _hapnb_table()}
+    out: list[str] = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        t = str(node.target)
+        if t in out:
+            continue
+        mutable = node.target._schema.is_mutable
+        if mutable or t in own or (_tensor_result(node) and not has_rule(t) and t.startswith("aten.")):
+            out.append(t)
+    return tuple(out)
+
+
+def _root_target(node: Any) -> str | None:
+    src = node.meta.get("from_node")
+    s = src[-1] if src else None
+    while s is not None and getattr(s, "from_node", None):
+        s = s.from_node[-1]
+    return None if s is None else str(getattr(s, "target", "") or "")
+
+
+def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
+    """Functionalize and decompose ``ep`` until the ops without rules are gone (see the module doc).
+
+    ``has_rule(target)`` says whether an op has a rule (default: the hand rules of :mod:`hapnb.rules`).
+    Ops that have one are kept whole; ops without one are decomposed when torch has a decomposition for
+    them and kept otherwise (rule discovery, :mod:`hapnb.rules.discover`, takes them from there).
+    """
+    import torch
+
+    if has_rule is None:
+        from ..rules import registered
+
+        known = set(registered())
+        has_rule = known.__contains__
+    todo = needs_lowering(ep, has_rule)
+    if not todo:
+        return Lowered(ep)
+    table = {k: v for k, v in torch.export.default_decompositions().items() if not has_rule(str(k))}
+    table.update(_hapnb_table())
+    low = ep.run_decompositions(table)
+    own = {str(k) for k in _hapnb_table()}
+    origins: dict[str, str] = {}
+    for node in low.graph.nodes:
+        if node.op != "call_function":
+            continue
+        root = _root_target(node)
+        if root and root != str(node.target) and (not has_rule(root) or root in own):
+            origins[node.name] = root
+    return Lowered(low, origins, todo)
