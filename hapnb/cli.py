@@ -275,9 +275,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("theory", help="list or check the rules")
-    p.add_argument("--check", action="store_true")
-    p.add_argument("ops", nargs="*")
+    p = sub.add_parser(
+        "theory",
+        help="list or check the rules; --coverage: a model's ops by rule source",
+        description="`hapnb theory [OP ...]` lists the rule tables (only OPs matching the names given); "
+        "`--check [OP ...]` checks them against ground truth; `--coverage --model M` lists every op of a "
+        "model by rule source (hand, decomposed, discovered, none).",
+    )
+    p.add_argument("--check", action="store_true", help="check the rules against ground truth")
+    p.add_argument("--coverage", action="store_true", help="the ops of --model by rule source")
+    p.add_argument("--model", default=None, help="zoo name or package.module:factory (with --coverage)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("ops", nargs="*", help="op names to list or check (e.g. linear sdpa)")
 
     p = sub.add_parser("demo", help="the main job: plan BERT on a heterogeneous preset, report, verify")
     p.add_argument("--report", default="hapnb-demo-report.html")
@@ -376,6 +389,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "simulated_s": plan.simulated_s,  # the overlap simulator's iteration time (hapnb.simulate)
             "duplex": plan.duplex,
             "baselines_simulated_s": {k: v.simulated_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
+            "baselines_unavailable": dict(getattr(base, "unavailable", {})),  # {name: why}
+            "fallback_ops": [list(p) for p in plan.fallback_ops],  # [op, target]: no rule, run replicated
         }
         # where the command's time went (benchmarks/command.py): building and tracing the model (0 build
         # when the trace cache had it), synthesis (search_s and balance_s of it), and after synthesis
@@ -390,6 +405,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                 f"  baseline {k}: {v.cost_s * 1e3:.3f} ms ({v.cost_s / plan.cost_s:.2f}x the plan); simulated "
                 f"{v.simulated_s * 1e3:.3f} ms ({v.simulated_s / plan.simulated_s:.2f}x the plan's)"
             )
+        for k, why in getattr(base, "unavailable", {}).items():
+            print(f"  baseline {k}: not available: {why}")
         if ns.output:
             print(f"  plan written to {ns.output}")
         if ns.report:
@@ -742,7 +759,38 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 def cmd_theory(ns: argparse.Namespace) -> int:
     from . import rules
 
-    return rules.main((["--check"] if ns.check else []) + list(ns.ops))
+    if ns.coverage:
+        return _coverage(ns)
+    if ns.check:
+        return rules.main(["--check", *ns.ops])
+    table = rules.registered()
+    rows = [(t, fam, why) for t, (fam, why) in table.items() if not ns.ops or any(o in t for o in ns.ops)]
+    if not rows:
+        print(f"hapnb theory: no rule matches {' '.join(ns.ops)} (`hapnb theory` lists all)", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps({t: {"family": fam, "reason": why} for t, fam, why in rows}))
+    else:
+        for t, fam, why in rows:
+            print(f"{fam:14s} {t:44s} {why}")
+    return 0
+
+
+def _coverage(ns: argparse.Namespace) -> int:
+    from .cluster import Cluster
+    from .tracing import resolve_model
+    from .triples import coverage, theory
+
+    if not ns.model:
+        print(
+            "hapnb theory --coverage: needs --model NAME (a zoo name or package.module:factory)",
+            file=sys.stderr,
+        )
+        return 2
+    g, _ = resolve_model(ns.model, Cluster.parse("2xV100"), **_options(ns))
+    cov = coverage(theory(g))
+    print(json.dumps(cov.to_json()) if ns.json else cov.summary())
+    return 0
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

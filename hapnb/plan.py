@@ -28,7 +28,7 @@ from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .forms import Form, parse_form
 from .optimize import Round
-from .triples import Theory
+from .triples import Theory, coverage
 
 #: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)
 TIMING_STATS = ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
@@ -737,7 +737,7 @@ def make_plan(
         )
         for sc in ev.stages
     )
-    fallback = tuple((op.name, op.target) for op in g.ops if op.family == "unknown")
+    fallback = tuple((r.op, r.target) for r in coverage(th).fallback)
     plan = Plan(
         name=g.name,
         graph_fingerprint=g.fingerprint,

@@ -49,7 +49,7 @@ from .plan import Plan, freeze_mapping, make_plan
 from .search import NoProgramError, Search
 from .simulation import iteration_lower_bound, iteration_time
 from .tracing import resolve_model
-from .triples import Theory, theory
+from .triples import Theory, coverage, theory
 from .tuning import rebuild_graph, sensitivity, why_not
 
 __all__ = [
@@ -482,23 +482,45 @@ def baselines(
 ) -> dict[str, Plan]:
     """Data parallel with even (``dp_ev``) and throughput-proportional (``dp_cp``) ratios, and Megatron-style
     tensor parallel (``tp_ev``: replicated batch, weights split by the search, even ratios), all under the
-    same cost model. A baseline that cannot be built for this model is left out."""
+    same cost model. A baseline that cannot be built for this model is left out; the result's
+    ``unavailable`` says which and why (:class:`Baselines`)."""
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     graph, spec = _graph_of(model_or_graph, c, example_inputs, **zoo_options)
     th = model_or_graph if isinstance(model_or_graph, Theory) else theory(graph)
-    out: dict[str, Plan] = {}
+    out = Baselines()
     for name, pins, ratios, opts in baseline_specs(th, c, {}):
         try:
             out[name] = fixed_plan(
                 th, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
             )
-        except (NoProgramError, ValueError):
-            continue
+        except (NoProgramError, ValueError) as e:
+            out.unavailable[name] = _unavailable(th, e)
     if "tp_ev" in out and not any(
         i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
     ):
         del out["tp_ev"]  # no weight could be split: tensor parallelism does not apply
+        out.unavailable["tp_ev"] = "no weight can be split: tensor parallelism does not apply"
     return out
+
+
+class Baselines(dict):  # type: ignore[type-arg]
+    """``{name: Plan}`` of the baselines that could be built, and ``unavailable``: ``{name: why}`` for
+    those that could not (e.g. data parallelism when an input cannot be sharded on its batch dim)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.unavailable: dict[str, str] = {}
+
+
+def _unavailable(th: Theory, exc: Exception) -> str:
+    """Why a baseline could not be built: the error's first line, and the ops without a rule (they run
+    replicated and force their tensors to ``I``, the usual reason a data-parallel program is missing)."""
+    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    fb = coverage(th).fallback
+    if fb:
+        ops = ", ".join(f"{r.op} ({r.target})" for r in fb[:5]) + (" ..." if len(fb) > 5 else "")
+        why += f"; ops without a rule (run replicated): {ops}"
+    return why
 
 
 def fixed_plan(

@@ -36,7 +36,10 @@ from .forms import Form, G, I, R, shard_lengths
 from .graph import Graph, Op, TensorRef
 from .rules import Strategy
 
-__all__ = ["Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES"]
+__all__ = [
+    "Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES",
+    "Coverage", "CoverageRow", "coverage", "RULE_SOURCES",
+]  # fmt: skip
 
 Prop = tuple[int, Form]
 LOADABLE_ROLES = ("input", "param", "buffer", "const")
@@ -387,6 +390,106 @@ def dim_class(th: Theory, tensor: int, dim: int) -> tuple[tuple[int, int], ...]:
                 classes.union(gdims[0], a)
     root = classes.find((tensor, dim))
     return tuple(sorted(k for k in list(classes.parent) if classes.find(k) == root)) or ((tensor, dim),)
+
+
+#: Where an op's strategies come from, in the order coverage reports list them.
+RULE_SOURCES: dict[str, str] = {
+    "hand": "a hand-written rule table of hapnb.rules",
+    "decomposed": "lowered at trace time (in-place or composite op without a rule) to ops with hand rules",
+    "discovered": "no hand rule: strategies found by running the op on unevenly split random inputs",
+    "none": "no rule: the op runs replicated, and so do the tensors it touches",
+}
+
+
+@dataclass(frozen=True)
+class CoverageRow:
+    """One op of the program: where its rule comes from and how many strategies it offers."""
+
+    op: str
+    target: str
+    source: str  # a key of RULE_SOURCES
+    strategies: int  # the replicated one included
+    origin: str = ""  # the op it was lowered from (source "decomposed")
+    module: str = ""
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Every op of a program by rule source (:func:`coverage`); ``fallback`` lists the ops without any
+    rule, which run replicated."""
+
+    name: str
+    rows: tuple[CoverageRow, ...]
+
+    @property
+    def fallback(self) -> tuple[CoverageRow, ...]:
+        return tuple(r for r in self.rows if r.source == "none")
+
+    def counts(self) -> dict[str, int]:
+        """Ops per rule source (every source listed, zero included)."""
+        out = dict.fromkeys(RULE_SOURCES, 0)
+        for r in self.rows:
+            out[r.source] += 1
+        return out
+
+    def targets(self, source: str) -> dict[str, int]:
+        """The op targets of one source with their counts, most frequent first."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            if r.source == source:
+                out[r.target] = out.get(r.target, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "counts": self.counts(),
+            "targets": {s: self.targets(s) for s in RULE_SOURCES},
+            "lowered_from": sorted({r.origin for r in self.rows if r.origin}),
+            "fallback_ops": [[r.op, r.target] for r in self.fallback],
+        }
+
+    def summary(self) -> str:
+        c = self.counts()
+        lines = [f"rule coverage of {self.name}: {len(self.rows)} ops"]
+        for src, what in RULE_SOURCES.items():
+            lines.append(f"  {src:10s} {c[src]:5d}  ({what})")
+            for t, k in self.targets(src).items():
+                if src != "hand":
+                    lines.append(f"      {k:4d} x {t}")
+        lowered = sorted({r.origin for r in self.rows if r.origin})
+        if lowered:
+            lines.append(f"  lowered at trace time: {', '.join(lowered)}")
+        if self.fallback:
+            lines.append(
+                "  ops without a rule run replicated and force their tensors to I; see docs/models.md "
+                "('Bring your own model') for what to do"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def coverage(th: Theory) -> Coverage:
+    """Every op of ``th``'s program by rule source: ``hand`` (a rule table), ``decomposed`` (lowered at
+    trace time to ops with hand rules, :mod:`hapnb.tracing.lower`), ``discovered`` (strategies found by
+    ground truth) or ``none`` (runs replicated).
+
+    >>> import torch, hapnb
+    >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+    >>> coverage(hapnb.theory(g)).counts()["none"]
+    0
+    """
+    g = th.graph
+    rows = []
+    for op, strats in zip(g.ops, th.strategies):
+        if op.family != "unknown":
+            src = "decomposed" if op.origin else "hand"
+        else:
+            src = "discovered" if len(strats) > 1 else "none"
+        rows.append(CoverageRow(op.name, op.target, src, len(strats), op.origin, op.module))
+    return Coverage(g.name, tuple(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
