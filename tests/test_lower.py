@@ -1,0 +1,124 @@
+"""Lowering at trace time (hapnb.tracing.lower): in-place and composite ops without a rule are
+functionalized and decomposed to ops with rules, training batch norm becomes sums (SyncBatchNorm when the
+batch is sharded), and programs whose ops all have rules are left exactly as they were."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hapnb as hap
+from hapnb.cli import main as cli_main
+from hapnb.rules import registered
+from hapnb.tracing.lower import lower, needs_lowering
+from hapnb.triples import coverage
+
+
+class LabelShiftLM(nn.Module):
+    """A tiny LM whose loss shifts the labels the way Hugging Face's causal-LM loss does: ``F.pad``
+    (``aten.pad``, a composite op without a rule), plus in-place ops on activations."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.fc = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = self.fc(h)
+        h.mul_(0.5).add_(1.0)  # in-place ops: functionalized
+        logits = self.head(torch.relu(h))
+        labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+class BNNet(nn.Module):
+    """conv -> training batch norm -> relu -> pool -> linear: the CNN pattern that replicated the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), y)
+
+
+def _loads(plan: hap.Plan, tensor: str) -> list[str]:
+    return [i.form for i in plan.program if i.kind == "load" and i.tensor == tensor]
+
+
+def test_label_shift_and_in_place_ops_are_lowered_to_ops_with_rules() -> None:
+    g = hap.trace(LabelShiftLM(), (torch.randint(0, 32, (6, 5)),))
+    cov = coverage(hap.theory(g))
+    assert cov.counts()["none"] == 0 and not cov.fallback
+    origins = {op.origin for op in g.ops if op.origin}
+    assert {"aten.pad.default", "aten.mul_.Tensor", "aten.add_.Tensor"} <= origins
+    assert all(op.target in registered() for op in g.ops)  # every op kept has a hand rule
+    assert not any(op.target.endswith("_.Tensor") for op in g.ops)  # no in-place op is left
+    assert cov.to_json()["lowered_from"] == sorted(origins)
+
+
+def test_a_program_whose_ops_all_have_rules_is_not_touched() -> None:
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    ep = torch.export.export(m, (torch.randn(2, 4),), strict=False)
+    assert needs_lowering(ep, set(registered()).__contains__) == ()
+    assert lower(ep).program is ep  # the zoo's graphs stay exactly as they were
+
+
+def test_batch_norm_statistics_are_sums_over_the_batch() -> None:
+    torch.manual_seed(0)
+    m = BNNet().double()
+    x, y = torch.randn(6, 3, 5, 5, dtype=torch.float64), torch.randint(0, 5, (6,))
+    ref = BNNet().double()
+    ref.load_state_dict(m.state_dict())
+    ep = torch.export.export(m, (x, y), strict=False)
+    low = lower(ep)
+    assert "aten.batch_norm.default" in low.lowered
+    targets = {str(n.target) for n in low.program.graph.nodes if n.op == "call_function"}
+    assert not any("batch_norm" in t for t in targets)
+    assert "aten.sum.dim_IntList" in targets  # the statistics: sums a sharded batch turns into R
+    out = low.program.module()(x, y)
+    want = ref(x, y)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    # the running statistics are updated as torch updates them
+    bufs = dict(low.program.module().named_buffers())
+    assert set(bufs) >= {"bn.running_mean", "bn.running_var"}
+    g = hap.trace(BNNet(), (torch.randn(6, 3, 5, 5), torch.randint(0, 5, (6,))))
+    assert not coverage(hap.theory(g)).fallback
+
+
+@pytest.mark.slow
+def test_lowered_programs_shard_the_batch_and_equal_one_device() -> None:
+    c = hap.Cluster.parse("1xV100+1xP100")
+    lm = hap.synthesize(LabelShiftLM(), c, example_inputs=(torch.randint(0, 32, (6, 5)),))
+    assert _loads(lm, "ids") == ["G0"] and not lm.fallback_ops
+    rep = hap.verify(lm, nproc=2, steps=2, timeout=120)
+    assert rep.ok, rep.text()
+    torch.manual_seed(0)
+    images = (torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,)))  # big enough that gathering costs more
+    bn = hap.synthesize(BNNet(), c, example_inputs=images, pins={"x": hap.Shard(0)})
+    assert _loads(bn, "x") == ["G0"]
+    assert any(i.kind == "collective" and i.name == "all_reduce" for i in bn.program)  # the statistics
+    rep = hap.verify(bn, nproc=2, steps=2, timeout=120)  # SyncBatchNorm semantics: exact in float64
+    assert rep.ok, rep.text()
+
+
+def test_theory_cli_lists_named_rules_and_model_coverage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["theory", "linear", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert "aten.linear.default" in listed and all("linear" in t for t in listed)
+    assert cli_main(["theory", "frobnicate"]) == 2
+    assert "no rule matches frobnicate" in capsys.readouterr().err
+    assert cli_main(["theory", "--coverage", "--model", "examples.factories:small_convnet", "--json"]) == 0
+    cov = json.loads(capsys.readouterr().out)
+    assert cov["counts"]["none"] == 0 and cov["counts"]["hand"] > 0 and cov["fallback_ops"] == []
+    assert cli_main(["theory", "--coverage"]) == 2
+    assert "needs --model" in capsys.readouterr().err
