@@ -17,6 +17,7 @@ module                     tables (families) and the algebra that makes them sou
 :mod:`.dimwise`            dimwise, scan, norm: act along some dims, independent across the others
 :mod:`.einsum`             matmul, embedding: one einsum generator (kept -> G, contracted -> R)
 :mod:`.views`              view: data movement; the sharded dim moves with the op; linear
+:mod:`.indexing`           index: tensor-indexed reads/writes; non-indexed dims or the indices' batch shard
 :mod:`.creation`           creation, random: no tensor inputs; create the whole tensor or a slice
 :mod:`.attention`          attention: independent across batch, heads and (non-causal) query rows
 :mod:`.losses`             loss: per-sample terms; a sharded batch sums to R (global-count mean)
@@ -34,7 +35,7 @@ module                     tables (families) and the algebra that makes them sou
 from __future__ import annotations
 
 # the family modules register their tables on import
-from . import attention, conv, creation, dimwise, einsum, losses, pointwise, reductions, views
+from . import attention, conv, creation, dimwise, einsum, indexing, losses, pointwise, reductions, views
 from .checker import CheckReport, CheckRow, check, main
 from .registry import (
     LocalCall,
@@ -63,4 +64,4 @@ __all__ = [
 ]
 
 #: The family modules, in the order above (each registers its op targets into the one registry).
-_FAMILY_MODULES = (pointwise, reductions, dimwise, einsum, views, creation, attention, losses, conv)
+_FAMILY_MODULES = (pointwise, reductions, dimwise, einsum, views, indexing, creation, attention, losses, conv)

@@ -2,13 +2,17 @@
 
 Algebra: an op without tensor inputs can make the whole tensor (``I``) or only the rank's slice of
 any dim (``G(d)``, built at the rank's offset). A constant shaped like its input (``ones_like``, ...)
-follows the input's shards. Random creation is replicated only: every rank must draw the same
+follows the input's shards; ``new_zeros(x, size)`` & co make any slice of ``size`` (localized), with
+``x`` replicated or sharded on the matching dim. Random creation is replicated only: every rank must draw the same
 numbers from one seed. Flops: zero.
 """
 
 from __future__ import annotations
 
-from ..forms import G, R
+from collections.abc import Callable
+from typing import Any
+
+from ..forms import G, I, R
 from ..graph import Graph, Op
 from .registry import (
     LocalCall,
@@ -79,20 +83,48 @@ _register(
     flops=_f_zero,
     reason="no tensor inputs: create the full tensor (I) or only the local slice (G)",
 )
+
+
+def _gen_new(g: Graph, op: Op) -> list[_Cand]:
+    """``x.new_zeros(size)`` & co: ``x`` gives only the dtype, the output's shape is ``size``. The
+    output may be any slice ``G(d)`` (its size list localized): with ``x`` replicated, or with ``x``
+    sharded on its dim that matches ``d`` (aligned from the right, same length), so a batch-sharded
+    ``labels.new_zeros(labels.shape)`` (T5's label shift) stays sharded. Zeros also sum: ``R -> R``."""
+    t, out = _tin(g, op, 0), _tout(g, op)
+    off = out.ndim - t.ndim
+    cands = []
+    for d in range(out.ndim):
+        dx = d - off
+        if 0 <= dx < t.ndim and t.shape[dx] == out.shape[d]:
+            cands.append(_Cand(f"follow{dx}->{d}", (G(dx),), (G(d),)))
+        cands.append(_Cand(f"slice{d}", (I,), (G(d),)))
+    if op.target == "aten.new_zeros.default" and _is_float(t) and _is_float(out):
+        cands.append(_Cand("partial", (R,), (R,), "full"))
+    return cands
+
+
+def _local_new(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    f = s.outputs[0]
+    if not f.is_gather:
+        return _default_local(g, op, s, ctx)
+    shape = _local_shape(g, op.outputs[0], f, ctx)
+    return LocalCall(_aten(op.target), (op.args[0], shape, *op.args[2:]), op.kwargs)
+
+
 _register(
-    [
-        "aten.ones_like.default",
-        "aten.empty_like.default",
-        "aten.full_like.default",
-        "aten.new_zeros.default",
-        "aten.new_ones.default",
-        "aten.new_full.default",
-        "aten.new_empty.default",
-    ],
+    ["aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default"],
     "creation",
-    lambda g, op: _gen_like(g, op) if op.target.endswith("_like.default") else [],
+    _gen_like,
     flops=_f_zero,
     reason="a constant shaped like its input: follows the input's shards",
+)
+_register(
+    ["aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default", "aten.new_empty.default"],
+    "creation",
+    _gen_new,
+    local=_local_new,
+    flops=_f_zero,
+    reason="a constant of a given size (the input gives the dtype): any slice, the size list localized",
 )
 _register(
     [
@@ -110,4 +142,31 @@ _register(
     lambda g, op: [],
     flops=_f_zero,
     reason="random creation: replicated only (every rank must draw the same numbers from one seed)",
+)
+
+
+# ------------------------------------------------------------------ ground-truth sample cases
+
+
+def _t(*shape: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _labels(*shape: int) -> Any:
+    import torch
+
+    return torch.randint(0, 9, shape)
+
+
+#: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker: ``new_*`` with a
+#: size list that matches the input (T5's ``labels.new_zeros(labels.shape)``) or not.
+CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
+    ("aten.new_zeros.default", lambda r: ((_labels(b := r.randint(2, 5), s := r.randint(2, 6)), [b, s]), {})),
+    ("aten.new_zeros.default", lambda r: ((_t(b := r.randint(2, 5), 3), [b, r.randint(2, 5), 3]), {})),
+    ("aten.new_ones.default", lambda r: ((_t(r.randint(2, 5), 3), [r.randint(2, 5), 3]), {})),
+    ("aten.new_full.default", lambda r: ((_labels(b := r.randint(2, 5), 4), [b, 4], 7), {})),
+    ("aten.full_like.default", lambda r: ((_labels(r.randint(2, 5), 4), -100), {})),
+    ("aten.ones_like.default", lambda r: ((_t(r.randint(2, 5), 4),), {})),
 )

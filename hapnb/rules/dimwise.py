@@ -6,14 +6,35 @@ transcendental, priced apart by the device model) or sort/top-k runs along one d
 dims, and a layer/RMS norm takes statistics over the trailing ``normalized_shape`` (group norm: per
 sample). Every *other* dim is independent, so ``G(d)`` for such a d passes through;
 the acted-on dims never shard (that would need the statistics/prefix across ranks). Linear members
-(cumsum, flip) also take ``R -> R``. Affine norm weight/bias stay ``I``.
+(cumsum, flip) also take ``R -> R``. Affine norm weight/bias stay ``I``. ``repeat_interleave`` repeats
+each element in place, so it keeps contiguous slices of every dim, its own included (linear).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..forms import G, I, R
 from ..graph import Graph, Op
-from .registry import _arg, _Cand, _dims, _f_in, _f_out, _f_scale, _f_zero, _ndim_dim, _register, _tin
+from .registry import (
+    LocalCall,
+    LocalContext,
+    Strategy,
+    _arg,
+    _aten,
+    _Cand,
+    _dims,
+    _f_in,
+    _f_out,
+    _f_scale,
+    _f_zero,
+    _kw,
+    _ndim_dim,
+    _register,
+    _tin,
+    _tout,
+)
 
 
 def _gen_dimwise(
@@ -138,4 +159,77 @@ _register(
     _gen_group_norm,
     flops=_f_scale(8, _f_in),
     reason="group norm statistics are per sample: the batch dim shards",
+)
+
+
+def _gen_sort_stable(g: Graph, op: Op) -> list[_Cand]:
+    """``sort.stable``/``argsort.stable`` take ``dim`` as a keyword: every other dim shards."""
+    t = _tin(g, op, 0)
+    dim = _ndim_dim(int(_kw(op, "dim", -1)), t.ndim)
+    nout = len(op.outputs)
+    return [_Cand(f"shard{d}", (G(d),), (G(d),) * nout) for d in range(t.ndim) if d != dim]
+
+
+_register(
+    ["aten.sort.stable", "aten.argsort.stable"],
+    "dimwise",
+    _gen_sort_stable,
+    reason="a (stable) sort along one dim; independent across the others",
+)
+
+
+def _gen_repeat_interleave(g: Graph, op: Op) -> list[_Cand]:
+    """``repeat_interleave(x, r, dim)`` repeats each element ``r`` times in place: a contiguous slice of
+    ANY dim (``dim`` itself included) gives a contiguous slice of the output (``r`` x as long along
+    ``dim``). Without ``dim`` the input is flattened first: only its outermost dim stays sharded."""
+    t = _tin(g, op, 0)
+    dim = _arg(op, 2)
+    dims = [0] if dim is None else list(range(t.ndim))
+    return [_Cand(f"shard{d}", (G(d),), (G(0 if dim is None else d),)) for d in dims] + [
+        _Cand("partial", (R,), (R,), "full")
+    ]
+
+
+def _local_repeat_interleave(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    """The output length along the repeated dim (keyword ``output_size``), when given, is made local."""
+    f, dim, kw = s.outputs[0], _arg(op, 2), dict(op.kwargs)
+    if kw.get("output_size") is not None and f.is_gather:
+        out_dim = 0 if dim is None else _ndim_dim(int(dim), _tout(g, op).ndim)
+        if f.dim == out_dim:
+            kw["output_size"] = ctx.local(op.outputs[0], f.dim)
+    return LocalCall(_aten(op.target), op.args, tuple(sorted(kw.items())))
+
+
+_register(
+    ["aten.repeat_interleave.self_int"],
+    "dimwise",
+    _gen_repeat_interleave,
+    local=_local_repeat_interleave,
+    flops=_f_zero,
+    reason="repeating each element in place keeps contiguous slices contiguous (any dim); linear",
+)
+
+
+# ------------------------------------------------------------------ ground-truth sample cases
+
+
+def _t(*shape: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _bsh(r: Any) -> tuple[int, int, int]:
+    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
+
+
+#: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker.
+CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
+    ("aten.sort.stable", lambda r: ((_t(*_bsh(r)),), {"stable": True, "dim": 1})),
+    ("aten.argsort.stable", lambda r: ((_t(*_bsh(r)),), {"stable": True, "dim": -1, "descending": True})),
+    ("aten.argsort.default", lambda r: ((_t(*_bsh(r)), 0), {})),
+    ("aten.cumsum.default", lambda r: ((_t(*_bsh(r)), -1), {})),
+    ("aten.repeat_interleave.self_int", lambda r: ((_t(*_bsh(r)), 2, 1), {})),
+    ("aten.repeat_interleave.self_int", lambda r: ((_t(*_bsh(r)), 3), {})),
+    ("aten.repeat_interleave.self_int", lambda r: ((_t(*(s := _bsh(r))), 2, 0), {"output_size": 2 * s[0]})),
 )

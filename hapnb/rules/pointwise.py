@@ -5,8 +5,10 @@ Algebra: an elementwise op commutes with slicing. For every output dim d, an ope
 operand stays ``I``. Which ops also commute with the rank *sum* (take ``R``) is what separates the
 tables:
 
-* ``pointwise`` -- nonlinear unary/binary ops (relu, exp, comparisons, ``pow``, ...): slicing only.
-  ~1 flop per output element, ~4 for transcendental ones (exp/log/erf/pow, ...), 2 for dropout.
+* ``pointwise`` -- nonlinear unary/binary/ternary ops (relu, exp, comparisons, ``pow``, bitwise and
+  logical ops, ``maximum``, floor division, ``addcmul``/``addcdiv``/``lerp``, ...): slicing only.
+  ~1 flop per output element, ~4 for transcendental ones (exp/log/erf/pow, ...), 2 for dropout, 3
+  for the ternary ones. Integer and bool results are never ``R``.
 * ``linear`` -- identity-like and negation (clone, detach, ``neg``, ``positive``): ``R -> R`` too.
 * ``additive`` -- ``add``/``sub``/``rsub``: a sum of partials is a partial; an ``I`` operand or a
   scalar is added on rank 0 only.
@@ -22,7 +24,8 @@ transcendental pointwise op (~4 flops per element).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..forms import G, I, R
 from ..graph import Graph, Op, TensorArg
@@ -227,6 +230,10 @@ _BINARY = (
     "atan2",
 )
 _BINARY_EXTRA = ("aten.div.Tensor_mode", "aten.rsub.Tensor")
+# binary ops whose tensor-tensor overload is named ``default`` (``remainder.default`` is scalar-only)
+_BINARY_DEFAULT = ("maximum", "minimum", "logical_and", "logical_or", "logical_xor", "floor_divide")
+# elementwise ops of three operands (all broadcast): addcmul/addcdiv (x + v * a {*,/} b) and lerp
+_TERNARY = ("aten.addcmul.default", "aten.addcdiv.default", "aten.lerp.Scalar", "aten.lerp.Tensor")
 
 
 def _overloads(names: Iterable[str], kinds: Sequence[str]) -> list[str]:
@@ -266,10 +273,18 @@ _register(
     [
         *_overloads(_BINARY, ("Tensor", "Scalar", "Tensor_Tensor", "Tensor_mode", "Scalar_Tensor", "other")),
         *_BINARY_EXTRA,
+        *_overloads(_BINARY_DEFAULT, ("default",)),
     ],
     "pointwise",
     _gen_pointwise,
     reason="elementwise binary with broadcasting: a broadcast (size-1) dim of an operand stays I",
+)
+_register(
+    _TERNARY,
+    "pointwise",
+    _gen_pointwise,
+    flops=_f_scale(3, _f_out),
+    reason="elementwise of three broadcast operands (~3 flops/element); products of operands: not linear",
 )
 _register(
     ["aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"],
@@ -360,4 +375,66 @@ _register(
     _gen_to,
     flops=_f_zero,
     reason="dtype conversion is elementwise; float -> float is linear (R -> R)",
+)
+
+
+# ------------------------------------------------------------------ ground-truth sample cases
+
+
+def _t(*shape: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _i(*shape: int) -> Any:
+    import torch
+
+    return torch.randint(-4, 5, shape)
+
+
+def _bsh(r: Any) -> tuple[int, int, int]:
+    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
+
+
+def _nz(x: Any) -> Any:
+    """``x`` with its zeros replaced by 3 (a divisor for floor/trunc division and remainder)."""
+    return x.masked_fill(x == 0, 3)
+
+
+#: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker: the integer and
+#: boolean ops (never ``R``), comparisons of both overloads, floor/trunc division, and the ternary ops.
+CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
+    ("aten.bitwise_and.Tensor", lambda r: ((_i(*(s := _bsh(r))), _i(s[2])), {})),
+    ("aten.bitwise_or.Tensor", lambda r: ((_t(*(s := _bsh(r))) > 0, _t(s[1], 1) > 0), {})),
+    ("aten.bitwise_not.default", lambda r: ((_i(*_bsh(r)),), {})),
+    ("aten.logical_and.default", lambda r: ((_t(*(s := _bsh(r))) > 0, _t(*s) > 0), {})),
+    ("aten.logical_or.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]) > 0), {})),
+    ("aten.logical_xor.default", lambda r: ((_i(*(s := _bsh(r))), _t(s[1], s[2]) > 0), {})),
+    ("aten.logical_not.default", lambda r: ((_t(*_bsh(r)) > 0,), {})),
+    ("aten.minimum.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[1], s[2])), {})),
+    ("aten.maximum.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[0], 1, s[2])), {})),
+    ("aten.div.Tensor_mode", lambda r: ((_t(*(s := _bsh(r))) * 5, _t(s[2]) + 3), {"rounding_mode": "floor"})),
+    ("aten.div.Tensor_mode", lambda r: ((_i(*(s := _bsh(r))) * 3, _nz(_i(*s))), {"rounding_mode": "trunc"})),
+    ("aten.remainder.Tensor", lambda r: ((_i(*(s := _bsh(r))) * 3, _nz(_i(s[2]))), {})),
+    ("aten.remainder.Scalar", lambda r: ((_t(*_bsh(r)) * 5, 1.5), {})),
+    ("aten.floor_divide.default", lambda r: ((_i(*(s := _bsh(r))) * 3, _nz(_i(*s))), {})),
+    ("aten.where.self", lambda r: ((_t(*(s := _bsh(r))) > 0, _t(s[2]), _t(*s)), {})),
+    ("aten.eq.Scalar", lambda r: ((_i(*_bsh(r)), 1), {})),
+    ("aten.ne.Tensor", lambda r: ((_i(*(s := _bsh(r))), _i(s[1], 1)), {})),
+    ("aten.lt.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(*s)), {})),
+    ("aten.le.Scalar", lambda r: ((_t(*_bsh(r)), 0.2), {})),
+    ("aten.gt.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(s[2])), {})),
+    ("aten.ge.Scalar", lambda r: ((_i(*_bsh(r)), 0), {})),
+    ("aten.clamp.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]) - 1, _t(s[1], 1) + 1), {})),
+    ("aten.clamp_min.default", lambda r: ((_t(*_bsh(r)), 0.1), {})),
+    ("aten.clamp_max.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(s[2])), {})),
+    ("aten.pow.Tensor_Tensor", lambda r: ((_t(*(s := _bsh(r))).abs() + 0.5, _t(s[2])), {})),
+    ("aten.pow.Scalar", lambda r: ((2.0, _t(*_bsh(r))), {})),
+    ("aten.sign.default", lambda r: ((_t(*_bsh(r)),), {})),
+    ("aten.masked_fill.Scalar", lambda r: ((_i(*(s := _bsh(r))), _t(s[2]) > 0, 7), {})),
+    ("aten.addcmul.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]), _t(s[1], 1)), {"value": 0.5})),
+    ("aten.addcdiv.default", lambda r: ((_t(*(s := _bsh(r))), _t(*s), _t(s[2]).abs() + 1), {})),
+    ("aten.lerp.Scalar", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]), 0.3), {})),
+    ("aten.lerp.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(*s), _t(s[1], s[2])), {})),
 )

@@ -4,12 +4,14 @@ Algebra: a reduction over dims D keeps every other dim, so ``G(d)`` for d not in
 (renumbered when ``keepdim`` is False). ``sum`` and ``mean`` are linear: over a sharded dim they give
 a partial sum ``R`` (``mean`` divides by the GLOBAL element count, so the partials add up to the mean),
 and ``R`` stays ``R``. Nonlinear reductions (max, min, var, logsumexp, norms, argmax, ...) need the whole
-reduced dim: only kept dims shard. Flops: one per input element.
+reduced dim: only kept dims shard. A fixed-range histogram (``histc``) counts, and counts of disjoint
+slices add: a sharded input gives ``R`` counts. Flops: one per input element.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..forms import G, R
 from ..graph import Graph, Op
@@ -125,4 +127,50 @@ _register(
     lambda g, op: _gen_reduce(g, op, False),
     flops=_f_in,
     reason="nonlinear reduction: only dims that are not reduced may be sharded",
+)
+
+
+def _gen_histc(g: Graph, op: Op) -> list[_Cand]:
+    """``histc(x, bins, min, max)`` with a FIXED range (``min < max``): a histogram counts elements,
+    and counts over disjoint slices add, so an input sharded on ANY dim gives partial counts ``R``.
+    With ``min == max`` the range comes from the data's own min/max (different on every shard):
+    replicated only."""
+    t = _tin(g, op, 0)
+    lo, hi = float(_arg(op, 2, 0) or 0), float(_arg(op, 3, 0) or 0)
+    if not lo < hi:
+        return []
+    return [_Cand(f"count{d}", (G(d),), (R,)) for d in range(t.ndim)]
+
+
+_register(
+    ["aten.histc.default"],
+    "reduction",
+    _gen_histc,
+    flops=_f_in,
+    reason="a fixed-range histogram: counts of disjoint slices add (sharded input -> R counts)",
+)
+
+
+# ------------------------------------------------------------------ ground-truth sample cases
+
+
+def _t(*shape: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+#: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker.
+CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
+    ("aten.histc.default", lambda r: ((_t(r.randint(2, 6), r.randint(2, 5)), 5, -1.0, 1.0), {})),
+    ("aten.histc.default", lambda r: ((_t(r.randint(2, 9)), 4, -2.0, 0.5), {})),
+    ("aten.histc.default", lambda r: ((_t(r.randint(2, 9)), 4), {})),  # data-derived range: replicated
+    (
+        "aten.var_mean.correction",
+        lambda r: ((_t(*[r.randint(2, 5) for _ in range(3)]), [2]), {"correction": 1}),
+    ),
+    (
+        "aten.var.correction",
+        lambda r: ((_t(*[r.randint(2, 5) for _ in range(3)]), [0, 2]), {"keepdim": True}),
+    ),
 )

@@ -1,10 +1,11 @@
 """Views and data movement: the ``view`` table (view/reshape, transpose/permute, expand, select/slice/
-split, cat/stack, pad, repeat, triu/tril).
+split, cat/stack, pad, repeat, triu/tril, slice/select scatter, roll).
 
 Algebra: these ops move elements without combining them, so they are all linear (``R -> R``) and a
 sharded dim stays sharded wherever the op carries it. A view regroups contiguous dims: the outermost
 non-1 dims of a regrouped block map onto each other (a contiguous chunk of the block), so
-``G(d_in) -> G(d_out)`` for them and for untouched dims. A permutation moves the sharded dim with it;
+``G(d_in) -> G(d_out)`` for them and for untouched dims (a dim inside a block, like the batch folded
+into ``(S, B, E) -> (S*B, E)``, is strided there and never offered). A permutation moves the sharded dim with it;
 indexing/concatenating/padding along a dim leaves the other dims sharded; triu/tril shift their
 diagonal by the shard's offset. Localized views rewrite their shape arguments to the LOCAL sizes.
 Flops: zero, except triu/tril (one per element).
@@ -12,7 +13,8 @@ Flops: zero, except triu/tril (one per element).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..forms import G, I, R
 from ..graph import Graph, Op
@@ -71,6 +73,30 @@ def _view_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], li
 
 
 def _view_pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
+    """The (input dim, output dim) pairs of a view ``a -> b`` whose shard stays contiguous.
+
+    The view is cut into blocks of equal products (:func:`_view_groups`: input dims ``gi`` regroup into
+    output dims ``gj``). Within a block, a dim's rank-order slices stay contiguous slices of the other
+    side exactly when it is the block's OUTERMOST non-1 dim on both sides: every dim before it in the
+    block has size 1 (input and output), so a contiguous range of it is a contiguous range of the
+    block's flat elements. With ``a0``/``b0`` those outer dims and ``N`` the block's size, the theory's
+    class base is ``base = gcd(a0, b0, ...)`` and rank j holds ``(a0/base)·l_j`` input rows and
+    ``(b0/base)·l_j`` output rows, both ``N·l_j/base`` elements starting at the same flat offset. So
+    merges ``(a, b) -> a·b`` (``a`` sharded: local rows = b·local a), leading size-1 dims
+    ``(1, B, S) -> B·S``, splits ``a·b -> (a, b)`` (the class lengths are multiples of ``b`` because
+    ``base`` divides ``a``), ``(B, S, H, d) -> (B, S, H·d)`` with B or H sharded, and
+    ``(B·H, S, d) <-> (B, H, S, d)`` with B sharded (or H when B == 1) are all offered.
+
+    A dim INSIDE a block (after a non-1 dim) is never paired: folding the batch into an inner
+    position, ``(S, B, E) -> (S·B, E)`` with B sharded (seq-first attention), gives each rank a
+    strided set of rows of the merged dim, not a contiguous shard, so offering ``G(1) -> G(0)`` there
+    would be unsound. Only ``S`` (the outer dim) can stay sharded through that view.
+
+    >>> _view_pairs((4, 3, 5), (12, 5)), _view_pairs((3, 2, 5), (6, 5)), _view_pairs((1, 4, 3), (12,))
+    ([(0, 0), (2, 1)], [(0, 0), (2, 1)], [(1, 0)])
+    >>> _view_pairs((6, 3, 5), (2, 3, 3, 5)), _view_pairs((1, 3, 4, 5), (3, 4, 5))
+    ([(0, 0), (1, 2), (2, 3)], [(1, 0), (2, 1), (3, 2)])
+    """
     if _numel(a) != _numel(b):
         return []
     pairs = []
@@ -83,7 +109,13 @@ def _view_pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _gen_view(g: Graph, op: Op) -> list[_Cand]:
+    """``G(i) -> G(j)`` for every contiguous pair of :func:`_view_pairs`, and ``R -> R`` (a view is
+    linear). ``view_as``/``reshape_as`` take a second tensor only for its shape: it follows the
+    output (``G(j)``, or ``I`` with an ``R`` input)."""
     a, b = _tin(g, op, 0).shape, _tout(g, op).shape
+    if len(op.inputs) == 2:
+        cands = [_Cand(f"shard{i}->{j}", (G(i), G(j)), (G(j),)) for i, j in _view_pairs(a, b)]
+        return cands + [_Cand("partial", (R, I), (R,), "full")]
     cands = [_Cand(f"shard{i}->{j}", (G(i),), (G(j),)) for i, j in _view_pairs(a, b)]
     return cands + [_Cand("partial", (R,), (R,), "full")]
 
@@ -145,12 +177,17 @@ _register(
 
 
 def _gen_expand(g: Graph, op: Op) -> list[_Cand]:
+    """Kept (not expanded) dims shard; ``expand_as``'s second tensor gives only the shape and follows
+    the output."""
     t, out = _tin(g, op, 0), _tout(g, op)
     off = out.ndim - t.ndim
+    other = len(op.inputs) == 2
     cands = [
-        _Cand(f"shard{d}", (G(d),), (G(d + off),)) for d in range(t.ndim) if t.shape[d] == out.shape[d + off]
+        _Cand(f"shard{d}", (G(d), G(d + off)) if other else (G(d),), (G(d + off),))
+        for d in range(t.ndim)
+        if t.shape[d] == out.shape[d + off]
     ]
-    return cands + [_Cand("partial", (R,), (R,), "full")]
+    return cands + [_Cand("partial", (R, I) if other else (R,), (R,), "full")]
 
 
 def _local_expand(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
@@ -300,4 +337,94 @@ _register(
     _gen_tri,
     local=_local_tri,
     reason="triu/tril keep j - i >= k: a row/column shard shifts the diagonal by its offset",
+)
+
+
+def _gen_scatter_view(g: Graph, op: Op) -> list[_Cand]:
+    """``slice_scatter(self, src, dim, ...)``/``select_scatter(self, src, dim, index)``: every dim but
+    ``dim`` shards in ``self``, ``src`` and the output together (``select_scatter``'s ``src`` lacks
+    ``dim``); writing a slice is linear in (self, src) jointly, so ``(R, R) -> R``."""
+    t = _tin(g, op, 0)
+    dim = _ndim_dim(int(_arg(op, 2, 0)), t.ndim)
+    drop = op.target.startswith("aten.select_scatter")
+    cands = [
+        _Cand(f"shard{d}", (G(d), G(d - 1 if drop and d > dim else d)), (G(d),))
+        for d in range(t.ndim)
+        if d != dim
+    ]
+    if _is_float(t) and _is_float(_tin(g, op, 1)):
+        cands.append(_Cand("partial", (R, R), (R,), "full"))
+    return cands
+
+
+_register(
+    ["aten.slice_scatter.default", "aten.select_scatter.default"],
+    "view",
+    _gen_scatter_view,
+    flops=_f_zero,
+    reason="writing a slice along one dim: the other dims of self, src and output shard together; linear",
+)
+
+
+def _gen_roll(g: Graph, op: Op) -> list[_Cand]:
+    """Dims that are not rolled keep their shards (no dims: a roll of the flattened tensor, none)."""
+    t = _tin(g, op, 0)
+    rolled = [_ndim_dim(int(d), t.ndim) for d in (_arg(op, 2, ()) or ())]
+    if not rolled:
+        return [_Cand("partial", (R,), (R,), "full")]
+    return [_Cand(f"shard{d}", (G(d),), (G(d),)) for d in range(t.ndim) if d not in rolled] + [
+        _Cand("partial", (R,), (R,), "full")
+    ]
+
+
+_register(
+    ["aten.roll.default"],
+    "view",
+    _gen_roll,
+    flops=_f_zero,
+    reason="a roll moves elements along its dims only: the other dims stay sharded; linear",
+)
+
+
+# ------------------------------------------------------------------ ground-truth sample cases
+
+
+def _t(*shape: int) -> Any:
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _bsh(r: Any) -> tuple[int, int, int]:
+    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
+
+
+#: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker: merges and splits
+#: that keep a shard contiguous (leading size-1 dims, ``(B, S, H, d) <-> (B, S, H·d)``,
+#: ``(B·H, S, d) <-> (B, H, S, d)``), the seq-first fold (where only the outer dim may shard), the
+#: two-tensor ``*_as`` forms, slice/select scatter and roll.
+CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
+    ("aten.view.default", lambda r: ((_t(1, b := r.randint(2, 5), s := r.randint(2, 5)), [b * s]), {})),
+    ("aten.view.default", lambda r: ((_t(*(s := _bsh(r)), 3), [s[0], s[1], s[2] * 3]), {})),
+    ("aten.view.default", lambda r: ((_t(*(s := _bsh(r)), 3), [s[0] * s[1], s[2] * 3]), {})),
+    ("aten.view.default", lambda r: ((_t((s := _bsh(r))[0], s[1], s[2] * 2), [*s, 2]), {})),
+    ("aten.view.default", lambda r: ((_t((s := _bsh(r))[0] * s[1], s[2], 3), [*s, 3]), {})),
+    ("aten.view.default", lambda r: ((_t(*(s := _bsh(r)), 3), [s[0] * s[1], s[2], 3]), {})),
+    ("aten.view.default", lambda r: ((_t(1, *(s := _bsh(r))), [s[0] * s[1], s[2]]), {})),
+    ("aten.view.default", lambda r: ((_t(s := r.randint(2, 5), b := r.randint(2, 5), 3), [s * b, 3]), {})),
+    ("aten.view.default", lambda r: ((_t(r.choice((4, 6)), 6), [6, -1]), {})),
+    ("aten._unsafe_view.default", lambda r: ((_t(*(s := _bsh(r))), [s[0] * s[1], s[2]]), {})),
+    ("aten.reshape.default", lambda r: ((_t(*(s := _bsh(r)), 2), [s[0], -1, 2]), {})),
+    ("aten.flatten.using_ints", lambda r: ((_t(1, *_bsh(r)), 0, 2), {})),
+    ("aten.unflatten.int", lambda r: ((_t((s := _bsh(r))[0] * s[1], s[2]), 0, [s[0], s[1]]), {})),
+    ("aten.squeeze.dims", lambda r: ((_t((s := _bsh(r))[0], 1, s[1], 1), [1, 3]), {})),
+    ("aten.view_as.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[0] * s[1], s[2])), {})),
+    ("aten.reshape_as.default", lambda r: ((_t((s := _bsh(r))[0] * s[1], s[2]), _t(*s)), {})),
+    ("aten.expand_as.default", lambda r: ((_t((s := _bsh(r))[0], 1, s[2]), _t(*s)), {})),
+    ("aten.expand.default", lambda r: ((_t((s := _bsh(r))[0], 1, s[2]), [2, s[0], -1, s[2]]), {})),
+    ("aten.slice_scatter.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[0], 1, s[2]), 1, 1, 2), {})),
+    ("aten.slice_scatter.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[0], s[1], 1), -1, 0, 1), {})),
+    ("aten.select_scatter.default", lambda r: ((_t(*(s := _bsh(r))), _t(s[0], s[2]), 1, 1), {})),
+    ("aten.roll.default", lambda r: ((_t(*_bsh(r)), [1], [1]), {})),
+    ("aten.roll.default", lambda r: ((_t(*_bsh(r)), [1, -2], [0, 2]), {})),
 )
