@@ -106,6 +106,8 @@ def theory_html(
         if i.kind == "compute" and i.strategy is not None:
             note = f"flops: scaled {i.strategy.scaled_flops:.3g}, fixed {i.strategy.fixed_flops:.3g}"
             note += ", SFB" if i.strategy.sfb else ""
+            if i.strategy.name.startswith("discovered"):
+                note += ", discovered rule (no hand rule; checked by ground truth)"
         elif i.kind == "collective":
             note = notes.get(i.name, "")
         else:

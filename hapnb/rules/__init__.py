@@ -2,7 +2,8 @@
 
 A rule turns one traced :class:`~hapnb.graph.Op` into its :class:`Strategy` list (the op's Hoare
 triples ``{inputs} op {outputs}``) and, for a chosen strategy, into the :class:`LocalCall` every rank
-runs on its local tensors. Ops without a rule run replicated (all inputs ``I``).
+runs on its local tensors. Ops without a hand rule get the strategies ground truth confirms
+(:mod:`.discover`; :func:`rule_source` says which) and always the replicated one (all inputs ``I``).
 
 The package has DTensor's ``_ops/`` shape: rules are documented tables, one module per algebra
 family, each registering into one registry, and every op target has exactly one rule (registering
@@ -22,7 +23,10 @@ module                     tables (families) and the algebra that makes them sou
 :mod:`.attention`          attention: independent across batch, heads and (non-causal) query rows
 :mod:`.losses`             loss: per-sample terms; a sharded batch sums to R (global-count mean)
 :mod:`.conv`               conv, pool: contraction over in-channels; spatial dims never shard
-:mod:`.checker`              the ground-truth checker and ``--check`` CLI body (top)
+:mod:`.cachedir`           where hapnb's on-disk caches live (discovery's and the trace cache's)
+:mod:`.truth`              ground-truth helpers: split per form, reassemble, compare (checker and discovery)
+:mod:`.discover`           ops without a hand rule: strategies found by ground truth (uneven splits)
+:mod:`.checker`            the ground-truth checker and ``--check`` CLI body (top)
 ========================== ========================================================================
 
 >>> from hapnb.rules import family, flops
@@ -35,7 +39,19 @@ module                     tables (families) and the algebra that makes them sou
 from __future__ import annotations
 
 # the family modules register their tables on import
-from . import attention, conv, creation, dimwise, einsum, indexing, losses, pointwise, reductions, views
+from . import (
+    attention,
+    conv,
+    creation,
+    dimwise,
+    discover,  # installs the registry's fallback for ops without a hand rule
+    einsum,
+    indexing,
+    losses,
+    pointwise,
+    reductions,
+    views,
+)
 from .checker import CheckReport, CheckRow, check, main
 from .registry import (
     LocalCall,
@@ -45,6 +61,7 @@ from .registry import (
     flops,
     localize,
     registered,
+    rule_source,
     strategies,
 )
 
@@ -59,6 +76,8 @@ __all__ = [
     "family",
     "localize",
     "registered",
+    "rule_source",
+    "discover",
     "check",
     "main",
 ]

@@ -9,6 +9,10 @@ lengths, ``R`` gets asymmetric random partials that sum to the full tensor, ``I`
 of ``G`` inputs must concat to the full grad, of ``R`` inputs be complete on every rank, of ``I`` inputs
 sum to the full grad (SFB weights: complete on every rank).
 
+Discovered rules (:mod:`.discover`, ops without a hand rule) are checked the same way, for every
+discovery known to this process or in the on-disk cache whose op can be rebuilt here (a custom op's
+library must be imported); their rows have ``source == "discovered"`` and say so in the report.
+
 This module is the top of :mod:`hapnb.rules`: it imports the registry (the family tables register
 themselves when the package is imported). The module is ``checker`` and the function ``check``, so
 ``hapnb.rules.check`` is always the function and ``hapnb.rules.checker`` always the module.
@@ -23,8 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..forms import Form, shard_lengths, shard_offsets
+from ..forms import shard_lengths, shard_offsets
 from ..graph import Graph, Op, TensorArg, TensorRef
+from .discover import cached as _discovered
+from .discover import rebuild as _rebuild
 from .registry import (
     LocalCall,
     LocalContext,
@@ -38,6 +44,7 @@ from .registry import (
     registered,
     strategies,
 )
+from .truth import close, outputs_of, reassembles, split_input
 
 __all__ = ["CheckRow", "CheckReport", "check", "main"]
 
@@ -51,6 +58,7 @@ class CheckRow:
     strategy: str
     status: str
     detail: str = ""
+    source: str = "hand"  # "discovered": a strategy rule discovery found (hapnb.rules.discover)
 
 
 @dataclass(frozen=True)
@@ -82,21 +90,27 @@ class CheckReport:
 
     def __str__(self) -> str:
         lines = [f"{'op':44s} {'ok':>5s} {'wrong':>6s} {'crash':>6s}"]
+        found = {r.target for r in self.rows if r.source == "discovered"}
         for t, d in sorted(self.by_target().items()):
-            lines.append(f"{t:44s} {d['ok']:5d} {d['wrong']:6d} {d['crash']:6d}")
+            name = f"{t} (discovered)" if t in found else t
+            lines.append(f"{name:44s} {d['ok']:5d} {d['wrong']:6d} {d['crash']:6d}")
         if self.wrong:
             lines.append("\nWRONG rules (output differs from the single-device op):")
             lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.wrong[:40])
         if self.crashed:
             lines.append("\nCRASHING rules (localized op raised):")
             lines.extend(f"  {r.target} [{r.case}] {r.strategy}: {r.detail}" for r in self.crashed[:40])
-        if self.unchecked:
-            more = f", ... ({len(self.unchecked)} in all)" if len(self.unchecked) > 12 else ""
+        gone = [u for u in self.unchecked if "(discovered" in u]
+        unchecked = [u for u in self.unchecked if "(discovered" not in u]
+        if unchecked:
+            more = f", ... ({len(unchecked)} in all)" if len(unchecked) > 12 else ""
             lines.append(
                 "\nregistered without a sample case (same table generator as checked ops): "
-                + ", ".join(self.unchecked[:12])
+                + ", ".join(unchecked[:12])
                 + more
             )
+        if gone:
+            lines.append("\ndiscovered rules not checked here: " + ", ".join(gone[:12]))
         n_ok = sum(r.status == "ok" for r in self.rows)
         lines.append(
             f"\n{len(self.rows)} checks, {n_ok} ok, {len(self.wrong)} wrong, {len(self.crashed)} crashed "
@@ -172,56 +186,12 @@ def _class_lengths(g: Graph, op: Op, s: Strategy, ratios: Sequence[float]) -> Ca
     return lengths
 
 
-def _close(a: Any, b: Any, tol: float = 1e-9) -> tuple[bool, str]:
-    import torch
-
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return False, f"not tensors: {type(a).__name__} vs {type(b).__name__}"
-    if tuple(a.shape) != tuple(b.shape):
-        return False, f"shape {tuple(a.shape)} != expected {tuple(b.shape)}"
-    if not (a.is_floating_point() or b.is_floating_point()):
-        same = bool(torch.equal(a, b.to(a.dtype)))
-        return same, "" if same else "integer values differ"
-    a64, b64 = a.double(), b.double()
-    fin = torch.isfinite(b64)
-    if not torch.equal(fin, torch.isfinite(a64)):
-        return False, "non-finite entries differ"
-    if min(a.dtype.itemsize, b.dtype.itemsize) < 8:
-        tol = max(tol, 1e-5)
-    scale = float(b64[fin].abs().max()) if fin.any() else 0.0
-    err = float((a64[fin] - b64[fin]).abs().max()) if fin.any() else 0.0
-    ok = err <= tol * max(1.0, scale)
-    return ok, "" if ok else f"max abs error {err:.3g} (scale {scale:.3g})"
-
-
 # inputs that never take a gradient (class weights of losses)
 _NON_DIFF_INPUTS: dict[str, tuple[int, ...]] = {
     "aten.cross_entropy_loss.default": (2,),
     "aten.nll_loss_nd.default": (2,),
     "aten.nll_loss.default": (2,),
 }
-
-
-def _split_input(x: Any, f: Form, tid: int, lengths: Callable, n: int, gen: Any) -> list[Any]:
-    import torch
-
-    if f.is_gather:
-        lens = lengths(tid, f.dim)
-        offs = shard_offsets(lens)
-        return [x.narrow(f.dim, o, k).clone() for o, k in zip(offs, lens)]
-    if f.is_reduce:
-        parts = []
-        for j in range(n - 1):
-            parts.append(torch.randn(x.shape, dtype=x.dtype, generator=gen) * (j + 1.5))
-        last = x - sum(parts) if parts else x.clone()
-        return [*parts, last]
-    return [x.clone() for _ in range(n)]
-
-
-def _outputs_of(res: Any, op: Op) -> list[Any]:
-    if op.output_items:
-        return [res[k] for k in op.output_items]
-    return [res]
 
 
 def _check_strategy(
@@ -239,8 +209,8 @@ def _check_strategy(
     want_in = [x.detach().clone().requires_grad_(d) for x, d in zip(full, diff)]
     low = any(g.tensors[t].itemsize < 8 and g.tensors[t].is_float for t in op.inputs + op.outputs)
     tol = 1e-5 if low else 1e-9
-    want = _outputs_of(full_call.run(want_in), op)
-    local_ins = [_split_input(x, f, t, lengths, n, gen) for x, f, t in zip(full, s.inputs, op.inputs)]
+    want = outputs_of(full_call.run(want_in), op)
+    local_ins = [split_input(x, f, t, lengths, n, gen) for x, f, t in zip(full, s.inputs, op.inputs)]
     cots = [
         torch.randn(w.shape, dtype=w.dtype, generator=gen) if w.is_floating_point() else None for w in want
     ]
@@ -256,7 +226,7 @@ def _check_strategy(
         for r in range(n):
             xs = [v[r].detach().clone().requires_grad_(do_bwd and d) for v, d in zip(local_ins, diff)]
             with sim.rank(r):
-                outs = _outputs_of(calls[r].run(xs), op)
+                outs = outputs_of(calls[r].run(xs), op)
                 if do_bwd:
                     lsum: Any = 0
                     for tid, o, f, c in zip(op.outputs, outs, s.outputs, cots):
@@ -281,21 +251,8 @@ def _check_strategy(
     for k, (w, f) in enumerate(zip(want, s.outputs)):
         tid = op.outputs[k]
         parts = [got[r][k] for r in range(n)]
-        if f.is_gather:
-            lens = lengths(tid, f.dim)
-            for r in range(n):
-                if parts[r].shape[f.dim] != lens[r]:
-                    return "wrong", f"output {k} rank {r}: local length {parts[r].shape[f.dim]} != {lens[r]}"
-            ok, why = _close(torch.cat(parts, f.dim), w.detach(), tol)
-        elif f.is_reduce:
-            ok, why = _close(sum(parts[1:], parts[0]), w.detach(), tol)
-        else:
-            ok, why = True, ""
-            for r in range(n):
-                ok, why = _close(parts[r], w.detach(), tol)
-                if not ok:
-                    why = f"rank {r}: {why}"
-                    break
+        lens = lengths(tid, f.dim) if f.is_gather else ()
+        ok, why = reassembles(parts, w.detach(), f, lens, tol)
         if not ok:
             return "wrong", f"output {k} ({f}): {why}"
     if not do_bwd:
@@ -306,16 +263,16 @@ def _check_strategy(
         ref = x.grad if x.grad is not None else torch.zeros_like(x)
         gs = [grads[r][k] if grads[r][k] is not None else torch.zeros_like(local_ins[k][r]) for r in range(n)]
         if f.is_gather:
-            ok, why = _close(torch.cat(gs, f.dim), ref, tol)
+            ok, why = close(torch.cat(gs, f.dim), ref, tol)
         elif f.is_reduce or (s.sfb and k > 0):
             ok, why = True, ""
             for r in range(n):
-                ok, why = _close(gs[r], ref, tol)
+                ok, why = close(gs[r], ref, tol)
                 if not ok:
                     why = f"rank {r}: {why}"
                     break
         else:
-            ok, why = _close(sum(gs[1:], gs[0]), ref, tol)
+            ok, why = close(sum(gs[1:], gs[0]), ref, tol)
         if not ok:
             return "wrong", f"grad of input {k} ({f}): {why}"
     return "ok", ""
@@ -592,20 +549,28 @@ def check(
     seed: int = 0,
     shapes_per_case: int = 2,
     backward: bool = True,
+    discovered: bool = True,
 ) -> CheckReport:
     """Check every rule against the single-device op (see the module docstring).
 
     ``targets`` restricts the check to those ops (``"linear"`` matches ``aten.linear.*``); ``trials``
     random (n, ratios) draws per strategy (n = 2..4, zero ratios included) on top of three fixed
-    uneven ones; backward is checked on the fixed draws.
+    uneven ones; backward is checked on the fixed draws. ``discovered`` also checks the discovered rules
+    (:mod:`.discover`) known to this process or its on-disk cache (rows with ``source="discovered"``).
     """
     t0 = time.perf_counter()
     with _strict():
-        return _check(targets, trials, seed, shapes_per_case, backward, t0)
+        return _check(targets, trials, seed, shapes_per_case, backward, t0, discovered)
 
 
 def _check(
-    targets: Sequence[str] | None, trials: int, seed: int, shapes_per_case: int, backward: bool, t0: float
+    targets: Sequence[str] | None,
+    trials: int,
+    seed: int,
+    shapes_per_case: int,
+    backward: bool,
+    t0: float,
+    discovered: bool = True,
 ) -> CheckReport:
     import torch
 
@@ -635,27 +600,91 @@ def _check(
                 rows.append(CheckRow(target, case, "-", "crash", f"generating strategies: {_short(exc)}"))
                 continue
             for s in strats:
-                draws = [(r_, True) for r_ in _FIXED_RATIOS]
-                for _ in range(max(0, trials // shapes_per_case - len(draws))):
-                    nn = rng.randint(2, 4)
-                    rs = [rng.choice((0.0, rng.random() + 0.05, rng.random() + 0.05)) for _ in range(nn)]
-                    if sum(rs) == 0:
-                        rs[0] = 1.0
-                    draws.append((tuple(rs), False))
-                status, detail = "ok", ""
-                for ratios, fixed in draws:
-                    try:
-                        status, detail = _check_strategy(
-                            g, op, full, s, len(ratios), ratios, rng.randrange(1 << 30), backward and fixed
-                        )
-                    except Exception as exc:  # noqa: BLE001
-                        status, detail = "crash", _short(exc)
-                    if status != "ok":
-                        detail = f"ratios {list(ratios)}: {detail}"
-                        break
+                status, detail = _draws(g, op, full, s, rng, trials, shapes_per_case, backward)
                 rows.append(CheckRow(target, case, str(s), status, detail))
+    missing: list[str] = []
+    if discovered:
+        rows += _check_discovered(targets, rng, trials, shapes_per_case, backward, missing)
     unchecked = () if want else tuple(sorted(set(registered()) - checked))
-    return CheckReport(tuple(rows), time.perf_counter() - t0, unchecked)
+    return CheckReport(tuple(rows), time.perf_counter() - t0, unchecked + tuple(sorted(set(missing))))
+
+
+def _matches(target: str, targets: Sequence[str] | None) -> bool:
+    if not targets:
+        return True
+    return any(target == t or target.startswith((t, f"aten.{t}.")) for t in targets)
+
+
+def _check_discovered(
+    targets: Sequence[str] | None,
+    rng: random.Random,
+    trials: int,
+    shapes_per_case: int,
+    backward: bool,
+    missing: list[str],
+) -> list[CheckRow]:
+    """Rows for every discovered rule with an accepted strategy (this process's discoveries and the
+    on-disk cache's); ops that cannot be rebuilt here (a custom op whose library is not imported) go to
+    ``missing``. An op without autograd is checked forward only (the detail says so)."""
+    rows: list[CheckRow] = []
+    seen: set[str] = set()
+    for d in _discovered():
+        if not d.accepted or d.spec is None or not _matches(d.target, targets):
+            continue
+        try:
+            target, args, kwargs = _rebuild(d.spec, seed=rng.randrange(1 << 30))
+            g, op, full = _single_op(target, args, kwargs)
+        except Exception:  # noqa: BLE001 - not rebuildable in this process
+            missing.append(f"{d.target} (discovered; its op is not available here)")
+            continue
+        case = "discovered " + " ".join(f"{list(g.tensors[i].shape)}" for i in op.inputs)
+        if (target, case) in seen:
+            continue
+        seen.add((target, case))
+        try:
+            strats = strategies(g, op)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(CheckRow(target, case, "-", "crash", f"discovering: {_short(exc)}", "discovered"))
+            continue
+        for s in strats:
+            status, detail = _draws(g, op, full, s, rng, trials, shapes_per_case, backward)
+            if status == "crash" and backward:
+                fwd, fdetail = _draws(g, op, full, s, rng, trials, shapes_per_case, False)
+                if fwd != "crash":
+                    status, detail = fwd, f"forward only (backward raised: {detail[:120]}) {fdetail}".strip()
+            rows.append(CheckRow(target, case, str(s), status, detail, "discovered"))
+    return rows
+
+
+def _draws(
+    g: Graph,
+    op: Op,
+    full: list[Any],
+    s: Strategy,
+    rng: random.Random,
+    trials: int,
+    shapes_per_case: int,
+    backward: bool,
+) -> tuple[str, str]:
+    """Check one strategy on the fixed uneven ratio draws and random ones (zero ratios included)."""
+    draws = [(r_, True) for r_ in _FIXED_RATIOS]
+    for _ in range(max(0, trials // shapes_per_case - len(draws))):
+        nn = rng.randint(2, 4)
+        rs = [rng.choice((0.0, rng.random() + 0.05, rng.random() + 0.05)) for _ in range(nn)]
+        if sum(rs) == 0:
+            rs[0] = 1.0
+        draws.append((tuple(rs), False))
+    status, detail = "ok", ""
+    for ratios, fixed in draws:
+        try:
+            status, detail = _check_strategy(
+                g, op, full, s, len(ratios), ratios, rng.randrange(1 << 30), backward and fixed
+            )
+        except Exception as exc:  # noqa: BLE001
+            status, detail = "crash", _short(exc)
+        if status != "ok":
+            return status, f"ratios {list(ratios)}: {detail}"
+    return status, detail
 
 
 def main(argv: Sequence[str] | None = None) -> int:

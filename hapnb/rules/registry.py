@@ -3,7 +3,9 @@
 This is the bottom of :mod:`hapnb.rules`; every family module registers its table here and nothing
 here imports a family. A *rule* turns one traced :class:`~hapnb.graph.Op` into its :class:`Strategy`
 list (the op's Hoare triples ``{inputs} op {outputs}``) and, for a chosen strategy, into the
-:class:`LocalCall` every rank runs on its local tensors. Ops without a rule run replicated.
+:class:`LocalCall` every rank runs on its local tensors. Ops without a hand rule run replicated, plus
+whatever the fallback provider (rule discovery, :mod:`.discover`, installed through :func:`_set_fallback`
+so nothing here imports it) finds; :func:`rule_source` says where an op's strategies come from.
 
 Strategy semantics
 ------------------
@@ -53,6 +55,8 @@ __all__ = [
     "family",
     "localize",
     "registered",
+    "rule_source",
+    "RULE_SOURCES",
 ]
 
 
@@ -217,12 +221,65 @@ def _strict() -> Iterator[None]:
 
 
 def _aten(target: str) -> Any:
+    """The callable op overload of a canonical op name ``ns.op.overload``: ``aten.linear.default`` or a
+    custom op registered with ``torch.library`` (``mylib.myop.default`` -> ``torch.ops.mylib.myop.default``).
+    Raises :class:`KeyError` naming the op when there is none."""
     import torch
 
     parts = target.split(".")
-    if parts[0] != "aten" or len(parts) != 3:
-        raise KeyError(f"{target!r} is not an aten op name like 'aten.linear.default'")
-    return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    if len(parts) != 3 or not all(parts):
+        raise KeyError(f"{target!r} is not an op name like 'aten.linear.default' or 'mylib.myop.default'")
+    ns, name, overload = parts
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError) as exc:
+        raise KeyError(
+            f"{target!r} has no op overload torch.ops.{ns}.{name}.{overload} in this process"
+            + ("" if ns == "aten" else f" (is the library that defines {ns}::{name} imported?)")
+        ) from exc
+
+
+# ------------------------------------------------------------------ rules of ops without a hand rule
+
+#: The strategy source of ops without a hand rule: ``fallback(graph, op)`` -> candidates, set by
+#: :mod:`.discover` when the package is imported (so nothing here imports it); None: replicated only.
+_FALLBACK: Callable[[Graph, Op], Sequence[_Cand]] | None = None
+
+
+def _set_fallback(provider: Callable[[Graph, Op], Sequence[_Cand]] | None) -> None:
+    """Install (or, with None, remove) the provider of strategies for ops without a hand rule."""
+    global _FALLBACK
+    _FALLBACK = provider
+
+
+#: where an op's strategies come from (:func:`rule_source`)
+RULE_SOURCES = ("hand", "decomposed", "discovered", "none")
+
+
+def rule_source(op: Op | str, graph: Graph | None = None) -> str:
+    """Where the strategies of ``op`` come from: ``"hand"`` (a rule table), ``"decomposed"`` (an op with a
+    hand rule that tracing lowered from an op without one: ``Op.origin`` is set), ``"discovered"`` (no
+    hand rule; ground truth accepted strategies, :mod:`.discover`) or ``"none"`` (runs replicated).
+
+    For an :class:`Op` with its ``graph`` the answer runs (or reads the cached) discovery for its shapes;
+    for a target name (or an Op without its graph), "discovered" means some discovery of that target in
+    this process accepted a strategy.
+
+    >>> rule_source("aten.linear.default"), rule_source("aten.frobnicate.default")
+    ('hand', 'none')
+    """
+    target = op if isinstance(op, str) else op.target
+    if target in _RULES:
+        return "decomposed" if isinstance(op, Op) and op.origin else "hand"
+    if _FALLBACK is None:
+        return "none"
+    if isinstance(op, Op) and graph is not None:
+        try:
+            return "discovered" if _FALLBACK(graph, op) else "none"
+        except Exception:  # noqa: BLE001 - a failing discovery means no discovered rule
+            return "none"
+    known = getattr(_FALLBACK, "known", None)
+    return "discovered" if known is not None and known(target) else "none"
 
 
 # ---------------------------------------------------------------------------------- small helpers
@@ -336,7 +393,8 @@ def _valid(g: Graph, op: Op, c: _Cand) -> bool:
 
 
 def strategies(graph: Graph, op: Op) -> tuple[Strategy, ...]:
-    """All valid strategies of ``op``; the replicated one (all I) comes first. No rule: only it.
+    """All valid strategies of ``op``; the replicated one (all I) comes first. No hand rule: it and the
+    strategies discovery accepts (:mod:`.discover`; none when ``HAPNB_DISCOVER=0``).
 
     >>> import torch, hapnb
     >>> g = hapnb.trace(torch.nn.Linear(4, 3), (torch.randn(8, 4),), loss=lambda o: o.sum())
@@ -347,7 +405,7 @@ def strategies(graph: Graph, op: Op) -> tuple[Strategy, ...]:
     out = [Strategy("replicate", (I,) * len(op.inputs), (I,) * len(op.outputs), 0.0, 3.0 * F)]
     rule = _RULES.get(op.target)
     if rule is None:
-        return tuple(out)
+        return tuple(out) + _fallback_strategies(graph, op, out[0])
     seen = {(out[0].inputs, out[0].outputs, False)}
     try:
         cands = list(rule.gen(graph, op))
@@ -377,13 +435,46 @@ def strategies(graph: Graph, op: Op) -> tuple[Strategy, ...]:
     return tuple(out)
 
 
+def _fallback_strategies(graph: Graph, op: Op, replicate: Strategy) -> tuple[Strategy, ...]:
+    """The strategies of an op without a hand rule from the fallback provider (discovery): candidates
+    with a G form cost like 'shard' (3F scaled), the others (partial sums) 'full' (3F fixed)."""
+    if _FALLBACK is None:
+        return ()
+    try:
+        cands = list(_FALLBACK(graph, op))
+    except Exception as exc:
+        if _STRICT:
+            raise
+        warnings.warn(
+            f"hapnb.rules: discovering strategies of {op.name} ({op.target}) failed ({_short(exc)}); "
+            "the op runs replicated.",
+            stacklevel=3,
+        )
+        return ()
+    F = op.flops
+    seen = {(replicate.inputs, replicate.outputs)}
+    out = []
+    for c in cands:
+        if not _valid(graph, op, c) or (c.inputs, c.outputs) in seen:
+            continue
+        seen.add((c.inputs, c.outputs))
+        sharded = any(f.is_gather for f in c.inputs + c.outputs)
+        sc, fx = (3.0 * F, 0.0) if sharded else (0.0, 3.0 * F)
+        out.append(Strategy(c.name, c.inputs, c.outputs, sc, fx))
+    return tuple(out)
+
+
 def localize(graph: Graph, op: Op, strategy: Strategy, ctx: LocalContext) -> LocalCall:
-    """The call rank ``ctx.rank`` runs for ``op`` under ``strategy`` (shape args made local)."""
+    """The call rank ``ctx.rank`` runs for ``op`` under ``strategy`` (shape args made local). An op
+    without a hand rule (replicated or a discovered strategy) runs its own op overload with its original
+    non-tensor arguments on the local tensors: that is what discovery checked."""
     rule = _RULES.get(op.target)
     if strategy.name == "replicate" or rule is None:
-        if rule is None and not op.target.startswith("aten."):
-            raise KeyError(f"op {op.name} ({op.target}) has no aten overload to run")
-        return LocalCall(_aten(op.target), op.args, op.kwargs)
+        try:
+            fn = _aten(op.target)
+        except KeyError as exc:
+            raise KeyError(f"op {op.name} ({op.target}) has no op overload to run: {exc.args[0]}") from None
+        return LocalCall(fn, op.args, op.kwargs)
     return (rule.local or _default_local)(graph, op, strategy, ctx)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..graph import Graph, Op, TensorArg, TensorRef, fingerprint
+from ..rules.cachedir import cache_root
 
 __all__ = ["cache_dir", "cache_key", "load", "save", "graph_to_json", "graph_from_json", "encode_value",
            "decode_value", "FORMAT"]  # fmt: skip
@@ -46,13 +47,8 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """The folder holding cached traces (not created here)."""
-    base = os.environ.get("HAPNB_CACHE_DIR")
-    if base:
-        return Path(base) / "traces"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    root = Path(xdg) if xdg else Path.home() / ".cache"
-    return root / "hapnb" / "traces"
+    """The folder holding cached traces (not created here): ``traces/`` of :func:`hapnb.rules.cachedir.cache_root`."""
+    return cache_root() / "traces"
 
 
 @functools.cache
