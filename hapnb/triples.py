@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from .forms import Form, G, I, R, shard_lengths
 from .graph import Graph, Op, TensorRef
-from .rules import Strategy
+from .rules import RULE_SOURCES, Strategy
 
 __all__ = [
     "Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES",
@@ -392,22 +392,13 @@ def dim_class(th: Theory, tensor: int, dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(k for k in list(classes.parent) if classes.find(k) == root)) or ((tensor, dim),)
 
 
-#: Where an op's strategies come from, in the order coverage reports list them.
-RULE_SOURCES: dict[str, str] = {
-    "hand": "a hand-written rule table of hapnb.rules",
-    "decomposed": "lowered at trace time (in-place or composite op without a rule) to ops with hand rules",
-    "discovered": "no hand rule: strategies found by running the op on unevenly split random inputs",
-    "none": "no rule: the op runs replicated, and so do the tensors it touches",
-}
-
-
 @dataclass(frozen=True)
 class CoverageRow:
     """One op of the program: where its rule comes from and how many strategies it offers."""
 
     op: str
     target: str
-    source: str  # a key of RULE_SOURCES
+    source: str  # a key of hapnb.rules.RULE_SOURCES
     strategies: int  # the replicated one included
     origin: str = ""  # the op it was lowered from (source "decomposed")
     module: str = ""

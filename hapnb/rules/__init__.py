@@ -54,6 +54,7 @@ from . import (
 )
 from .checker import CheckReport, CheckRow, check, main
 from .registry import (
+    RULE_SOURCES,
     LocalCall,
     LocalContext,
     Strategy,
@@ -77,6 +78,7 @@ __all__ = [
     "localize",
     "registered",
     "rule_source",
+    "RULE_SOURCES",
     "discover",
     "check",
     "main",

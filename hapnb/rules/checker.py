@@ -29,6 +29,7 @@ from typing import Any
 
 from ..forms import shard_lengths, shard_offsets
 from ..graph import Graph, Op, TensorArg, TensorRef
+from . import registry
 from .discover import cached as _discovered
 from .discover import rebuild as _rebuild
 from .registry import (
@@ -477,7 +478,7 @@ def _cases() -> list[tuple[str, Callable[[Any], tuple[tuple, dict]]]]:
     add("aten.max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2], [2, 2]), {}))
     add("aten.adaptive_avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [1, 1]), {}))
     add("aten.avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
-    return C
+    return C + list(registry._SAMPLES)  # the family modules' own samples
 
 
 def _lin(r: Any, T: Callable, bias: bool, two_d: bool = False) -> tuple[tuple, dict]:  # noqa: N803

@@ -25,6 +25,7 @@ from .registry import (
     _is_float,
     _local_shape,
     _register,
+    _register_samples,
     _tin,
     _tout,
 )
@@ -170,3 +171,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.full_like.default", lambda r: ((_labels(r.randint(2, 5), 4), -100), {})),
     ("aten.ones_like.default", lambda r: ((_t(r.randint(2, 5), 4),), {})),
 )
+_register_samples(CASES)

@@ -32,6 +32,7 @@ from .registry import (
     _kw,
     _ndim_dim,
     _register,
+    _register_samples,
     _tin,
     _tout,
 )
@@ -233,3 +234,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.repeat_interleave.self_int", lambda r: ((_t(*_bsh(r)), 3), {})),
     ("aten.repeat_interleave.self_int", lambda r: ((_t(*(s := _bsh(r))), 2, 0), {"output_size": 2 * s[0]})),
 )
+_register_samples(CASES)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..forms import Form, G, I, R
 from ..graph import Graph, Op, TensorArg
-from .registry import _Cand, _is_float, _ndim_dim, _register, _tin
+from .registry import _Cand, _is_float, _ndim_dim, _register, _register_samples, _tin
 
 
 def _bcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -272,3 +272,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
         lambda r: ((_t(5, b := r.randint(2, 4)), 0, _ix(5, n := r.randint(2, 8), b), _t(n, b)), {}),
     ),
 )
+_register_samples(CASES)

@@ -41,6 +41,7 @@ from .registry import (
     _is_float,
     _kw,
     _register,
+    _register_samples,
     _tin,
     _tout,
 )
@@ -438,3 +439,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.lerp.Scalar", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]), 0.3), {})),
     ("aten.lerp.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(*s), _t(s[1], s[2])), {})),
 )
+_register_samples(CASES)

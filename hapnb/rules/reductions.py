@@ -27,6 +27,7 @@ from .registry import (
     _kw,
     _numel,
     _register,
+    _register_samples,
     _tin,
 )
 
@@ -174,3 +175,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
         lambda r: ((_t(*[r.randint(2, 5) for _ in range(3)]), [0, 2]), {"keepdim": True}),
     ),
 )
+_register_samples(CASES)

@@ -164,6 +164,9 @@ class _Rule:
 
 
 _RULES: dict[str, _Rule] = {}
+#: sample cases for the ground-truth checker that family modules register with their tables:
+#: ``(target, build(rng) -> (args, kwargs))`` (:func:`_register_samples`)
+_SAMPLES: list[tuple[str, Callable[[Any], tuple[tuple, dict]]]] = []
 _STRICT = False  # check() turns rule-generator errors into failures instead of warnings
 
 
@@ -195,6 +198,12 @@ def _register(
             )
     for t in targets:
         _RULES[t] = rule
+
+
+def _register_samples(cases: Iterable[tuple[str, Callable[[Any], tuple[tuple, dict]]]]) -> None:
+    """Add a family's sample cases (``(target, build(rng) -> (args, kwargs))``, float64 tensors) to what
+    the ground-truth checker (:mod:`.checker`) runs."""
+    _SAMPLES.extend(cases)
 
 
 def registered() -> dict[str, tuple[str, str]]:
@@ -252,8 +261,13 @@ def _set_fallback(provider: Callable[[Graph, Op], Sequence[_Cand]] | None) -> No
     _FALLBACK = provider
 
 
-#: where an op's strategies come from (:func:`rule_source`)
-RULE_SOURCES = ("hand", "decomposed", "discovered", "none")
+#: where an op's strategies come from (:func:`rule_source`), in the order coverage reports list them
+RULE_SOURCES: dict[str, str] = {
+    "hand": "a hand-written rule table of hapnb.rules",
+    "decomposed": "lowered at trace time (in-place or composite op without a rule) to ops with hand rules",
+    "discovered": "no hand rule: strategies found by running the op on unevenly split random inputs",
+    "none": "no rule: the op runs replicated, and so do the tensors it touches",
+}
 
 
 def rule_source(op: Op | str, graph: Graph | None = None) -> str:

@@ -31,6 +31,7 @@ from .registry import (
     _ndim_dim,
     _numel,
     _register,
+    _register_samples,
     _tin,
     _tout,
 )
@@ -428,3 +429,4 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.roll.default", lambda r: ((_t(*_bsh(r)), [1], [1]), {})),
     ("aten.roll.default", lambda r: ((_t(*_bsh(r)), [1, -2], [0, 2]), {})),
 )
+_register_samples(CASES)
