@@ -14,7 +14,7 @@ from hapnb.cli import main
 SMALL = ["--model", "mlp", "--layers", "2", "--set", "hidden=64", "--set", "input=32", "--batch", "16"]
 PLAN_KEYS = {"cost_s", "lower_bound_s", "synthesis_s", "expansions", "iterations", "ratios", "program", "stages",
              "baselines", "devices", "memory_bytes", "simulated_s", "duplex", "baselines_simulated_s", "optimal",
-             "phases"}  # fmt: skip
+             "phases", "baselines_unavailable", "fallback_ops"}  # fmt: skip
 
 
 def run(capsys, *argv):
@@ -31,6 +31,7 @@ def test_plan_json_keys_and_files(capsys, tmp_path):
     d = json.loads(out)
     assert set(d) == PLAN_KEYS
     assert set(d["baselines"]) == {"dp_ev", "dp_cp"}
+    assert d["fallback_ops"] == [] and set(d["baselines_unavailable"]) <= {"tp_ev"}
     assert d["memory_bytes"] == list(hap.Plan.load(plan_path).memory_bytes) and min(d["memory_bytes"]) > 0
     assert d["devices"] == ["v100-0", "v100-1", "p100-0", "p100-1"]
     assert len(d["ratios"]) == 1 and len(d["ratios"][0]) == 4
