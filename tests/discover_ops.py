@@ -2,13 +2,12 @@
 
 ``hapnb_test::scaled_tanh(x, w) = tanh(x) * w`` (elementwise, ``w`` broadcast over the last dim) and
 ``hapnb_test::colnorm(x) = x / sum(|x|, dim 0)`` (normalizes over dim 0: sharding dim 0 is wrong). Both
-have a fake impl (for torch.export) and autograd. ``CALLS`` records the shape of every ``x`` the CPU
+have a fake impl (for torch.export); scaled_tanh has autograd. ``hapnb_test::globalnorm(x) = x / (sum |x| + 1)``
+couples every element (no sharding of it is exact: discovery rejects all) and has autograd. ``CALLS`` records the shape of every ``x`` the CPU
 impls see, so tests can count runs and see the splits discovery used.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -64,12 +63,36 @@ class TanhMLP(torch.nn.Module):
         return self.fc2(h).pow(2).mean()
 
 
-def worker_argv() -> tuple[str, ...]:
-    """How a verify worker starts (``python *worker_argv() BUNDLE ...``): import this module, which
-    registers the ops, then run the hapnb worker."""
-    here = str(Path(__file__).resolve().parent)
-    code = (
-        f"import sys; sys.path.insert(0, {here!r}); import discover_ops; "
-        "from hapnb.run.worker import main; sys.exit(main(sys.argv[1:]))"
-    )
-    return ("-c", code)
+@torch.library.custom_op("hapnb_test::globalnorm", mutates_args=())
+def globalnorm(x: torch.Tensor) -> torch.Tensor:
+    CALLS.append(("globalnorm", tuple(x.shape)))
+    return x / (x.abs().sum() + 1.0)
+
+
+@globalnorm.register_fake
+def _globalnorm_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _globalnorm_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    ctx.save_for_backward(inputs[0])
+
+
+def _globalnorm_bwd(ctx, g):  # noqa: ANN001, ANN202
+    (x,) = ctx.saved_tensors
+    s = x.abs().sum() + 1.0
+    return g / s - (g * x).sum() / (s * s) * torch.sign(x)
+
+
+globalnorm.register_autograd(_globalnorm_bwd, setup_context=_globalnorm_setup)
+
+
+class GlobalNormMLP(torch.nn.Module):
+    """linear -> the custom global norm (no exact sharding) -> linear -> sum: the op runs replicated."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.ops.hapnb_test.globalnorm(self.a(x))).sum()

@@ -68,10 +68,26 @@ def test_model_code_outside_the_zoo(factory: str) -> None:
     _verify(plan, c.n)
 
 
-def test_an_op_without_a_rule_runs_replicated_and_the_plan_says_so() -> None:
+def test_an_op_without_any_rule_runs_replicated_and_the_plan_says_so() -> None:
+    import sys
+    from pathlib import Path
+
     import torch
 
-    class Mix(torch.nn.Module):  # torch.logaddexp has no sharding rule
+    sys.path.insert(0, str(Path(__file__).parent))
+    import discover_ops  # a custom op that couples every element: no hand rule, none discoverable
+
+    c = hap.Cluster.parse("1xV100+1xP100")
+    plan = hap.synthesize(hap.trace(discover_ops.GlobalNormMLP(), (torch.randn(6, 8),)), c)
+    assert [t for _, t in plan.fallback_ops] == ["hapnb_test.globalnorm.default"]
+    assert "ops without a rule (run replicated)" in plan.summary()
+    _verify(plan, c.n)  # the worker imports the module that defines the op (the bundle records it)
+
+
+def test_a_composite_op_without_a_rule_is_lowered() -> None:
+    import torch
+
+    class Mix(torch.nn.Module):  # torch.logaddexp has no rule: tracing decomposes it to ops with rules
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
@@ -81,7 +97,8 @@ def test_an_op_without_a_rule_runs_replicated_and_the_plan_says_so() -> None:
 
     c = hap.Cluster.parse("1xV100+1xP100")
     plan = hap.synthesize(hap.trace(Mix(), (torch.randn(6, 8),)), c)
-    assert [t for _, t in plan.fallback_ops] == ["aten.logaddexp.default"]
+    assert not plan.fallback_ops
+    assert {op.origin for op in plan.graph.ops} == {"", "aten.logaddexp.default"}
     _verify(plan, c.n)
 
 

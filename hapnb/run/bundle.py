@@ -110,6 +110,58 @@ def _check_fingerprint(plan: Plan, g: Graph) -> None:
         )
 
 
+def custom_op_imports(g: Graph) -> list[dict[str, str]]:
+    """The Python modules that define the graph's custom ops (``torch.library.custom_op``), with the
+    folder to import them from: a worker imports them before it loads the exported program (torch.export
+    cannot load a program whose ops are not registered). Raises :class:`BundleError` for a custom op
+    defined where a worker cannot import it (``__main__``: a script or a notebook)."""
+    import importlib
+    import sys
+
+    from torch._library import custom_ops
+
+    out: list[dict[str, str]] = []
+    for target in sorted({op.target for op in g.ops}):
+        ns, _, rest = target.partition(".")
+        if ns in ("aten", "prims", "_operator", "operator") or not rest:
+            continue
+        opdef = custom_ops.OPDEFS.get(f"{ns}::{rest.split('.')[0]}")
+        fn = getattr(opdef, "_init_fn", None)
+        mod = getattr(fn, "__module__", None)
+        if mod is None:
+            continue  # registered some other way (torch.library.Library): the worker must import it itself
+        if mod == "__main__" or mod not in sys.modules:
+            raise BundleError(
+                f"custom op {target} is defined in {mod!r}, which a worker process cannot import; define "
+                "it in an importable module (a .py file next to your code) and import that"
+            )
+        file = getattr(importlib.import_module(mod), "__file__", None) or ""
+        root = Path(file).resolve().parent
+        for _ in range(mod.count(".") + (1 if Path(file).name == "__init__.py" else 0)):
+            root = root.parent
+        entry = {"module": mod, "path": str(root)}
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def _import_custom_ops(entries: Sequence[dict[str, str]]) -> None:
+    """Import the modules that define a bundle's custom ops (see :func:`custom_op_imports`)."""
+    import importlib
+    import sys
+
+    for e in entries:
+        if e.get("path") and e["path"] not in sys.path:
+            sys.path.append(e["path"])
+        try:
+            importlib.import_module(e["module"])
+        except ImportError as exc:
+            raise BundleError(
+                f"the bundle's program uses custom ops defined in {e['module']!r}, which cannot be imported "
+                f"here ({exc}); install or copy that module onto this machine"
+            ) from None
+
+
 def write_bundle(
     plan: Plan,
     directory: str | os.PathLike[str],
@@ -144,6 +196,7 @@ def write_bundle(
         "graph_fingerprint": g.fingerprint,
         "inputs": [g.tensors[t].name for t in g.inputs],
         "torch": torch.__version__,
+        "imports": custom_op_imports(g),  # modules that define the program's custom ops
     }
     if half is not None:
         torch.export.save(half.traced_program(), d / "program_half.pt2")
@@ -167,6 +220,7 @@ def load_bundle(directory: str | os.PathLike[str]) -> Bundle:
         raise BundleError(f"{d / 'meta.json'}: not valid JSON ({e})") from None
     if meta.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{d}: bundle format {meta.get('format')!r} is not supported")
+    _import_custom_ops(meta.get("imports", ()))
     ep = torch.export.load(d / "program.pt2")
     inputs = tuple(torch.load(d / "inputs.pt", weights_only=True))
     g = from_export(ep, list(meta["inputs"]), str(meta.get("name", plan.name)))
