@@ -54,6 +54,8 @@ def report_html(
             except (TypeError, ValueError):
                 continue
             rows.append([esc(name), _ms(cost), f"{cost / plan.cost_s:.2f}x" if plan.cost_s > 0 else "-"])
+        for name, why in getattr(baselines, "unavailable", {}).items():  # hapnb.baselines' Baselines
+            rows.append([esc(name), "not available", esc(why)])
         rows.insert(0, ["<b>hapnb</b>", f"<b>{_ms(plan.cost_s)}</b>", "1.00x"])
         sections.append(
             "<h2>Baselines (same cost model)</h2>"
