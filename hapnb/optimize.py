@@ -390,6 +390,9 @@ class Candidate:
     #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev" (a baseline's
     #: program at the baseline's own ratios, as :func:`hapnb.baselines` packages it)
     source: str = "search"
+    #: a searched candidate that is also a baseline's program at the baseline's ratios: that baseline's
+    #: source (the final pick always compares it, however it ranks by cost)
+    baseline: str = ""
 
 
 def keeps_ratio_pins(
@@ -452,7 +455,7 @@ def optimize(
         B = fixed
     history: list[Round] = []
     candidates: list[Candidate] = []
-    seen: set[Any] = set()
+    seen: dict[Any, int] = {}  # a candidate's key -> its index in candidates
     best: tuple[float, tuple[Step, ...], tuple[Conversion, ...], tuple[tuple[float, ...], ...]] | None = None
     stats: dict[str, Any] = {
         "expansions": 0,
@@ -462,6 +465,7 @@ def optimize(
         "search_s": 0.0,
         "balance_s": 0.0,
         "optimal": True,
+        "gap": 0.0,
         "duplex": bool(duplex),
     }
 
@@ -505,7 +509,12 @@ def optimize(
         return None
 
     def run_search(
-        ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool, incumbent: Any = None
+        ratios_: Any,
+        pins_: Mapping[str, Form],
+        merged: Mapping[str, bool],
+        mem: bool,
+        incumbent: Any = None,
+        fallback: Any = None,
     ) -> _Searched:
         shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
@@ -531,6 +540,13 @@ def optimize(
             )
             dives = 1
         res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
+        if not res.optimal and fallback is not None and not duplex and not s.memory:
+            # stopped at its budget: the data-parallel program at these ratios (a quick, proven search in
+            # a smaller space) joins as an incumbent, so the search's program is never worse than it and the
+            # proven bound is read with it
+            prog = fallback()
+            if prog is not None and s.seed(prog, dive=False):
+                res = replace(s.result(res.seconds), seconds=res.seconds)
         return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
 
     def search(
@@ -555,6 +571,17 @@ def optimize(
                 stats["memory_start"] = True
                 ratios_ = tuple(row for _ in ratios_)
         mem = mem_on[0]
+        fallback = None
+        if move and not duplex:
+
+            def fallback() -> Any:
+                """The data-parallel program at these ratios (None where there is none)."""
+                dp_pins = {**_dp_pins(th), **{k: v for k, v in pins_.items()}}
+                try:
+                    return search(ratios_, dp_pins, {"sfb": False, "grouped": False})[0].program
+                except (NoProgramError, ValueError):
+                    return None
+
         found = subsumed(ratios_, pins_, merged, mem)
         if found is not None:
             stats["searches_subsumed"] = stats.get("searches_subsumed", 0) + 1
@@ -570,9 +597,11 @@ def optimize(
                 mem,
                 incumbent,
             )
-            out = memo.get("search", key, lambda: run_search(ratios_, pins_, merged, mem, incumbent))
+            out = memo.get(
+                "search", key, lambda: run_search(ratios_, pins_, merged, mem, incumbent, fallback)
+            )
         else:
-            out = run_search(ratios_, pins_, merged, mem, incumbent)
+            out = run_search(ratios_, pins_, merged, mem, incumbent, fallback)
         done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         if duplex:
             stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
@@ -583,6 +612,7 @@ def optimize(
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
+        stats["gap"] = max(stats.get("gap", 0.0), res.gap)
         if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
             mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
             return search(ratios_, pins_, opts, move, incumbent)
@@ -599,8 +629,12 @@ def optimize(
         # throughput-proportional ratios and the LP's ratios for the same program often differ in the last
         # bits only: the same plan, simulated once)
         key = (prog, tuple(tuple(round(x, 12) for x in row) for row in ratios_))
-        if key not in seen and fits(prog, extra, ratios_):
-            seen.add(key)
+        if key in seen:
+            k = seen[key]
+            if source != "search" and not candidates[k].baseline:  # a searched one is also this baseline
+                candidates[k] = replace(candidates[k], baseline=source)
+        elif fits(prog, extra, ratios_):
+            seen[key] = len(candidates)
             candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
 
     def cost_at(prog: Any, ratios_: Any) -> float:
@@ -695,14 +729,37 @@ def optimize(
                 res, s = search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
                 continue
-            if keeps_ratio_pins(
-                bratios, ratio_pins, c.names
-            ):  # a candidate only where it keeps the ratio pins
-                add_candidate(
-                    cost_at(res.program, bratios), res.program, s.final, bratios, f"baseline {name}"
-                )
+            own = cost_at(res.program, bratios)
+            keeps = keeps_ratio_pins(bratios, ratio_pins, c.names)
+            if keeps:  # a candidate only where it keeps the ratio pins
+                add_candidate(own, res.program, s.final, bratios, f"baseline {name}")
             if res.program in tried:
-                continue  # the same program was balanced already
+                # the same program was balanced already; at the baseline's own ratios it can still be a hair
+                # cheaper than at the LP's (the LP prices padded collectives and integer shards linearly)
+                if (
+                    best is not None
+                    and own < best[0] * (1 - 1e-9)
+                    and keeps
+                    and fits(res.program, s.final, bratios)
+                ):
+                    it += 1
+                    exp = dict(s.stats)["expansions"]
+                    history.append(
+                        Round(
+                            it,
+                            res.cost,
+                            own,
+                            bratios,
+                            exp,
+                            res.seconds,
+                            0.0,
+                            len(res.program),
+                            True,
+                            f"seed {name}",
+                        )
+                    )
+                    best = (own, res.program, s.final, bratios)
+                continue
             tried.add(res.program)
             it += 1
             before = best[0] if best is not None else float("inf")

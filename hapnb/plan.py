@@ -396,6 +396,10 @@ class Plan:
             + "".join(f"{v} stored sharded (ZeRO-{z}); " for z, v in zero.items() if v)
             + f"synthesis {self.synthesis_s:.2f} s"
         )
+        if self.stats.get("optimal") is False:  # a search stopped at its budget: its proven gap
+            lines.append(
+                f"  not proven optimal: optimal_gap {self.stats.get('gap', 0.0):.2%} (to the A* bound)"
+            )
         if self.fallback_ops:
             lines.append(
                 f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}"

@@ -21,9 +21,13 @@ Search-space reductions (each documented with its reason):
 Dominance is keyed on the property set (plus the comm tokens and the position); two partial programs
 with the same key are compared by (closed cost, per-device computation of the open stage): one is
 dropped only if the other is no worse in every component, so the search is exact for the stage cost
-``sum(comm + max_j comp_j)``. The heuristic is the remaining computation at infinite bandwidth:
-``max_j (open_j + remaining lower bound_j)``, which never overestimates, so the first complete program
-popped is optimal.
+``sum(comm + max_j comp_j)``. The heuristic is the larger of the remaining computation at infinite
+bandwidth, ``max_j (open_j + remaining lower bound_j)``, and a relaxed program along the spine coupled with
+its tensors' other consumers (:mod:`hapnb.spineside`); a search still open after
+:data:`~hapnb.chainbound.SWITCH_AFTER` expansions adds the chain bound (:mod:`hapnb.chainbound`: the spine
+and the side chains to the ops they meet, by memoised DP). Each never overestimates, so the first complete
+program popped is optimal; a search stopped by a limit reports the proven lower bound
+(:attr:`SearchResult.bound`, ``gap``).
 
 **Duplex** (``Search(..., duplex=True)``, HiDup's two micro-batches, :mod:`hapnb.duplex`): a node's label
 is ``(base, acc, copen, tail)``: ``base`` is HiDup's ``ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i)`` for the
@@ -54,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .chainbound import SWITCH_AFTER, ChainBound, switch
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import dominates, priority
@@ -61,9 +66,19 @@ from .forms import Form, I, R, Storage
 from .graph import Graph
 from .memsearch import MemoryTracker
 from .rules import Strategy
-from .searchspec import PinError, explain_no_program, explain_no_strategy, normalize_ratios, resolve_pins
+from .searchspec import (
+    PinError,
+    SearchEvent,
+    SearchNode,
+    SearchResult,
+    explain_no_program,
+    explain_no_strategy,
+    normalize_ratios,
+    resolve_pins,
+)
 from .searchtables import entries_for, ratio_classes, theory_tables
 from .spine import CONVERSIONS, spine_bound, spine_value
+from .spineside import Term, side_terms, term_value
 from .triples import Theory
 from .triples import theory as build_theory
 
@@ -79,43 +94,6 @@ _PRESENT = [(None, 0, 0, 0, 0.0)]  # the option of a needed form that is present
 
 class NoProgramError(RuntimeError):
     """No complete program exists under the given pins."""
-
-
-@dataclass(frozen=True)
-class SearchNode:
-    """A partial program in the search tree (``step`` is the last step it appended)."""
-
-    id: int
-    parent: int
-    step: Step | None
-    cost: float  # closed stages + open stage (the partial program's stage cost)
-    score: float  # cost + heuristic
-    position: int  # number of computations done
-    props: tuple[tuple[int, Form], ...]
-    complete: bool = False
-
-    @property
-    def heuristic(self) -> float:
-        return self.score - self.cost
-
-
-@dataclass(frozen=True)
-class SearchEvent:
-    """What one :meth:`Search.step` did: the popped node, its children, and the pruned children."""
-
-    popped: SearchNode | None
-    children: tuple[SearchNode, ...]
-    pruned: tuple[tuple[str, str], ...]  # (description of the child, reason)
-    done: bool
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    program: tuple[Step, ...]
-    cost: float
-    optimal: bool
-    expansions: int
-    seconds: float
 
 
 @dataclass(slots=True)
@@ -297,11 +275,14 @@ class Search:
         self._conv_t: dict[tuple[int, str, int], float] = self._shared.setdefault("conv_t", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
         self._has_inner = any(cm.inner_sync_s_per_byte)
-        self._jstar, self._spine_opts = spine_bound(self)
-        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
-        self._spine_any = [min((v for _, v in o), default=_INF) for o in self._spine_opts]
         if self.duplex:
+            self._jstar, self._spine_opts = spine_bound(self)
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
+            self._terms: list[tuple[Term, ...]] = []
+        else:  # the spine coupled with its tensors' other consumers (hapnb.spineside)
+            self._jstar, self._terms = side_terms(self)
+        self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
+        self._chain: ChainBound | None = None  # the stronger bound, after SWITCH_AFTER expansions
 
     # ------------------------------------------------------------------ costs
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
@@ -309,18 +290,8 @@ class Search:
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
         communication that the spine path cannot avoid (:func:`hapnb.spine.spine_bound`)."""
         h = max(map(operator.add, acc, self._rem[pos]))
-        opts = self._spine_opts[pos]
-        if opts:
-            vb = _INF
-            for bit, v in opts:
-                if props & bit and v < vb:
-                    vb = v
-            if vb == _INF:  # the spine tensor has no form yet: any of them
-                vb = self._spine_any[pos]
-            h2 = acc[self._jstar] + vb  # the weights are one-hot on the bottleneck device
-            if h2 > h:
-                h = h2
-        return h
+        h2 = acc[self._jstar] + term_value(self._terms[pos], props)  # one-hot on the bottleneck device
+        return h2 if h2 > h else h
 
     def _load(self, t: int, f: Form, sfb: bool) -> Load:
         """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
@@ -488,12 +459,7 @@ class Search:
         # (:meth:`_h` inlined below: the same arithmetic, without a call per child)
         node_max = max(node.acc)
         opens = node.parent == -1  # the root: its first step always opens a stage
-        rem_next, sopts, sany, jstar = (
-            self._rem[pos + 1],
-            self._spine_opts[pos + 1],
-            self._spine_any[pos + 1],
-            self._jstar,
-        )
+        rem_next, sterms, jstar = self._rem[pos + 1], self._terms[pos + 1] if self._terms else (), self._jstar
         loadable, tmask, grouped = self._loadable, self._tmask, self._grouped
         seen, nodes, heap, counter, heappush = (
             self._seen,
@@ -502,7 +468,7 @@ class Search:
             self._counter,
             heapq.heappush,
         )
-        load_opts, conv_opts = self._load_opts, self._conv_opts
+        load_opts, conv_opts, chain = self._load_opts, self._conv_opts, self._chain
         for c in self._ops[pos]:
             # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
             # seconds); kind 1: a load, 2: a conversion (0: the form is present)
@@ -608,17 +574,16 @@ class Search:
                     score = self._h_duplex(npos, base, copen, acc, tail, new_props)
                 else:  # base + self._h(npos, acc, new_props)
                     h = max(map(operator.add, acc, rem_next))
-                    if sopts:
-                        vb = _INF
-                        for sbit, v in sopts:
-                            if new_props & sbit and v < vb:
-                                vb = v
-                        if vb == _INF:
-                            vb = sany
-                        h2 = acc[jstar] + vb
-                        if h2 > h:
-                            h = h2
-                    score = base + h
+                    h2 = acc[jstar]
+                    for smask, stable, sadd, sjoint in sterms:
+                        sp = new_props & smask
+                        sv = stable.get(sp)
+                        h2 += (sjoint.value(sp) if sv is None else sv) + sadd
+                    score = base + (h2 if h2 > h else h)
+                    if chain is not None and score < best_cost:
+                        h2 = base + acc[jstar] + chain.value(npos, new_props)
+                        if h2 > score:
+                            score = h2
                 desc = f"{op.name}[{c.strategy.name}]" if record else ""
                 ms, real = None, ()
                 if self._mem is not None and score < best_cost - _EPS:
@@ -772,6 +737,8 @@ class Search:
                     continue
                 if max_expansions is not None and n >= max_expansions:
                     break
+                if n == SWITCH_AFTER and self._chain is None and not self.duplex and self._mem is None:
+                    self._switch_bound()
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                     break
                 nid = self._pop()
@@ -792,13 +759,42 @@ class Search:
             self._improve_by_dives(dives)
         if self._best is None:
             raise NoProgramError(explain_no_program(self))
+        return self.result(time.perf_counter() - t0)
+
+    def result(self, seconds: float = 0.0) -> SearchResult:
+        """The best complete program so far as a :class:`SearchResult` (with the proven lower bound)."""
+        if self._best is None:
+            raise NoProgramError(explain_no_program(self))
+        cost = self._nodes[self._best].base
+        done = self.done
         return SearchResult(
-            self.program(self._best),
-            self._nodes[self._best].base,
-            self.done,
-            self._stats.expansions,
-            time.perf_counter() - t0,
-        )
+            self.program(self._best), cost, done, self._stats.expansions, seconds,
+            cost if done else min(cost, self.lower_bound()),
+        )  # fmt: skip
+
+    def lower_bound(self) -> float:
+        """A lower bound of the optimum at these ratios: the least score of a live open program (every
+        program not yet found extends one of them, and scores never overestimate), or the best cost."""
+        best = self._nodes[self._best].base if self._best is not None else _INF
+        heap = self._heap
+        while heap:
+            score, _, nid = heap[0]
+            node = self._nodes[nid]
+            if node.expanded or (
+                not node.complete
+                and not any(
+                    e[0] is node.base and e[1] is node.acc
+                    for e in self._seen.get((node.pos, node.props, node.comm), [])
+                )
+            ):
+                heapq.heappop(heap)  # expanded by a dive, or superseded: as _pop drops it
+                continue
+            return min(best, score)
+        return best
+
+    def _switch_bound(self) -> None:
+        """Add the chain bound to the heuristic (:func:`hapnb.chainbound.switch`)."""
+        self._chain = switch(self)
 
     def _expand(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
         self._nodes[nid].expanded = True

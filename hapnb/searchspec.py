@@ -1,4 +1,5 @@
-"""What a search is asked for: ratios per segment and pins, resolved against one theory.
+"""What a search is asked for (ratios per segment and pins, resolved against one theory) and what it
+answers with (:class:`SearchNode`, :class:`SearchEvent`, :class:`SearchResult`).
 
 :func:`normalize_ratios` turns ``None`` (throughput-proportional), one flat list or one list per segment
 into per-segment ratio rows; :func:`resolve_pins` maps pin names (parameter FQNs, input names, op output
@@ -10,15 +11,18 @@ sharded on that dim. Both raise :class:`PinError` / ``ValueError`` naming the pi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
+from .cost import Step
 from .forms import Form, Storage, parse_pin
 from .graph import Graph
 from .triples import Theory
 
 __all__ = [
     "PinError", "normalize_ratios", "resolve_pins", "pin_choices", "explain_no_strategy", "explain_no_program",
+    "SearchNode", "SearchEvent", "SearchResult",
 ]  # fmt: skip
 
 
@@ -147,3 +151,51 @@ def explain_no_program(search: Any) -> str:
         + (f" under the pins {pins}; remove or change a pin" if pins else "")
         + " (every candidate needed a tensor in a form it could not get)"
     )
+
+
+@dataclass(frozen=True)
+class SearchNode:
+    """A partial program in the search tree (``step`` is the last step it appended)."""
+
+    id: int
+    parent: int
+    step: Step | None
+    cost: float  # closed stages + open stage (the partial program's stage cost)
+    score: float  # cost + heuristic
+    position: int  # number of computations done
+    props: tuple[tuple[int, Form], ...]
+    complete: bool = False
+
+    @property
+    def heuristic(self) -> float:
+        return self.score - self.cost
+
+
+@dataclass(frozen=True)
+class SearchEvent:
+    """What one :meth:`Search.step` did: the popped node, its children, and the pruned children."""
+
+    popped: SearchNode | None
+    children: tuple[SearchNode, ...]
+    pruned: tuple[tuple[str, str], ...]  # (description of the child, reason)
+    done: bool
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """A search's best complete program; ``bound``: a proven lower bound of the optimum at the search's
+    ratios (the least score of an open program, or ``cost`` when ``optimal``)."""
+
+    program: tuple[Step, ...]
+    cost: float
+    optimal: bool
+    expansions: int
+    seconds: float
+    bound: float = 0.0
+
+    @property
+    def gap(self) -> float:
+        """How far the program may be from the optimum, relative to its cost: ``(cost - bound) / cost``."""
+        if self.optimal or self.cost <= 0.0:
+            return 0.0
+        return max(0.0, (self.cost - self.bound) / self.cost)

@@ -29,7 +29,8 @@ def spine_path(g: Any) -> dict[int, tuple[int, int]]:
     """The spine: from the loss backwards, through each op's largest activation input (then the deepest),
     as op -> (spine input, spine output). The big activations are where unavoidable communication is (a
     MoE layer's expert path, [B, E, C, D], with its all-to-alls and expert weights, rather than its longer
-    gating path on [B, S, E])."""
+    gating path on [B, S, E]). The op that starts the path from loaded tensors only (a language model's
+    embedding) is its *source*, with spine input -1: its strategies fix the first spine tensor's form."""
     depth = [0] * len(g.tensors)
     for op in g.ops:
         d = 1 + max((depth[t] for t in op.inputs), default=0)
@@ -41,6 +42,7 @@ def spine_path(g: Any) -> dict[int, tuple[int, int]]:
         op = g.ops[g.tensors[t].producer]
         acts = [x for x in op.inputs if g.tensors[x].role not in LOADABLE_ROLES]
         if not acts:
+            out[op.id] = (-1, t)  # the source: its weights' loads decide the first spine tensor's form
             break
         src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x))
         out[op.id] = (src, t)
@@ -126,10 +128,15 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         if i in spine_ops and spine_ops[i][1] == cur:
             src, out = spine_ops[i]
             op = g.ops[i]
-            k_in = op.inputs.index(src)
             k_out = op.outputs.index(out)
             nxt = V[i + 1]
             row_of = entries[i]
+            if src < 0:  # the source op: the best of its strategies, whatever form the spine tensor is in
+                m = min(local(i, c) + nxt[row_of[c.index].out_forms[k_out]] for c in comp)
+                V[i] = [m] * len(nxt)
+                spine_at[i] = cur
+                continue
+            k_in = op.inputs.index(src)
             # the best rest per form the op takes its spine input in, then the cheapest way there
             by_in = [inf] * len(th.forms[src])
             for c in comp:

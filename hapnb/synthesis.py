@@ -254,8 +254,10 @@ def _synthesize(
     if a["pick"] == "cost" or not best.candidates or start is not None:
         top: Sequence[Candidate] = (own,)  # a fast re-plan: the loop's fixpoint (simulated, not picked)
     else:
-        searched = [k for k in best.candidates if k.source == "search"][:FINAL_CANDIDATES]
-        top = searched + [k for k in best.candidates if k.source != "search"]
+        searched = [k for k in best.candidates if k.source == "search"]
+        # the cheapest searched ones, those that are also a baseline's program, and every baseline's
+        top = [k for n, k in enumerate(searched) if n < FINAL_CANDIDATES or k.baseline]
+        top += [k for k in best.candidates if k.source != "search"]
     # candidates simulated before cost nothing; the others are simulated cheapest lower bound first, and
     # one whose bound is above the fastest simulated so far is skipped: it can be neither the min nor a tie
     known = [ctx.memo.peek("simulate", sim_key(k)) for k in top]
