@@ -379,6 +379,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "synthesis_s": synth_s,
             "expansions": plan.stats.get("expansions", 0),
             "optimal": plan.stats.get("optimal"),  # every search proved its program optimal
+            "optimal_gap": plan.stats.get("gap", 0.0),  # else: how far the best may be from the A* bound
             "iterations": len(plan.history),
             "ratios": [list(r) for r in plan.ratios],
             "program": [str(i) for i in plan.program],

@@ -101,7 +101,7 @@ CLI: dict[str, list[str]] = {
     "profile": ["--backend", "--help", "--name", "--nproc", "--output", "--quick", "--repeats", "--sizes",
                 "--threads", "--timeout"],
     "simulate": ["--gantt", "--help", "--json", "--no-overlap", "--no-sharing", "--slowdown"],
-    "theory": ["--check", "--help"],
+    "theory": ["--batch", "--check", "--coverage", "--help", "--json", "--layers", "--model", "--seq", "--set"],
     "verify": ["--backend", "--batch", "--bucket-cap-bytes", "--cluster", "--dtype", "--duplex",
                "--first-bucket-cap-bytes", "--grad-sync", "--help", "--layers", "--model", "--no-interleave",
                "--nproc", "--pin", "--plan", "--quiet", "--ratio-pin", "--ratios", "--seq", "--set",

@@ -14,7 +14,7 @@ from hapnb.cli import main
 SMALL = ["--model", "mlp", "--layers", "2", "--set", "hidden=64", "--set", "input=32", "--batch", "16"]
 PLAN_KEYS = {"cost_s", "lower_bound_s", "synthesis_s", "expansions", "iterations", "ratios", "program", "stages",
              "baselines", "devices", "memory_bytes", "simulated_s", "duplex", "baselines_simulated_s", "optimal",
-             "phases", "baselines_unavailable", "fallback_ops"}  # fmt: skip
+             "phases", "baselines_unavailable", "fallback_ops", "optimal_gap"}  # fmt: skip
 
 
 def run(capsys, *argv):
