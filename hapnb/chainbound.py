@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from .spineside import _local_pricer
+from .spine import local_pricer
 
 __all__ = ["SWITCH_AFTER", "MAX_CHAIN", "ChainBound", "switch"]
 
@@ -34,6 +34,10 @@ __all__ = ["SWITCH_AFTER", "MAX_CHAIN", "ChainBound", "switch"]
 SWITCH_AFTER = 5000
 #: the most ops on one side chain
 MAX_CHAIN = 64
+#: the most DP states one chain bound expands (a realistic Llama needs ~47k, about a second): past it the
+#: bound gives up (:attr:`ChainBound.exhausted`; an encoder-decoder's bias and cross-attention chains can
+#: need millions) and states not solved yet are valued at the untracked ops' part alone (still admissible)
+MAX_STATES = 60_000
 _INF = float("inf")
 
 
@@ -48,7 +52,7 @@ class ChainBound:
         g, tb = s.graph, s._tables
         self.n = n = len(g.ops)
         self.jstar = jstar = s._jstar
-        local = _local_pricer(s, jstar)
+        local = local_pricer(s, jstar)
         edges = self._choose(s)
         tracked_ops = set(edges)
         tracked = {t for ts in edges.values() for t in ts}
@@ -89,6 +93,9 @@ class ChainBound:
         for p in range(n - 1, -1, -1):
             self._next[p] = p if p in tracked_ops else self._next[p + 1]
         self._memo: dict[tuple[int, tuple[int, ...]], float] = {}
+        self._states = 0  # DP states expanded (_succ calls), against MAX_STATES
+        #: the DP went past :data:`MAX_STATES`: unsolved states count 0 beyond the untracked ops
+        self.exhausted = False
         self._price = _Prices(s)
         # the moves with state indices: needs as (index in the state before op i or -1, bit, tensor); the
         # next state's slots as an index in the state before (>= 0) or in the made bits (-1 - k)
@@ -148,7 +155,7 @@ class ChainBound:
         key = (j, tuple(props & mask[t] for t in self.live[j]))
         v = self._memo.get(key)
         if v is None:
-            v = self._solve(key)
+            v = 0.0 if self.exhausted else self._solve(key)
         return head + v
 
     def _succ(self, key: tuple[int, tuple[int, ...]]) -> list[tuple[float, Any]]:
@@ -192,6 +199,10 @@ class ChainBound:
                 continue
             moves = succ.get(k)
             if moves is None:
+                self._states += 1
+                if self._states > MAX_STATES:
+                    self.exhausted = True  # give up: the partial results in memo are exact, keep them
+                    return 0.0
                 moves = succ[k] = self._succ(k)
                 todo = [nk for _, nk in moves if nk is not None and nk not in memo]
                 if todo:
@@ -208,19 +219,25 @@ class ChainBound:
         return memo[key]
 
 
-def switch(s: Any) -> ChainBound:
+def switch(s: Any) -> ChainBound | None:
     """Make the chain bound of search ``s`` and raise its open programs' scores to it (the larger of two
-    admissible bounds is admissible); returns the bound for the search's hot loop."""
+    admissible bounds is admissible); returns the bound for the search's hot loop, or None when its DP
+    went past :data:`MAX_STATES` while rescoring (the search goes on with its first bound, unchanged)."""
     chain = ChainBound(s)
     j, nodes = s._jstar, s._nodes
-    heap = []
+    heap, raised = [], []
     for score, k, nid in s._heap:
         node = nodes[nid]
         if not node.complete and not node.expanded:
             v = node.base + node.acc[j] + chain.value(node.pos, node.props)
+            if chain.exhausted:
+                return None
             if v > score:
-                score = node.score = v
+                score = v
+                raised.append((node, v))
         heap.append((score, k, nid))
+    for node, v in raised:
+        node.score = v
     heapq.heapify(heap)
     s._heap = heap
     return chain

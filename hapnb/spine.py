@@ -50,36 +50,14 @@ def spine_path(g: Any) -> dict[int, tuple[int, int]]:
     return out
 
 
-def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[int, float]]]]:
-    """Backward DP over a relaxed problem along one path (the spine, :func:`spine_path`) from an input to the
-    loss.
-
-    Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
-    spine is free to take any form; computation is counted on one device, the one with the most
-    computation left (a stage's max over devices is at least any one device's time); stages merge freely;
-    tokens (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
-    parameters with one consumer. Along the spine the forms must match: converting the spine
-    tensor costs the cheapest collective between the two forms.
-
-    ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, theory tables,
-    ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
-    weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per
-    position, ``(property bit, bound)`` for each form of the live spine tensor (``comm_only``: the
-    communication alone, no computation). Values are kept per form index (``theory.forms`` order).
-    """
-    g, th, tb = s.graph, s.theory, s._tables
-    n_ops = len(g.ops)
-    # weights on the device that has the most computation left even in the best case: any weights on
-    # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
-    inf = float("inf")
-    spine_ops = tb.spine
+def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
+    """``local(op, compiled)``: a strategy's computation on device ``jstar`` (none with ``comm_only``)
+    plus the communication of its own that the bounds count, in order: its single-consumer parameters'
+    loads and an SFB sync. Plain loads' prices do not depend on the ratios (shared per cluster), an SFB
+    sync's do (shared per ratios); they are not shared where loads depend on the search (memory, storage
+    pins). Used by the spine bound, its side consumers (:mod:`hapnb.spineside`) and the chain bound."""
+    g, tb = s.graph, s._tables
     single = tb.single_param
-
-    # the weights are one-hot on jstar (zero for comm_only): a strategy's computation is c.comp[jstar];
-    # its communication terms (its single-consumer parameters' loads, an SFB sync), in order; plain loads'
-    # prices do not depend on the ratios (shared per cluster), an SFB sync's do (shared per ratios); not
-    # shared where loads depend on the search (memory, storage pins)
     plain = s._mem is None and not s.storage
     terms_of: dict[tuple[int, int], tuple[float, ...]] = (
         s._per_cluster.setdefault("spine loads", {}) if plain else {}
@@ -104,6 +82,35 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
         for x in terms:
             v += x
         return v
+
+    return local
+
+
+def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[int, float]]]]:
+    """Backward DP over a relaxed problem along one path (the spine, :func:`spine_path`) from an input to the
+    loss.
+
+    Relaxations (each can only lower the cost, so the bound is admissible): every tensor off the
+    spine is free to take any form; computation is counted on one device, the one with the most
+    computation left (a stage's max over devices is at least any one device's time); stages merge freely;
+    tokens (one conversion per tensor) are ignored; parameter gradient syncs are counted only for
+    parameters with one consumer. Along the spine the forms must match: converting the spine
+    tensor costs the cheapest collective between the two forms.
+
+    ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, theory tables,
+    ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
+    weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per
+    position, ``(property bit, bound)`` for each form of the live spine tensor (``comm_only``: the
+    communication alone, no computation). Values are kept per form index (``theory.forms`` order).
+    """
+    g, th, tb = s.graph, s.theory, s._tables
+    n_ops = len(g.ops)
+    # weights on the device that has the most computation left even in the best case: any weights on
+    # the simplex give a valid bound, and this one is tight when that device is the bottleneck
+    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
+    inf = float("inf")
+    spine_ops, entries = tb.spine, tb.entries
+    local = local_pricer(s, jstar, comm_only)  # weights one-hot on jstar (zero for comm_only)
 
     # a conversion's price depends on the tensor only through its price class (bytes, ratio segment, need
     # of a gradient: hapnb.searchtables): per (price class, the tensor's forms), the cheapest collective

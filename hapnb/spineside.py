@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from .spine import _cheapest
+from .spine import _cheapest, local_pricer
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
 
@@ -110,7 +110,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     n_ops = len(g.ops)
     jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
     spine_ops, entries = tb.spine, tb.entries
-    local = _local_pricer(s, jstar)
+    local = local_pricer(s, jstar)
     prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
 
     def price_matrix(ti: int) -> list[list[float]]:
@@ -219,36 +219,3 @@ def _mask(bits: Sequence[int]) -> int:
     for b in bits:
         m |= b
     return m
-
-
-def _local_pricer(s: Any, jstar: int) -> Any:
-    """``local(op, compiled)``: a strategy's computation on ``jstar`` plus its own communication that the
-    bound counts (its single-consumer parameters' loads, an SFB sync), as :func:`hapnb.spine.spine_bound`
-    prices them (loads' prices shared per cluster where they do not depend on the search)."""
-    g, tb = s.graph, s._tables
-    plain = s._mem is None and not s.storage
-    terms_of: dict[tuple[int, int], tuple[float, ...]] = (
-        s._per_cluster.setdefault("spine loads", {}) if plain else {}
-    )
-    single, entries = tb.single_param, tb.entries
-
-    def local(op_id: int, c: Any) -> float:
-        v = c.comp[jstar]
-        if not entries[op_id][c.index].spine_terms:
-            return v
-        key = (op_id, c.index)
-        terms = terms_of.get(key)
-        if terms is None:
-            op = g.ops[op_id]
-            terms = terms_of[key] = tuple(
-                s._load_s(ti, f, c.strategy.sfb and f.kind == "I")
-                for ti, f in zip(op.inputs, c.strategy.inputs)
-                if single[ti]
-            )
-        if c.strategy.sfb:
-            terms += (s._sfb_time(op_id, c),)
-        for x in terms:
-            v += x
-        return v
-
-    return local

@@ -29,6 +29,7 @@ from .registry import (
     _tin,
     _tout,
 )
+from .truth import sample as _t
 
 
 def _gen_create(g: Graph, op: Op) -> list[_Cand]:
@@ -147,12 +148,6 @@ _register(
 
 
 # ------------------------------------------------------------------ ground-truth sample cases
-
-
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
 
 
 def _labels(*shape: int) -> Any:

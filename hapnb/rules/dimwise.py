@@ -36,6 +36,8 @@ from .registry import (
     _tin,
     _tout,
 )
+from .truth import sample as _t
+from .truth import sample_dims as _bsh
 
 
 def _gen_dimwise(
@@ -212,16 +214,6 @@ _register(
 
 
 # ------------------------------------------------------------------ ground-truth sample cases
-
-
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _bsh(r: Any) -> tuple[int, int, int]:
-    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
 
 
 #: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker.

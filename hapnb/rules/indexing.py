@@ -24,6 +24,7 @@ from typing import Any
 from ..forms import Form, G, I, R
 from ..graph import Graph, Op, TensorArg
 from .registry import _Cand, _is_float, _ndim_dim, _register, _register_samples, _tin
+from .truth import sample as _t
 
 
 def _bcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -201,12 +202,6 @@ _register(
 
 
 # ------------------------------------------------------------------ ground-truth sample cases
-
-
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
 
 
 def _ix(hi: int, *shape: int) -> Any:

@@ -45,6 +45,8 @@ from .registry import (
     _tin,
     _tout,
 )
+from .truth import sample as _t
+from .truth import sample_dims as _bsh
 
 
 def _broadcast_cands(g: Graph, op: Op, skip: Sequence[int] = ()) -> list[_Cand]:
@@ -382,20 +384,10 @@ _register(
 # ------------------------------------------------------------------ ground-truth sample cases
 
 
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
-
-
 def _i(*shape: int) -> Any:
     import torch
 
     return torch.randint(-4, 5, shape)
-
-
-def _bsh(r: Any) -> tuple[int, int, int]:
-    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
 
 
 def _nz(x: Any) -> Any:

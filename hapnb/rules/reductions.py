@@ -30,6 +30,7 @@ from .registry import (
     _register_samples,
     _tin,
 )
+from .truth import sample as _t
 
 
 def _red_dims(g: Graph, op: Op) -> tuple[tuple[int, ...], bool]:
@@ -153,12 +154,6 @@ _register(
 
 
 # ------------------------------------------------------------------ ground-truth sample cases
-
-
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
 
 
 #: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker.

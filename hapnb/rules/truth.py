@@ -114,3 +114,15 @@ def reassembles(
         if not ok:
             return False, f"rank {r}: {why}"
     return True, ""
+
+
+def sample(*shape: int) -> Any:
+    """A random float64 tensor of ``shape``: the family modules' ground-truth sample cases use it."""
+    import torch
+
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def sample_dims(r: Any) -> tuple[int, int, int]:
+    """Three random dim sizes in 2..4 from the checker's ``random.Random`` (``(B, S, H)`` of a sample)."""
+    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)

@@ -35,6 +35,8 @@ from .registry import (
     _tin,
     _tout,
 )
+from .truth import sample as _t
+from .truth import sample_dims as _bsh
 
 
 def _view_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -388,16 +390,6 @@ _register(
 
 
 # ------------------------------------------------------------------ ground-truth sample cases
-
-
-def _t(*shape: int) -> Any:
-    import torch
-
-    return torch.randn(*shape, dtype=torch.float64)
-
-
-def _bsh(r: Any) -> tuple[int, int, int]:
-    return r.randint(2, 5), r.randint(2, 5), r.randint(2, 5)
 
 
 #: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker: merges and splits

@@ -51,6 +51,20 @@ def _batch_norm_stats(x: Any) -> tuple[Any, Any, int]:
     return mean, var, count
 
 
+def _normalize(x: Any, mean: Any, var: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:
+    """``((x - mean) * rsqrt(var + eps)) * weight + bias`` per channel (dim 1), and the ``rstd``."""
+    import torch
+
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    rstd = torch.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y, rstd
+
+
 def _batch_norm_functional(
     x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool, momentum: float,
     eps: float,
@@ -59,8 +73,6 @@ def _batch_norm_functional(
     dims, so a batch-sharded ``x`` gives partial sums that one all-reduce each completes (SyncBatchNorm).
     Returns ``(y, mean, rstd, new_running_mean, new_running_var)`` like the aten op (running variance
     unbiased, ``momentum`` as torch uses it)."""
-    import torch
-
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     if training:
         mean, var, count = _batch_norm_stats(x)
@@ -69,12 +81,7 @@ def _batch_norm_functional(
     else:
         mean, var = running_mean.reshape(shape), running_var.reshape(shape)
         new_mean, new_var = running_mean, running_var
-    rstd = torch.rsqrt(var + eps)
-    y = (x - mean) * rstd
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
+    y, rstd = _normalize(x, mean, var, weight, bias, eps)
     return y, mean.reshape(-1), rstd.reshape(-1), new_mean, new_var
 
 
@@ -82,16 +89,8 @@ def _batch_norm_no_stats(
     x: Any, weight: Any, bias: Any, training: bool, momentum: float, eps: float
 ) -> tuple[Any, Any, Any]:
     """``aten._native_batch_norm_legit`` without running statistics: always the batch's statistics."""
-    import torch
-
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     mean, var, _ = _batch_norm_stats(x)
-    rstd = torch.rsqrt(var + eps)
-    y = (x - mean) * rstd
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
+    y, rstd = _normalize(x, mean, var, weight, bias, eps)
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
