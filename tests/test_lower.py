@@ -64,6 +64,9 @@ def test_label_shift_and_in_place_ops_are_lowered_to_ops_with_rules() -> None:
     assert all(op.target in registered() for op in g.ops)  # every op kept has a hand rule
     assert not any(op.target.endswith("_.Tensor") for op in g.ops)  # no in-place op is left
     assert cov.to_json()["lowered_from"] == sorted(origins)
+    from hapnb.display.tables import theory_html  # the theory shows where a lowered op came from
+
+    assert "lowered from aten.pad.default" in theory_html(hap.theory(g), op="constant_pad_nd")
 
 
 def test_a_program_whose_ops_all_have_rules_is_not_touched() -> None:

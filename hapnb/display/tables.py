@@ -108,6 +108,9 @@ def theory_html(
             note += ", SFB" if i.strategy.sfb else ""
             if i.strategy.name.startswith("discovered"):
                 note += ", discovered rule (no hand rule; checked by ground truth)"
+            origin = getattr(th.graph.ops[i.op], "origin", "") if 0 <= i.op < len(th.graph.ops) else ""
+            if origin:
+                note += f", decomposed: lowered from {origin} at trace time"
         elif i.kind == "collective":
             note = notes.get(i.name, "")
         else:
