@@ -82,9 +82,13 @@ def measure_one(name: str, size: str, cluster: str) -> dict[str, Any]:
     row["strategies"] = rows
     hap_row = cmp["hap"]
     plan = hap_row.plan
+    if "no program fits" in hap_row.note:  # OutOfMemoryError: the row is the plan ignoring memory
+        row["no_program_fits"] = hap_row.note.split("no program fits", 1)[1].split(";")[0].strip(" ()")
+
     if plan is not None:
         stats = dict(plan.search)
         row["optimal"] = stats.get("optimal")
+        row["gap"] = stats.get("gap")  # the proven relative gap of a search stopped at its budget
         row["expansions"] = stats.get("expansions")
         row["chosen"] = stats.get("chosen")  # "search" or "baseline NAME": where the picked program came from
         row["synthesis_s"] = plan.synthesis_s
@@ -138,6 +142,8 @@ def _oom(strategy: dict[str, Any]) -> str:
 
 def _optimal(r: dict[str, Any]) -> str:
     opt = {True: "yes", False: "no"}.get(r.get("optimal"), "?")
+    if r.get("optimal") is False and r.get("gap"):
+        opt += f", gap {r['gap']:.1%}"
     return f"{opt} ({r['chosen']})" if r.get("chosen") else opt
 
 
@@ -179,7 +185,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             rep_txt += " (no rule: " + ", ".join(t.replace("aten.", "") for t in r["fallback_ops"]) + ")"
         speed = r.get("speedup_vs_dp_ev_simulated_s")
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.1f} | {sharded} | {_ms(h['cost_s'])} / {_ms(h['simulated_s'])}{_oom(h)} | "
+            f"| {r['model']} | {r['params'] / 1e6:.1f} | {sharded} | {_ms(h['cost_s'])} / {_ms(h['simulated_s'])}{_oom(h)}"
+            + (
+                f" **no program fits** ({r['no_program_fits']}; plan ignoring memory)"
+                if "no_program_fits" in r
+                else ""
+            )
+            + " | "
             f"{_ms(d['cost_s'])} / {_ms(d['simulated_s'])}{_oom(d)} | {'' if speed is None else f'{speed:.2f}x'} | "
             f"{best_txt} | {unavailable} | {rep_txt} | {_optimal(r)} | {r.get('trace_s', 0):.1f} | "
             f"{r.get('synthesis_s', 0):.1f} | {rss:.1f} |"

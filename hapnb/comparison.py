@@ -402,9 +402,10 @@ def _hap(x: _Inputs) -> StrategyResult:
     note = f"pick={x.pick}" + (", duplex" if x.duplex else "")
     try:
         plan = synthesize(x.theory, x.cluster, **kw)
-    except OutOfMemoryError:
+    except OutOfMemoryError as e:
         plan = synthesize(x.theory, x.cluster, check_memory=False, **kw)
-        note += ", no program fits (see hapnb.synthesize's out-of-memory diagnosis)"
+        need = getattr(e, "need", "")
+        note += ", no program fits" + (f" ({need})" if need else "") + "; the plan ignoring memory"
     if x.spec:
         plan = dataclasses.replace(plan, model=freeze_mapping(x.spec))
     chosen = plan.stats.get("chosen", "search")

@@ -310,6 +310,18 @@ def baseline_specs(
     return out
 
 
+def _seeds(th: Theory, c: Cluster, user_pins: Mapping[str, Form], mem_on: Sequence[bool]) -> Any:
+    """The baseline seeds of the Q/B loop: :func:`baseline_specs`, then, when memory binds by then
+    (``mem_on[0]``), fully sharded data parallel at even ratios (``fsdp``, as :func:`hapnb.compare` builds
+    it): where memory binds, a ZeRO-3 program that fits is a candidate of the final pick too, so the plan is
+    never slower than it on the clock it is picked by."""
+    specs = baseline_specs(th, c, user_pins)
+    yield from specs
+    if mem_on[0]:
+        _, _, even, plain = specs[0]
+        yield "fsdp", fsdp_pins(th, even[0], user_pins), even, plain
+
+
 def _dp_pins(th: Theory) -> dict[str, Form]:
     """Data parallel: parameters replicated, inputs split on the batch dim (when they can be)."""
     out: dict[str, Form] = {}
@@ -359,7 +371,8 @@ class Round:
     balance_s: float
     instructions: int
     accepted: bool
-    source: str = "search"  # "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev" (a baseline program)
+    #: "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev|fsdp" (a baseline program)
+    source: str = "search"
 
 
 @dataclass(frozen=True)
@@ -387,7 +400,7 @@ class Candidate:
     extra: tuple[Conversion, ...]
     ratios: tuple[tuple[float, ...], ...]
     round: int
-    #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev" (a baseline's
+    #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev|fsdp" (a baseline's
     #: program at the baseline's own ratios, as :func:`hapnb.baselines` packages it)
     source: str = "search"
     #: a searched candidate that is also a baseline's program at the baseline's ratios: that baseline's
@@ -612,7 +625,8 @@ def optimize(
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
-        stats["gap"] = max(stats.get("gap", 0.0), res.gap)
+        if not res.optimal:  # the least proven lower bound of a search stopped at its budget
+            stats["bound_s"] = min(stats.get("bound_s", float("inf")), res.bound)
         if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
             mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
             return search(ratios_, pins_, opts, move, incumbent)
@@ -721,10 +735,16 @@ def optimize(
             B = best[3]  # type: ignore[index]
         return it
 
-    it = alternate(B, 0, max_iterations)
+    failed: NoProgramError | None = None
+    try:
+        it = alternate(B, 0, max_iterations)
+    except NoProgramError as e:
+        if not (mem_on[0] and seed_baselines and fixed is None):
+            raise
+        failed, it = e, 0  # nothing fits from these ratios: a seed (fsdp at even ratios) still may
     if seed_baselines and fixed is None:
         tried = {best[1]} if best is not None else set()
-        for name, bpins, bratios, bopts in baseline_specs(th, c, form_pins):
+        for name, bpins, bratios, bopts in _seeds(th, c, form_pins, mem_on):
             try:
                 res, s = search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
@@ -767,6 +787,8 @@ def optimize(
                 if mem_on[0] and best[0] > before * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
                     continue  # memory: a seed that gains this little is kept without more rounds
                 it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
+    if best is None and failed is not None:
+        raise failed
     if best is None:
         raise NoProgramError(
             "no program fits in device memory at any ratios the loop tried"
@@ -774,4 +796,17 @@ def optimize(
         )
     cost, prog, extra, ratios_best = best
     ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
+    stats["gap"] = proven_gap(cost, stats)
     return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)
+
+
+def proven_gap(cost_s: float, stats: Mapping[str, Any]) -> float:
+    """How much cheaper (relative to ``cost_s``) a program any of the loop's searches could have found
+    might be: ``(cost_s - bound) / cost_s`` with ``bound`` the least lower bound proven by a search that
+    stopped at its budget (``stats["bound_s"]``); 0 when every search proved its program optimal or no
+    stopped search could beat ``cost_s``. A stopped search whose bound is above the plan's cost (say, a
+    tensor-parallel seed) does not count: nothing in its space beats the plan."""
+    bound = stats.get("bound_s")
+    if bound is None or cost_s <= 0:
+        return 0.0
+    return max(0.0, (cost_s - bound) / cost_s)

@@ -43,6 +43,7 @@ from .optimize import (
     keeps_ratio_pins,
     optimize,
     parse_pins,
+    proven_gap,
     without_gc,
 )
 from .plan import Plan, freeze_mapping, make_plan
@@ -276,6 +277,7 @@ def _synthesize(
     # candidates_bounded: those not simulated, their lower bound above the fastest simulated time
     stats = {**best.stats, "candidates_simulated": len(sims), "candidates_bounded": len(top) - len(sims),
              "chosen": top[i].source, "cost_rank": i, "pick": a["pick"], **ctx.traced}  # fmt: skip
+    stats["gap"] = proven_gap(chosen.cost_s, stats)  # against the picked program's own cost
     if start is not None:
         stats["replan"] = "fast"  # a fixpoint of the Q/B loop from the previous plan's ratios
     if duplex and not isinstance(ratios, Sequence):
@@ -624,7 +626,8 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     ):  # fmt: skip
         try:
             s = Search(th, c, ratios=ratios, pins=pins_, options=opts)
-            res = s.run(max_expansions=20_000)
+            # a diagnosis, not a plan: a short search (its dives complete a program) is enough to measure
+            res = s.run(max_expansions=6_000)
         except (NoProgramError, ValueError):
             continue
         peak = cm.memory(res.program, s.final_conversions(), s.ratios)
@@ -639,7 +642,7 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, prog, extra, r, j))
     over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
     need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")
-    return OutOfMemoryError(
+    err = OutOfMemoryError(
         f"{head}. The leanest program hapnb tried ({what}; ratios proportional to memory) needs "
         f"{_size(peak[j])} on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need "
         f"at least {worst:.2f}x its memory"
@@ -647,6 +650,9 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
         + f". What fills {d.name}: {fill}. Largest: {top}. "
         + _TO_FIT
     )
+    #: what the leanest program needs, in one line (reports such as hapnb.compare's note show it)
+    err.need = f"leanest program needs {_size(peak[j])} on {d.name} of {_size(d.memory_bytes / d.gpus)} ({worst:.2f}x its memory)"
+    return err
 
 
 def _graph_of(
