@@ -651,7 +651,7 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
         + _TO_FIT
     )
     #: what the leanest program needs, in one line (reports such as hapnb.compare's note show it)
-    err.need = f"leanest program needs {_size(peak[j])} on {d.name} of {_size(d.memory_bytes / d.gpus)} ({worst:.2f}x its memory)"
+    err.need = f"leanest program needs {_size(peak[j])} on {d.name} of {_size(d.memory_bytes / d.gpus)}, {worst:.2f}x its memory"
     return err
 
 
