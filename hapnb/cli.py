@@ -262,7 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--measured",
         metavar="RUNS_JSON",
-        help="fit the device model of --kind to these measured runs (format of shared/data/h100-lm-steps.json)",
+        nargs="?",
+        const="shipped",
+        help="fit the device model of --kind to these measured runs; without a path (or 'shipped'): the "
+        "12 H100 runs that ship with hapnb (hapnb/data/h100-lm-steps.json, also the format of a runs file)",
     )
     p.add_argument("--kind", default="H100", help="device kind to fit (with --measured)")
     p.add_argument("-o", "--output", help="write the fitted one-device cluster JSON here (with --measured)")
@@ -733,7 +736,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         return 0
     if not ns.plan:
         print(
-            "hapnb calibrate: give a plan (or bundle) to launch, or --measured RUNS_JSON to fit",
+            "hapnb calibrate: give a plan (or bundle) to launch, or --measured [RUNS_JSON] to fit",
             file=sys.stderr,
         )
         return 2

@@ -234,7 +234,7 @@ class DeviceKind:
     model: DeviceModel | None = None  # the roofline model (None: flops-only, as the paper's HAP)
 
 
-H100_MODEL = DeviceModel(  # fit to shared/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
+H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
     peak_flops=51.6e12,  # measured fp32 matmul rate (DESIGN); datasheet SXM 67
     bandwidth_Bps=2.8e12,  # ~0.84 x the 3.35 TB/s HBM3 datasheet figure (not fitted)
     kernel_s=7.052e-05,
@@ -245,7 +245,7 @@ H100_MODEL = DeviceModel(  # fit to shared/data/h100-lm-steps.json (docs/fidelit
     optimizer_kernels=5.627,
     memory_overhead=0.0,
     memory_const_bytes=8.102e07,
-    source="fit to 12 measured H100 runs (shared/data/h100-lm-steps.json, hapnb calibrate --measured)",
+    source="fit to 12 measured H100 runs (hapnb/data/h100-lm-steps.json, hapnb calibrate --measured)",
     sm_count=132,  # H100 SXM5 datasheet; gemm_tile: cuBLAS's fp32 SGEMM tile, assumed (docs/fidelity.md)
     gemm_tile=128,
 )
@@ -943,10 +943,10 @@ def _paper_hetero(n: int) -> Cluster:
 
 
 def _ditto(ex: int) -> Cluster:
-    # Ditto (papers/ditto.md), §7.1 "Experimental Setup" and Figure 8: five heterogeneous clusters of
-    # nodes x GPUs per node. Flops use Ditto's own "relative throughput on gpt2xl" column (from Lambda
-    # GPU benchmarks) times the V100's effective flops, so the clusters reproduce Ditto's planner inputs
-    # (not our fp32 kind table); memory comes from the kind table. Network: the ~10.4 Gbps defaults.
+    # Ditto (Zhu et al., README's References), §7.1 "Experimental Setup" and Figure 8: five heterogeneous
+    # clusters of nodes x GPUs per node. Flops use Ditto's own "relative throughput on gpt2xl" column (from
+    # Lambda GPU benchmarks) times the V100's effective flops, so the clusters reproduce Ditto's planner
+    # inputs (not our fp32 kind table); memory comes from the kind table. Network: the ~10.4 Gbps defaults.
     mixes = {
         1: [("V100", 2, 2), ("RTX3090", 2, 2)],
         2: [("V100", 2, 2), ("RTX3090", 2, 2), ("A6000", 2, 2)],

@@ -95,19 +95,22 @@ def test_calibrate_cli_launches_and_reports(tmp_path: Path, capsys) -> None:
 # --------------------------------------------------------------------------- fitting a device model
 
 
-_ROOT = Path(__file__).resolve().parents[1]
-DATA = (
-    next(
-        (
-            p
-            for p in (_ROOT / "shared", _ROOT.parent / "shared")
-            if (p / "data" / "h100-lm-steps.json").is_file()
-        ),
-        _ROOT / "shared",
-    )
-    / "data"
-    / "h100-lm-steps.json"
-)
+def test_the_measured_h100_runs_ship_with_the_package():
+    """hapnb/data/h100-lm-steps.json is package data: shipped_runs() finds it, load_measured() and the
+    word 'shipped' read it, and `hapnb calibrate --measured` without a path means it."""
+    import hapnb
+    from hapnb.cli import build_parser
+    from hapnb.run.calibrate import SHIPPED, load_measured, shipped_runs
+
+    path = shipped_runs()
+    assert path.is_file() and path.name == "h100-lm-steps.json"
+    assert path.parent == Path(hapnb.__file__).resolve().parent / "data"
+    data = load_measured(path)
+    assert load_measured() == data == load_measured(SHIPPED)
+    assert len(data["runs"]) == 12 and data["gpu"].startswith("NVIDIA H100")
+    assert build_parser().parse_args(["calibrate", "--measured"]).measured == SHIPPED
+    assert build_parser().parse_args(["calibrate", "--measured", "r.json"]).measured == "r.json"
+    assert build_parser().parse_args(["calibrate", "b"]).measured is None
 
 
 def _synthetic_runs(truth):
@@ -187,12 +190,11 @@ def test_features_price_like_the_cost_model():
     assert predict_step_s(cpu, f) > predict_step_s(H100_MODEL, f)
 
 
-@pytest.mark.skipif(not DATA.is_file(), reason="shared/data (the measured H100 runs) is not beside the repo")
 def test_shipped_h100_model_predicts_a_measured_run():
     from hapnb.cluster import H100_MODEL
-    from hapnb.run.calibrate import load_measured, predict_step_s, run_features
+    from hapnb.run.calibrate import load_measured, predict_step_s, run_features, shipped_runs
 
-    data = load_measured(DATA)
+    data = load_measured(shipped_runs())
     run = data["runs"][0]
     f = run_features(run, {"vocab": data["model"]["vocab"]})
     assert predict_step_s(H100_MODEL, f) == pytest.approx(run["step_s_median"], rel=0.1)

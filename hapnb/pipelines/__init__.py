@@ -1,4 +1,5 @@
-"""Heterogeneous pipeline templates (Ditto, shared/papers/ditto.md): the plan value and its JSON.
+"""Heterogeneous pipeline templates (Ditto: Zhu, Wang, Senta, Reddy and Kaplan, "Ditto: Automating Hybrid
+Parallelism for Large Model Training on Heterogeneous Cluster"): the plan value and its JSON.
 
 A *pipeline plan* cuts a model into contiguous *units* (module boundaries of the model's repeated blocks,
 plus what comes before and after them) and assigns consecutive units to *stages*; each stage runs on one

@@ -197,7 +197,8 @@ def calibrate_launch(
 # ----------------------------------------------------------------------------------------------------
 # Fitting a device model to measured training steps (``hapnb calibrate --measured runs.json``)
 #
-# A runs file (shared/data/h100-lm-steps.json is one) lists measured steps of known models: ``runs`` with
+# A runs file (the shipped one, :func:`shipped_runs`: hapnb/data/h100-lm-steps.json, is one) lists
+# measured steps of known models: ``runs`` with
 # ``step_s_median`` (seconds), optional ``peak_mem_bytes``, and the model options (``layers``, ``hidden``,
 # ``seq``, ``batch``, and optionally ``model`` = a zoo name, default ``lm``; top-level ``model.vocab`` is
 # passed on). Every run is traced once; for one device the cost model's time is a closed form of the
@@ -498,11 +499,25 @@ def _known_kinds() -> Mapping[str, Any]:
     return KINDS
 
 
-def load_measured(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a runs file (see the section comment); errors name the file and the missing field."""
+#: The word that names the shipped runs file where a path is expected (``hapnb calibrate --measured shipped``).
+SHIPPED = "shipped"
+
+
+def shipped_runs() -> Path:
+    """The runs file that ships with hapnb as package data (hapnb/data/h100-lm-steps.json, found through
+    ``importlib.resources``): the 12 measured H100 steps that the shipped ``H100`` device model
+    (:data:`hapnb.cluster.H100_MODEL`) is fitted to; hapnb/data/README.md describes it."""
+    from importlib import resources
+
+    return Path(str(resources.files("hapnb") / "data" / "h100-lm-steps.json"))
+
+
+def load_measured(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Read a runs file (see the section comment; None or :data:`SHIPPED`: :func:`shipped_runs`); errors
+    name the file and the missing field."""
     import json
 
-    p = Path(path)
+    p = shipped_runs() if path is None or path == SHIPPED else Path(path)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -525,9 +540,10 @@ def fit_device_model(
     loo: bool = True,
     features: Sequence[RunFeatures] | None = None,
 ) -> FitReport:
-    """Fit ``kind``'s device model to measured runs (a runs file or its parsed JSON): the free
-    parameters (:data:`FIT_PARAMETERS`) on the step times, the allocator overhead on the peak memory;
-    with ``loo``, every run is also predicted by a fit on the others (leave-one-out)."""
+    """Fit ``kind``'s device model to measured runs (a runs file, :data:`SHIPPED` for :func:`shipped_runs`,
+    or a runs file's parsed JSON): the free parameters (:data:`FIT_PARAMETERS`) on the step times, the
+    allocator overhead on the peak memory; with ``loo``, every run is also predicted by a fit on the
+    others (leave-one-out)."""
     from ..cluster import DEVICE_MODELS, KINDS
     from ..devices import DeviceModel
 
