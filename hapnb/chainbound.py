@@ -28,10 +28,12 @@ from typing import Any
 
 from .spine import local_pricer
 
-__all__ = ["SWITCH_AFTER", "MAX_CHAIN", "ChainBound", "switch"]
+__all__ = ["SWITCH_AFTER", "NEAR", "MAX_CHAIN", "ChainBound", "switch"]
 
 #: a search switches to the chain bound after this many expansions without a proof
 SWITCH_AFTER = 5000
+#: a search whose proven bound is within this share of its best program (after a dive) does not switch
+NEAR = 0.002
 #: the most ops on one side chain
 MAX_CHAIN = 64
 #: the most DP states one chain bound expands (a realistic Llama needs ~47k, about a second): past it the

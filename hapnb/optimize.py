@@ -437,7 +437,8 @@ def optimize(
 
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or per-device
     ratios (one list, or one per segment) used as they are (no LP). Each search is bounded by
-    ``max_expansions`` / ``max_seconds``; ``stats["optimal"]`` says whether every search finished.
+    ``max_expansions`` / ``max_seconds``; ``stats["optimal"]`` says whether every search finished or proved a
+    bound at or above the plan's cost (``stats["optimal_by_bound"]``).
     ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
     ``memory``: keep to every device's memory, lazily: a search whose program does not fit at its
     ratios is run again with memory (:mod:`hapnb.memsearch`: pruning, ZeRO storage) and so is every later
@@ -797,6 +798,10 @@ def optimize(
     cost, prog, extra, ratios_best = best
     ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
     stats["gap"] = proven_gap(cost, stats)
+    if not stats["optimal"] and stats.get("bound_s", 0.0) >= cost * (1 - 1e-9):
+        # every search stopped at its budget proved a bound at or above the plan's cost: no program of its
+        # space beats the plan, so the plan is proven optimal all the same
+        stats["optimal"] = stats["optimal_by_bound"] = True
     return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)
 
 

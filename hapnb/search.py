@@ -58,7 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .chainbound import SWITCH_AFTER, ChainBound, switch
+from .chainbound import NEAR, SWITCH_AFTER, ChainBound, switch
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Load, Step
 from .duplex import dominates, priority
@@ -89,6 +89,8 @@ _INF = float("inf")
 #: :meth:`Search.run` dives after this share of the ops' count of A* expansions (at least DIVE_AFTER_MIN)
 DIVE_AFTER = 0.05
 DIVE_AFTER_MIN = 8
+#: dives from the best open programs before a search switches to the chain bound (:meth:`Search._switch_bound`)
+SWITCH_DIVES = 8
 _PRESENT = [(None, 0, 0, 0, 0.0)]  # the option of a needed form that is present (nothing to add)
 
 
@@ -793,8 +795,20 @@ class Search:
         return best
 
     def _switch_bound(self) -> None:
-        """Add the chain bound to the heuristic (:func:`hapnb.chainbound.switch`)."""
+        """Add the chain bound to the heuristic (:func:`hapnb.chainbound.switch`), unless its DP went past
+        its cap in an earlier search on this theory, or a dive from the best open program leaves a gap of
+        at most :data:`~hapnb.chainbound.NEAR` to the proven bound (what is left are near-ties of small
+        tensors' forms, which the chain bound does not separate)."""
+        static = self._shared.get("static")
+        if static is not None and static.get("chain exhausted") is self.theory:
+            return
+        if NEAR > 0:
+            self._improve_by_dives(SWITCH_DIVES)
+            if self._best is not None and self.lower_bound() >= self._nodes[self._best].base * (1 - NEAR):
+                return
         self._chain = switch(self)
+        if self._chain is None and static is not None:
+            static["chain exhausted"] = self.theory
 
     def _expand(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
         self._nodes[nid].expanded = True

@@ -10,6 +10,14 @@ the collectives that turn ``x`` into new forms are paid once, and every consumer
 sides) takes ``x`` in a form that is present or made (a small facility-location problem over ``x``'s
 forms, :class:`Joint`). A side op's output stays free.
 
+Off the spine, *branches* (:func:`_branches`) join the bound the same way: a path into a path op's other
+activation input (an encoder-decoder's decoder side before its first cross-attention, a shared
+position-bias computation), back through each op's largest input, with its own sides; the op it merges
+into gives it its share of its cost by the form it takes the branch in (what that op costs above its
+cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
+tensor's side. A parameter that several spine ops take (tied embeddings, :func:`_tied`) is loaded once in
+one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`).
+
 Relaxations (each can only lower the bound): computation on one device (the one with the most left),
 stages merged, comm tokens ignored (a tensor may be converted into several forms), tensors off the spine
 and its side inputs free, gradient syncs counted only for parameters with one consumer. Every op's cost
@@ -30,12 +38,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .spine import _cheapest, local_pricer
+from .triples import LOADABLE_ROLES
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
 
 #: the most side consumers coupled with one spine tensor (the facility-location step enumerates subsets of
 #: the tensor's forms, so this keeps it small; further consumers count their cheapest strategy)
-MAX_SIDES = 4
+MAX_SIDES = 16
+#: the most ops on one branch (:func:`_branches`)
+MAX_BRANCH = 256
 _INF = float("inf")
 
 #: (mask of the tensor's form bits, cache: present bits -> value, constant added, the Joint)
@@ -136,8 +147,11 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
         sides[x] = sorted(cands[:MAX_SIDES])
         on_path.update(sides[x])
+    # branches (paths into a path op's other inputs) with their sides; x -> the path op taking it
+    consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
+    branches, anchors = _branches(s, on_path, sides, consumer_of)
 
-    def side_tab(o: int, x: int) -> list[float]:
+    def plain_tab(o: int, x: int) -> list[float]:
         """Side op ``o``'s cheapest strategy per form it takes ``x`` in."""
         k = g.ops[o].inputs.index(x)
         tab = [_INF] * len(th.forms[x])
@@ -150,37 +164,146 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
 
     minloc = [0.0 if i in on_path else min(local(i, c) for c in s._ops[i]) for i in range(n_ops)]
     terms: list[tuple[Term, ...]] = [()] * (n_ops + 1)
+
+    def charge_before(b: int, v: float) -> None:
+        """Count ``v`` at every position up to op ``b``: in the latest op's cheapest cost up to ``b`` that is
+        on no path, and as a constant term at the positions after it."""
+        p = b
+        while p >= 0 and p in on_path:
+            p -= 1
+        if p >= 0:
+            minloc[p] += v
+        if p < b:
+            const = Joint([[v]], [[0.0]], (0,))
+            for pos in range(p + 1, b + 1):
+                terms[pos] = terms[pos] + ((0, const.table, 0.0, const),)
+
+    joints: dict[tuple[int, int, bool], Joint] = {}
+    bjoints: dict[tuple[int, int], Joint] = {}
+
+    def branch_joint(x: int, by_in: list[float], pend: list[int]) -> Joint:
+        """A branch tensor's term: its path consumer (``by_in``) and its sides still to run (``pend``)."""
+        key = (x, len(pend))
+        j = bjoints.get(key)
+        if j is None:
+            j = bjoints[key] = Joint([by_in] + [side_tab(o, x) for o in pend], price_matrix(x), tb.bits_of[x])
+        return j
+
+    # each branch backwards: per op, its cost per form it takes its path input in (``by_in``); a branch whose
+    # first op takes a tracked tensor (``heads``) is that tensor's side, with the branch's rest in its tab
+    heads = {br[0][0]: br for br in branches if br[0][0] in anchors}
+    by_ins: dict[int, list[float]] = {}
+
+    def side_tab(o: int, x: int) -> list[float]:  # noqa: F811  (a branch head: with what follows it)
+        br = heads.get(o)
+        if br is None:
+            return plain_tab(o, x)
+        if o not in solved:
+            solve(br)
+        return by_ins[o]
+
+    solved: set[int] = set()
+
+    def solve(br: list[tuple[int, int, int]]) -> None:
+        solved.add(br[0][0])
+        y = br[-1][2]  # the merge op's share of its cost by the form it takes ``y`` in (0: any form is free)
+        nxt_tab = merge_tabs.get(y) or [0.0] * len(th.forms[y])
+        for b, src, out in reversed(br):
+            by_ins[-1 - b] = nxt_tab  # the consumer's tab of ``out``
+            at = branch_joint(out, nxt_tab, list(sides.get(out, ())))
+            nxt = [at.value(bit) for bit in tb.bits_of[out]]
+            k_out = g.ops[b].outputs.index(out)
+            if src < 0 and b not in anchors:  # its first op: its best strategy, counted before it
+                charge_before(
+                    b, min(local(b, c) + nxt[entries[b][c.index].out_forms[k_out]] for c in s._ops[b])
+                )
+                return
+            x = anchors[b] if src < 0 else src
+            k_in = g.ops[b].inputs.index(x)
+            nxt_tab = [_INF] * len(th.forms[x])
+            for c in s._ops[b]:
+                e = entries[b][c.index]
+                v = local(b, c) + nxt[e.out_forms[k_out]]
+                if v < nxt_tab[e.in_forms[k_in]]:
+                    nxt_tab[e.in_forms[k_in]] = v
+            by_ins[b] = nxt_tab
+
+    # a branch into a spine op is solved when the DP below reaches that op (it reads the op's share, see
+    # merge_share), the others now
+    merge_tabs: dict[int, list[float]] = {}
+    merging: dict[int, list[tuple[int, int, int]]] = {}
+    for br in branches:
+        m = consumer_of[br[-1][2]]
+        if m in spine_ops:
+            merging.setdefault(m, []).append(br)
+        else:
+            solve(br)
     # main[pos]: the main term at pos; M(pos, f): its value with the live spine tensor just made in form f
     loss_bits = tb.bits_of[g.loss]
     end = Joint([[0.0] * len(loss_bits)], price_matrix(g.loss), loss_bits)
     main: list[Term] = [(0, end.table, 0.0, end)] * (n_ops + 1)
     main[n_ops] = (_mask(loss_bits), end.table, 0.0, end)
-    joints: dict[tuple[int, int, bool], Joint] = {}
+    # a parameter that several spine ops take (tied embeddings) is loaded once, in one form: the DP keeps
+    # its form as a state (0: not loaded yet), read from the node's properties (:class:`Tied`)
+    tied = _tied(s)
+    states = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
+    pmask = _mask(tb.bits_of[tied]) if tied >= 0 else 0
+    tieds: dict[tuple[int, int], Tied] = {}
     cur, add = g.loss, 0.0  # the live spine tensor; the non-path ops' cheapest since its spine consumer
-    by_in: list[float] | None = None  # the spine consumer's cost per form it takes ``cur`` in
+    by_in: dict[int, list[float]] | None = None  # per state: the spine consumer's cost per form of ``cur``
     tabs_side: dict[int, list[float]] = {}
     bits: tuple[int, ...] = loss_bits
     pm: list[list[float]] = []
     for i in range(n_ops - 1, -1, -1):
         if i in spine_ops and spine_ops[i][1] == cur:
             src, out = spine_ops[i]
-            k_out = g.ops[i].outputs.index(out)
+            op = g.ops[i]
+            k_out = op.outputs.index(out)
+            k_p = op.inputs.index(tied) if tied >= 0 and op.inputs.count(tied) == 1 else -1
             _, _, add_n, joint_n = main[i + 1]
-            nxt = [joint_n.value(b) + add_n for b in tb.bits_of[out]]
+            nxt = {p: [joint_n.value(b | p) + add_n for b in tb.bits_of[out]] for p in states}
             row_of = entries[i]
-            if src < 0:  # the source op: the spine tensor's form is its strategy's
-                m = min(local(i, c) + nxt[row_of[c.index].out_forms[k_out]] for c in s._ops[i])
-                const = Joint([[m]], [[0.0]], (0,))
-                cur, by_in = -1, None
-                main[i] = (0, const.table, 0.0, const)
-                continue
-            k_in = g.ops[i].inputs.index(src)
-            by_in = [_INF] * len(th.forms[src])
+            k_in = op.inputs.index(src) if src >= 0 else -1
+            by_in = {p: [_INF] * (len(th.forms[src]) if src >= 0 else 1) for p in states}
             for c in s._ops[i]:
                 e = row_of[c.index]
-                v = local(i, c) + nxt[e.out_forms[k_out]]
-                if v < by_in[e.in_forms[k_in]]:
-                    by_in[e.in_forms[k_in]] = v
+                v0 = local(i, c)
+                a = e.in_forms[k_in] if src >= 0 else 0
+                fp = tb.bits_of[tied][e.in_forms[k_p]] if k_p >= 0 else 0
+                for p in states:
+                    if fp and p and p != fp:
+                        continue  # the tied parameter is loaded in another form
+                    v = v0 + nxt[fp or p][e.out_forms[k_out]]
+                    if v < by_in[p][a]:
+                        by_in[p][a] = v
+            if i in merging:  # the branch with the largest input into op i gets the op's share (one only)
+                brs = sorted(merging[i], key=lambda br: (-g.tensors[br[-1][2]].numel, br[-1][2]))
+                y = brs[0][-1][2]
+                k_y = op.inputs.index(y)
+                share = [_INF] * len(th.forms[y])
+                for c in s._ops[i]:
+                    e = row_of[c.index]
+                    v0 = local(i, c)
+                    a = e.in_forms[k_in] if src >= 0 else 0
+                    fp = tb.bits_of[tied][e.in_forms[k_p]] if k_p >= 0 else 0
+                    for p in states:
+                        if fp and p and p != fp:
+                            continue
+                        v = v0 + nxt[fp or p][e.out_forms[k_out]]
+                        if v < _INF and by_in[p][a] < _INF:
+                            v = max(0.0, v - by_in[p][a])
+                            if v < share[e.in_forms[k_y]]:
+                                share[e.in_forms[k_y]] = v
+                merge_tabs[y] = share
+                for br in brs:
+                    if br[0][0] not in solved:
+                        solve(br)
+            if src < 0:  # the source op: the spine tensor's form is its strategy's
+                consts = {p: Joint([by_in[p]], [[0.0]], (0,)) for p in states}
+                t0 = Tied(consts, pmask) if tied >= 0 else consts[0]
+                cur, by_in = -1, None
+                main[i] = (pmask, t0.table, 0.0, t0)
+                continue
             cur, add = src, 0.0
             tabs_side = {o: side_tab(o, src) for o in sides.get(src, ())}
             bits, pm = tb.bits_of[src], price_matrix(src)
@@ -191,14 +314,32 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         else:
             add += minloc[i]
         pend = [o for o in tabs_side if o >= i]
-        key = (cur, len(pend), True)
-        j = joints.get(key)
-        if j is None:
-            j = joints[key] = Joint([by_in] + [tabs_side[o] for o in pend], pm, bits)
-        main[i] = (_mask(bits), j.table, add, j)
+        js = {}
+        for p in states:
+            key = (cur, len(pend), True, p)
+            j = joints.get(key)  # type: ignore[call-overload]
+            if j is None:
+                j = joints[key] = Joint([by_in[p]] + [tabs_side[o] for o in pend], pm, bits)  # type: ignore[index]
+            js[p] = j
+        if tied < 0:
+            main[i] = (_mask(bits), js[0].table, add, js[0])
+            continue
+        t1 = tieds.get((cur, len(pend)))
+        if t1 is None:
+            t1 = tieds[(cur, len(pend))] = Tied(js, pmask)
+        main[i] = (_mask(bits) | pmask, t1.table, add, t1)
+    for br in branches:
+        if br[0][0] not in solved:
+            solve(br)
+    for br in branches:  # positions (b, consumer]: the live branch tensor ``out``
+        for b, _, out in br:
+            for pos in range(b + 1, consumer_of[out] + 1):
+                pend = [o for o in sides.get(out, ()) if o >= pos]
+                j = branch_joint(out, by_ins[-1 - b], pend)
+                terms[pos] = terms[pos] + ((_mask(tb.bits_of[out]), j.table, 0.0, j),)
     # side terms: a spine tensor whose spine consumer ran, with sides still to run
     for x, os_ in sides.items():
-        spine_i = next(i for i, (src, _) in spine_ops.items() if src == x)
+        spine_i = consumer_of[x]
         late = [o for o in os_ if o > spine_i]
         if not late:
             continue
@@ -212,6 +353,112 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
                 j = joints[key] = Joint([tabs[o] for o in pend], pm, bits)
             terms[pos] = terms[pos] + ((_mask(bits), j.table, 0.0, j),)
     return jstar, [(main[pos],) + terms[pos] for pos in range(n_ops + 1)]
+
+
+def _branches(
+    s: Any, on_path: set[int], sides: dict[int, list[int]], consumer_of: dict[int, int]
+) -> tuple[list[list[tuple[int, int, int]]], dict[int, int]]:
+    """Paths into a path op's other activation inputs, each a list of (op, path input or -1, output) in
+    program order, latest branch first: from the input back through each op's largest activation input
+    made by an op on no path (an encoder-decoder's decoder side before its cross-attention, a shared
+    position-bias computation), kept when an op on it takes a parameter (or an SFB strategy). A branch
+    tensor's other consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and
+    ``consumer_of`` (tensor -> the path op taking it) grow by them."""
+    g, entries = s.graph, s._tables.entries
+    depth = [0] * len(g.tensors)
+    for op in g.ops:
+        d = 1 + max((depth[t] for t in op.inputs), default=0)
+        for t in op.outputs:
+            depth[t] = d
+
+    def free(x: int) -> bool:
+        p = g.tensors[x].producer
+        return (
+            p is not None and p not in on_path and bool(s._ops[p]) and g.tensors[x].role not in LOADABLE_ROLES
+        )
+
+    out: list[list[tuple[int, int, int]]] = []
+    anchors: dict[int, int] = {}
+    work = sorted(on_path, reverse=True)
+    while work:
+        m = work.pop(0)
+        for y in g.ops[m].inputs:
+            if y in consumer_of or not free(y) or g.ops[m].inputs.count(y) != 1:
+                continue
+            br: list[tuple[int, int, int]] = []
+            t, seen = y, set()
+            while True:
+                b = g.tensors[t].producer
+                seen.add(b)
+                acts = [x for x in g.ops[b].inputs if g.tensors[x].role not in LOADABLE_ROLES]
+                src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x)) if acts else -1
+                if src >= 0 and (not free(src) or g.tensors[src].producer in seen):
+                    src = -1  # its largest input is on a path: the branch starts here
+                br.append((b, src, t))
+                if src < 0 or len(br) >= MAX_BRANCH:
+                    break
+                t = src
+            b = br[-1][0]
+            if len(br) >= MAX_BRANCH:
+                br[-1] = (b, -1, br[-1][2])
+            if not any(entries[k][c.index].spine_terms for k, _, _ in br for c in s._ops[k]):
+                continue
+            tracked = [x for x in g.ops[b].inputs if x in consumer_of and g.ops[b].inputs.count(x) == 1]
+            if br[-1][1] < 0 and tracked:  # it starts at a tracked tensor: that tensor's side
+                anchors[b] = max(tracked, key=lambda x: (g.tensors[x].numel, depth[x], -x))
+            br.reverse()
+            consumer_of[y] = m
+            for b, src, _ in br:
+                on_path.add(b)
+                if src >= 0:
+                    consumer_of[src] = b
+            out.append(br)
+            work.extend(b for b, _, _ in reversed(br))
+    out.sort(key=lambda br: -br[-1][0])
+    for br in out:  # the sides, once every branch is laid (a side must not cut a branch short)
+        for _, src, t in br:
+            for x in (src, t) if src >= 0 else (t,):
+                if x in sides:
+                    continue
+                cands = [
+                    o for o in g.tensors[x].consumers
+                    if o not in on_path and g.ops[o].inputs.count(x) == 1 and s._ops[o]
+                ]  # fmt: skip
+                cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
+                sides[x] = sorted(cands[:MAX_SIDES])
+                on_path.update(sides[x])
+    for b, x in anchors.items():
+        sides[x] = sorted({*sides.get(x, ()), b})
+    return out, anchors
+
+
+class Tied:
+    """A main term's value where a tied parameter's form is part of the state: the :class:`Joint` of the
+    parameter's present form (``pmask`` its form bits; 0: not loaded), memoised per properties."""
+
+    __slots__ = ("joints", "pmask", "table")
+
+    def __init__(self, joints: dict[int, Joint], pmask: int) -> None:
+        self.joints, self.pmask = joints, pmask
+        self.table: dict[int, float] = {}
+
+    def value(self, present: int) -> float:
+        v = self.table.get(present)
+        if v is None:
+            j = self.joints.get(present & self.pmask) or self.joints[0]
+            v = self.table[present] = j.value(present & ~self.pmask)
+        return v
+
+
+def _tied(s: Any) -> int:
+    """The largest parameter that two or more spine ops take (once each), or -1."""
+    g, spine_ops = s.graph, s._tables.spine
+    best, size = -1, -1
+    for t in g.params:
+        cons = [o for o in g.tensors[t].consumers if o in spine_ops and g.ops[o].inputs.count(t) == 1]
+        if len(cons) >= 2 and g.tensors[t].numel > size:
+            best, size = t, g.tensors[t].numel
+    return best
 
 
 def _mask(bits: Sequence[int]) -> int:
