@@ -58,8 +58,14 @@ __all__ = [
     "PIECE_KINDS",
     "Piece",
     "MemoryLinear",
+    "SAVED_BY_NAME",
+    "NOT_DIFFERENTIABLE",
+    "SAME_STORAGE",
+    "Storage",
+    "storage",
+    "saved_key",
+    "saved_bytes",
     "is_alias",
-    "aliases",
     "saved_tensors",
     "step_pieces",
     "memory_breakdown",
@@ -94,6 +100,41 @@ SAVED_FOR_BACKWARD: Mapping[str, str] = MappingProxyType(
         "dimwise": "out",
     }
 )
+#: What autograd keeps for the backward, by aten name, before the family's rule (:func:`saved_tensors`):
+#: ``none`` (the gradient needs no tensor: sums, negation, copies, creation), ``out`` (the result),
+#: ``other`` (products and quotients, matmuls: for each operand that needs a gradient, the other operands),
+#: ``in0`` / ``in1`` (the condition of ``where``, the mask of ``masked_fill``). Read from PyTorch's
+#: derivative formulas; tests/test_memory_saved.py checks the totals against autograd's saved tensors.
+SAVED_BY_NAME: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            ("add", "sub", "rsub", "neg", "clone", "_to_copy", "to", "alias", "detach", "contiguous", "copy",
+             "fill", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "cat", "stack", "expand",
+             "slice_scatter", "select_scatter", "constant_pad_nd", "pad"),
+            "none",
+        ),
+        **dict.fromkeys(("relu", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "reciprocal"), "out"),
+        **dict.fromkeys(("mul", "div", "matmul", "bmm", "mm", "einsum"), "other"),
+        "where": "in0",
+        "masked_fill": "in1",
+    }
+)  # fmt: skip
+#: Ops whose result autograd does not track (comparisons, logic, indices): they save nothing and what
+#: they make needs no gradient.
+NOT_DIFFERENTIABLE = frozenset(
+    ("lt", "le", "gt", "ge", "eq", "ne", "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not",
+     "logical_and", "logical_or", "logical_not", "argmax", "argmin", "sign", "floor_divide", "isnan")
+)  # fmt: skip
+#: Ops whose output is a view of their first input in eager PyTorch, or a copy eager skips (``clone`` and
+#: ``to`` the tracer records where the model's dropout(p=0) or a same-dtype ``to`` returned its input):
+#: a tensor saved through one of them is stored once (:func:`storage`).
+SAME_STORAGE = frozenset(
+    ("view", "_unsafe_view", "reshape", "flatten", "transpose", "t", "permute", "unsqueeze", "squeeze",
+     "alias", "detach", "clone", "contiguous", "lift_fresh_copy", "_to_copy", "to", "type_as", "view_as",
+     "reshape_as", "unflatten", "movedim")
+)  # fmt: skip
+#: A lowered group's statistics are at most 1/STAT_FRACTION of its largest input (:func:`storage`).
+STAT_FRACTION = 16
 #: The memory breakdown's categories (bytes each; they sum to the predicted peak).
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "overhead")
 #: Piece kinds (see the module docstring) and the category each lands in.
@@ -120,13 +161,15 @@ _PART_OF: Mapping[str, str] = MappingProxyType(
 @dataclass(frozen=True)
 class Piece:
     """One tensor's contribution to memory: ``kind`` from :data:`PIECE_KINDS`, the tensor in ``form``
-    (cut for ``segment``'s ratios; -1: the tensor's own segment), times ``scale``."""
+    (cut for ``segment``'s ratios; -1: the tensor's own segment), times ``scale``; ``storage``: the tensor
+    whose storage it is (a saved view; -1: its own)."""
 
     kind: str
     tensor: int
     form: Form
     segment: int = -1
     scale: float = 1.0
+    storage: int = -1
 
 
 @dataclass(frozen=True)
@@ -191,28 +234,129 @@ def is_alias(op: Op) -> bool:
     return p == 0 or train is False
 
 
-def aliases(g: Graph) -> dict[int, int]:
-    """Tensor -> the tensor whose storage it is (``dropout(p=0)`` returns its input)."""
-    alias: dict[int, int] = {}
+def _name(op: Op) -> str:
+    """The aten name of an op's target (``aten.mul.Tensor`` -> ``mul``)."""
+    parts = op.target.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _same_storage(g: Graph, op: Op) -> bool:
+    """Whether ``op``'s output is its first input's storage in eager PyTorch: ``dropout(p=0)``, a view
+    (:data:`SAME_STORAGE`), or a copy eager skips (a ``clone``/``to`` the tracer records for an op that
+    returns its input) — one output with the input's element count and dtype."""
+    if not (op.inputs and len(op.outputs) == 1):
+        return False
+    if not (is_alias(op) or _name(op) in SAME_STORAGE):
+        return False
+    a, b = g.tensors[op.inputs[0]], g.tensors[op.outputs[0]]
+    return a.numel == b.numel and a.dtype == b.dtype
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What the saved-activation rules need to know of a whole graph (:func:`storage`): ``root`` maps a
+    tensor to the tensor whose storage it is (:func:`_same_storage` chains); ``grad`` holds the tensors
+    autograd tracks (trainable parameters and what is computed from them); ``keep`` restricts what an op
+    lowered from a fused op (:attr:`hapnb.graph.Op.origin`) may save of its own, by op id, and ``extra``
+    lists the group's inputs it saves for the fused op."""
+
+    root: Mapping[int, int]
+    grad: frozenset[int]
+    keep: Mapping[int, frozenset[int]]
+    extra: Mapping[int, tuple[int, ...]]
+
+
+def storage(g: Graph) -> Storage:
+    """The :class:`Storage` facts of ``g`` (one pass over its ops).
+
+    A group of ops lowered from one op (connected ops with the same ``origin``, e.g. the sums, products and
+    square roots of a training batch norm) stands for the fused kernel the model called: it keeps the
+    group's own floating-point inputs (as most ops keep theirs) and, of what the decomposition's ops save,
+    only the small statistics (tensors at most 1/:data:`STAT_FRACTION` of the group's largest input, per
+    channel or per row), not its full-size intermediates.
+    """
+    root: dict[int, int] = {}
+    grad = {t.id for t in g.tensors if t.role == "param" and t.requires_grad}
     for op in g.ops:
-        if is_alias(op) and op.inputs and op.outputs:
-            alias[op.outputs[0]] = alias.get(op.inputs[0], op.inputs[0])
-    return alias
+        if _same_storage(g, op):
+            root[op.outputs[0]] = root.get(op.inputs[0], op.inputs[0])
+        if any(t in grad for t in op.inputs) and _name(op) not in NOT_DIFFERENTIABLE:
+            grad.update(t for t in op.outputs if g.tensors[t].is_float)
+    keep, extra = _lowered_groups(g)
+    return Storage(MappingProxyType(root), frozenset(grad), MappingProxyType(keep), MappingProxyType(extra))
 
 
-def saved_tensors(g: Graph, op: Op, s: Strategy) -> list[tuple[int, Form, float]]:
-    """Tensors (with the form the op uses and a byte factor) autograd keeps for ``op``'s backward."""
+def _lowered_groups(g: Graph) -> tuple[dict[int, frozenset[int]], dict[int, tuple[int, ...]]]:
+    """Per op of a group lowered from one fused op (see :func:`storage`): the tensors it may save of its
+    own, and the group inputs it saves for the group (each at its first reader)."""
+    group: dict[int, int] = {}  # op id -> a union-find parent
+
+    def find(i: int) -> int:
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    for op in g.ops:
+        if not op.origin:
+            continue
+        group[op.id] = op.id
+        for t in op.inputs:
+            p = g.tensors[t].producer
+            if p is not None and p in group and g.ops[p].origin == op.origin:
+                group[find(op.id)] = find(p)
+    members: dict[int, list[Op]] = {}
+    for i in sorted(group):
+        members.setdefault(find(i), []).append(g.ops[i])
+    keep: dict[int, frozenset[int]] = {}
+    extra: dict[int, tuple[int, ...]] = {}
+    for ops in members.values():
+        if len(ops) < 2:  # one op (an in-place op made functional): its own rule
+            continue
+        made = {t for op in ops for t in op.outputs}
+        ins = [t for op in ops for t in op.inputs if t not in made and g.tensors[t].role == "activation"]
+        ins = [t for t in ins if g.tensors[t].is_float]
+        largest = max((g.tensors[t].numel for t in ins), default=0)
+        small = frozenset(t for t in made if g.tensors[t].numel * STAT_FRACTION <= largest)
+        first: dict[int, int] = {}
+        for op in ops:
+            keep[op.id] = small
+            for t in op.inputs:
+                if t in ins and t not in first:
+                    first[t] = op.id
+        for t, i in first.items():
+            extra[i] = (*extra.get(i, ()), t)
+    return keep, extra
+
+
+def saved_tensors(
+    g: Graph, op: Op, s: Strategy, grad: frozenset[int] | None = None
+) -> list[tuple[int, Form, float]]:
+    """Tensors (with the form the op uses and a byte factor) autograd keeps for ``op``'s backward.
+
+    ``grad``: the tensors autograd tracks (:attr:`Storage.grad`; None: every input): an op none of whose
+    inputs is tracked saves nothing, and a product keeps an operand only for another's gradient."""
     ins = list(zip(op.inputs, s.inputs))
     outs = list(zip(op.outputs, s.outputs))
-    kind = SAVED_FOR_BACKWARD.get(op.family, "in")
-    if op.family == "pointwise":
-        kind = "out" if "relu" in op.target else "in"
+    if grad is not None and not any(t in grad for t in op.inputs):
+        return []
+    name = _name(op)
+    kind = SAVED_BY_NAME.get(name) or SAVED_FOR_BACKWARD.get(op.family, "in")
+    if op.family == "pointwise" and name not in SAVED_BY_NAME:
+        kind = "in"
         if "dropout" in op.target:
             kind = "none" if is_alias(op) else "mask"
     if kind == "none":
         return []
+    if kind == "other":  # for each operand that needs a gradient, the others
+        if grad is None:
+            return [(t, f, 1.0) for t, f in ins]
+        need = {k for k, (t, _) in enumerate(ins) if t in grad}
+        return [(t, f, 1.0) for k, (t, f) in enumerate(ins) if need - {k}]
     if kind == "in0":
         return [(t, f, 1.0) for t, f in ins[:1]]
+    if kind == "in1":
+        return [(t, f, 1.0) for t, f in ins[1:2]]
     if kind == "out":
         return [(t, f, 1.0) for t, f in outs[:1]]
     if kind == "mask":
@@ -248,44 +392,78 @@ def load_pieces(g: Graph, ld: Any) -> list[Piece]:
     return out
 
 
-def op_pieces(g: Graph, op: Op, s: Strategy, alias: Mapping[int, int]) -> list[Piece]:
-    """Pieces of one computation: its outputs (transient candidates) and what autograd saves."""
+def op_pieces(g: Graph, op: Op, s: Strategy, st: Storage) -> list[Piece]:
+    """Pieces of one computation: its outputs (transient candidates) and what autograd saves (``st``:
+    :func:`storage` of ``g``)."""
     out = []
     if op.family != "view" and not is_alias(op):
         for t, f in zip(op.outputs, s.outputs):
             if g.tensors[t].is_float:
                 out.append(Piece("output", t, f, op.segment))
-    for t, f, scale in saved_tensors(g, op, s):
-        t = alias.get(t, t)
-        if g.tensors[t].role == "activation":
-            out.append(Piece("saved", t, f, op.segment, scale))
+    keep = st.keep.get(op.id)
+    saved = saved_tensors(g, op, s, st.grad)
+    if keep is not None:
+        saved = [x for x in saved if x[0] in keep]
+        if any(t in st.grad for t in op.inputs):
+            saved += [(t, s.inputs[op.inputs.index(t)], 1.0) for t in st.extra.get(op.id, ())]
+    for t, f, scale in saved:
+        r = st.root.get(t, t)
+        if g.tensors[r].role == "activation":
+            out.append(Piece("saved", t, f, op.segment, scale, r))
     return out
 
 
-def step_pieces(g: Graph, step: Any, alias: Mapping[int, int]) -> list[Piece]:
+def saved_key(p: Piece, n: int) -> tuple[int, str, float]:
+    """What makes two saved pieces one tensor in memory: the storage, its form (on one device every form
+    is the whole tensor), the byte factor."""
+    return (p.storage if p.storage >= 0 else p.tensor, str(p.form) if n > 1 else "", p.scale)
+
+
+def saved_bytes(g: Graph) -> float:
+    """Bytes of activations the single-device program keeps for its backward (every form the whole
+    tensor; each storage once): what :func:`hapnb.run.profile.measure_saved_bytes` measures in PyTorch.
+
+    >>> from hapnb.tracing import zoo_graph
+    >>> g, _ = zoo_graph("mlp", hidden=8, batch=4, layers=2)
+    >>> saved_bytes(g) > 0
+    True
+    """
+    st = storage(g)
+    seen: set[tuple[int, str, float]] = set()
+    total = 0.0
+    for op in g.ops:
+        rep = Strategy("replicate", (I,) * len(op.inputs), (I,) * len(op.outputs))
+        for p in op_pieces(g, op, rep, st):
+            if p.kind == "saved" and saved_key(p, 1) not in seen:
+                seen.add(saved_key(p, 1))
+                total += g.tensors[p.tensor].nbytes * p.scale
+    return total
+
+
+def step_pieces(g: Graph, step: Any, st: Storage) -> list[Piece]:
     """Every piece of one :class:`hapnb.cost.Step` (its loads, then its computation)."""
     out = []
     for ld in step.loads:
         out += load_pieces(g, ld)
-    return out + op_pieces(g, g.ops[step.op], step.strategy, alias)
+    return out + op_pieces(g, g.ops[step.op], step.strategy, st)
 
 
 def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> list[Piece]:
     """The pieces of a whole program, deduplicated as memory is: a tensor loaded once, an activation
-    saved once per (tensor, form, factor) (one device: every form is the whole tensor)."""
+    saved once per storage, form and factor (:func:`saved_key`)."""
     g = cm.graph
-    alias = aliases(g)
+    st = storage(g)
     seen_load: set[int] = set()
     saved: set[tuple[int, str, float]] = set()
     out: list[Piece] = []
-    for st in program:
-        for ld in st.loads:
+    for step in program:
+        for ld in step.loads:
             if ld.tensor not in seen_load:
                 seen_load.add(ld.tensor)
                 out += load_pieces(g, ld)
-        for p in op_pieces(g, g.ops[st.op], st.strategy, alias):
+        for p in op_pieces(g, g.ops[step.op], step.strategy, st):
             if p.kind == "saved":
-                key = (p.tensor, str(p.form) if cm.n > 1 else "", p.scale)
+                key = saved_key(p, cm.n)
                 if key in saved:
                     continue
                 saved.add(key)
@@ -444,7 +622,8 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
     op under the strategy whose saved activations and outputs have the least replicated bytes (then the
     least sharded). For picking ratios that leave room (:func:`hapnb.optimize.optimize`), not a bound."""
     g, th = cm.graph, cm.theory
-    alias = aliases(g)
+    st = storage(g)
+    seen: set[tuple[int, str, float]] = set()
     acc: dict[str, list[Any]] = {k: [0.0, {}] for k in ("P", "In", "A")}
     L_const, L_coef = 0.0, {}
 
@@ -461,7 +640,7 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
 
         def weight(s: Strategy, op: Op = op) -> tuple[float, float]:
             rep = shard = 0.0
-            for p in op_pieces(g, op, s, alias):
+            for p in op_pieces(g, op, s, st):
                 nb = g.tensors[p.tensor].nbytes * p.scale
                 if p.form.kind == "G":
                     shard += nb
@@ -470,9 +649,11 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
             return rep, shard
 
         s = min(ss, key=weight)
-        for p in op_pieces(g, op, s, alias):
+        for p in op_pieces(g, op, s, st):
             if p.kind == "saved":
-                add("A", p.tensor, p.form, p.segment, p.scale)
+                if saved_key(p, cm.n) not in seen:
+                    seen.add(saved_key(p, cm.n))
+                    add("A", p.tensor, p.form, p.segment, p.scale)
             elif p.form.kind == "G":
                 L_coef[op.segment] = max(L_coef.get(op.segment, 0.0), float(g.tensors[p.tensor].nbytes))
             else:

@@ -42,7 +42,7 @@ import numpy as np
 from .balance import _quiet_stdout, _solver
 from .cost import Load
 from .forms import Form, I
-from .memory import _PART_OF, _PARTS, aliases, load_pieces, op_pieces
+from .memory import _PART_OF, _PARTS, load_pieces, op_pieces, saved_key, storage
 
 __all__ = ["MemoryTracker", "MemState"]
 
@@ -62,7 +62,7 @@ class MemoryTracker:
         self.g, self.th, self.cm, self.n = g, th, cm, s.n
         self.ratios = s.ratios
         self.pins = {**s.pins, **s.storage}  # a storage pin: stored as its shard, never deferred
-        self.alias = aliases(g)
+        self.storage = storage(g)
         devs = s.cluster.devices
         self.names = s.cluster.names
         self.cap = np.array([float(d.memory_bytes) for d in devs])
@@ -76,6 +76,7 @@ class MemoryTracker:
         self._dstar: dict[int, Form | None] = {}
         self._dbit: dict[int, int] = {}
         self._sbit: dict[tuple[int, str, float], int] = {}
+        self._sdie: dict[tuple[int, str, float], int] = {}
         self._op: dict[int, tuple[np.ndarray | None, list[tuple[int, np.ndarray]]]] = {}
         self._realized: dict[Any, tuple[float, tuple[Load, ...]] | None] = {}
         self._dies = [0] * (len(g.ops) + 1)
@@ -102,7 +103,7 @@ class MemoryTracker:
         key = (pos, strategy)
         hit = cache.get(key)
         if hit is None:
-            hit = cache[key] = op_pieces(self.g, self.g.ops[pos], strategy, self.alias)
+            hit = cache[key] = op_pieces(self.g, self.g.ops[pos], strategy, self.storage)
         return hit
 
     def _compile_op(self, pos: int, c: Any, last: Sequence[int]) -> None:
@@ -113,11 +114,17 @@ class MemoryTracker:
             if p.kind == "output":
                 L = v if L is None else np.maximum(L, v)
                 continue
-            key = (p.tensor, str(p.form) if self.n > 1 else "", p.scale)
+            key = saved_key(p, self.n)
             bit = self._sbit.get(key)
             if bit is None:
                 bit = self._sbit[key] = 1 << len(self._sbit)
-                self._dies[max(last[p.tensor], pos)] |= bit
+            # the key dies after the last use of any tensor of its storage (views saved by later ops)
+            die, old = max(last[p.tensor], pos), self._sdie.get(key, -1)
+            if die > old:
+                if old >= 0:
+                    self._dies[old] &= ~bit
+                self._dies[die] |= bit
+                self._sdie[key] = die
             saved.append((bit, v))
         self._op[id(c)] = (L, saved)
 

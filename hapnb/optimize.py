@@ -34,7 +34,7 @@ from .balance import (
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
-from .forms import Form, FullShard, G, I, parse_pin
+from .forms import Form, FullShard, G, I, ShardGradOp, parse_pin
 from .graph import Graph
 from .memory import MemoryLinear, memory_linear
 from .memory import fits as memory_fits
@@ -312,13 +312,16 @@ def baseline_specs(
 
 def _seeds(th: Theory, c: Cluster, user_pins: Mapping[str, Form], mem_on: Sequence[bool]) -> Any:
     """The baseline seeds of the Q/B loop: :func:`baseline_specs`, then, when memory binds by then
-    (``mem_on[0]``), fully sharded data parallel at even ratios (``fsdp``, as :func:`hapnb.compare` builds
-    it): where memory binds, a ZeRO-3 program that fits is a candidate of the final pick too, so the plan is
-    never slower than it on the clock it is picked by."""
+    (``mem_on[0]``), sharded data parallelism at even ratios: ZeRO-2 (``zero2``: parameters gathered once
+    per step, gradients and optimizer states sharded; about data parallelism's communication) and fully
+    sharded (``fsdp``, ZeRO-3, as :func:`hapnb.compare` builds it). Where memory binds, a sharded program
+    that fits is a candidate of the final pick too, so the plan is never slower than it on the clock it is
+    picked by."""
     specs = baseline_specs(th, c, user_pins)
     yield from specs
     if mem_on[0]:
         _, _, even, plain = specs[0]
+        yield "zero2", fsdp_pins(th, even[0], user_pins, zero=2), even, plain
         yield "fsdp", fsdp_pins(th, even[0], user_pins), even, plain
 
 
@@ -334,12 +337,13 @@ def _dp_pins(th: Theory) -> dict[str, Form]:
 
 
 def fsdp_pins(
-    th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None
+    th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None, zero: int = 3
 ) -> dict[str, Any]:
     """Fully sharded data parallel (ZeRO-3 / PyTorch FSDP's FULL_SHARD): the data-parallel pins with every
     parameter stored sharded and all-gathered before each use (:func:`~hapnb.forms.FullShard`), on the
     dim whose largest shard at ``ratios`` (one row) is the smallest (parameters that cannot be split stay
-    replicated); ``user_pins`` win.
+    replicated); ``user_pins`` win. ``zero=2``: ZeRO-2 / FSDP's SHARD_GRAD_OP instead (gathered once per
+    step and kept until the backward, :func:`~hapnb.forms.ShardGradOp`).
 
     >>> import hapnb
     >>> from hapnb.tracing import zoo_graph
@@ -354,7 +358,7 @@ def fsdp_pins(
             best = min(
                 gs, key=lambda f: (max(th.lengths(t.id, f.dim, ratios)) / t.shape[f.dim] * t.numel, f.dim)
             )
-            out[t.name] = FullShard(best.dim)
+            out[t.name] = FullShard(best.dim) if zero == 3 else ShardGradOp(best.dim)
     return {**out, **(user_pins or {})}
 
 
@@ -371,7 +375,7 @@ class Round:
     balance_s: float
     instructions: int
     accepted: bool
-    #: "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev|fsdp" (a baseline program)
+    #: "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev|zero2|fsdp" (a baseline program)
     source: str = "search"
 
 
@@ -400,7 +404,7 @@ class Candidate:
     extra: tuple[Conversion, ...]
     ratios: tuple[tuple[float, ...], ...]
     round: int
-    #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev|fsdp" (a baseline's
+    #: "search" (a Q/B round's program at its balanced ratios) or "baseline dp_ev|dp_cp|tp_ev|zero2|fsdp" (a baseline's
     #: program at the baseline's own ratios, as :func:`hapnb.baselines` packages it)
     source: str = "search"
     #: a searched candidate that is also a baseline's program at the baseline's ratios: that baseline's

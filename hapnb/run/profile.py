@@ -85,6 +85,7 @@ __all__ = [
     "DeviceModelProfile",
     "DeviceProfile",
     "MATMUL_SIZES",
+    "measure_saved_bytes",
     "POOL_SHAPE",
     "SCAN_SHAPE",
     "ProfileError",
@@ -144,6 +145,41 @@ def training_flops(model: Any, inputs: Sequence[Any]) -> float:
     if not total > 0:
         raise ProfileError(f"tracing {type(model).__name__} found no flops; pick another benchmark model")
     return 3.0 * total
+
+
+def measure_saved_bytes(model: Any, inputs: Sequence[Any]) -> int:
+    """Bytes autograd keeps for the backward of one training forward of ``model(*inputs)`` (a scalar loss):
+    every tensor saved by a node of the autograd graph, each storage once, parameters, buffers and the
+    inputs left out (the memory model counts them apart) — the ground truth of :func:`hapnb.memory.saved_bytes`."""
+    import torch
+
+    if hasattr(model, "train"):
+        model.train()
+    state = [*getattr(model, "parameters", list)(), *getattr(model, "buffers", list)()]
+    params = {p.untyped_storage().data_ptr() for p in state}
+    params.update(x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor))
+    loss = model(*inputs)
+    sizes: dict[int, int] = {}
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed or not a tensor attribute
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in params:
+                        sizes[ptr] = t.untyped_storage().nbytes()
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return sum(sizes.values())
 
 
 def measure_step_s(
