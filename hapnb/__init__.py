@@ -6,7 +6,7 @@ heterogeneous GPU clusters.
 >>> c.n
 8
 
-The main entry points (DESIGN §3.1): :func:`trace`, :func:`theory`, :class:`Search`, :func:`synthesize`,
+The main entry points (docs/architecture.md §4): :func:`trace`, :func:`theory`, :class:`Search`, :func:`synthesize`,
 :class:`Plan`, :func:`baselines`, :func:`verify`, :func:`distribute`, :func:`full_state_dict`,
 :func:`launch`, :func:`pipeline` (Ditto's heterogeneous pipelines), :func:`compare` (every strategy under
 one cost model) and :class:`Cluster`. Heavy modules load on first use.

@@ -1,4 +1,4 @@
-"""The ``hapnb`` command line (DESIGN §3.2): plan, compare, pipeline, simulate, verify, launch, profile,
+"""The ``hapnb`` command line (docs/architecture.md §4): plan, compare, pipeline, simulate, verify, launch, profile,
 calibrate, theory, demo.
 
 Every subcommand's argument parsing lives here; the library modules it calls take plain Python
@@ -865,15 +865,21 @@ def run() -> None:
 
     After a command of :data:`FAST_EXIT` it flushes its output and leaves with ``os._exit``: with torch
     loaded, Python's own teardown (freeing every module's objects one by one) takes about as long as a
-    BERT synthesis. Commands that start processes or clean up after themselves exit normally.
+    BERT synthesis. Commands that start processes or clean up after themselves exit normally. Output cut
+    short by its reader (a closed pipe) ends the program quietly.
     """
     import logging
     import os
 
-    code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
+    try:
+        code = main()
+        if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(code)
+    except BrokenPipeError:  # the reader went away (``hapnb theory --coverage --json | head``): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os._exit(0)
     raise SystemExit(code)

@@ -235,7 +235,7 @@ class DeviceKind:
 
 
 H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
-    peak_flops=51.6e12,  # measured fp32 matmul rate (DESIGN); datasheet SXM 67
+    peak_flops=51.6e12,  # fp32 matmul rate measured on an H100 (docs/fidelity.md); datasheet SXM 67
     bandwidth_Bps=2.8e12,  # ~0.84 x the 3.35 TB/s HBM3 datasheet figure (not fitted)
     kernel_s=7.052e-05,
     matmul_eff=1.0,  # the fit's bound: GEMMs at the measured peak, less their wave quantization
@@ -760,7 +760,7 @@ class Cluster:
     # -- JSON ----------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """The cluster JSON object (DESIGN §3.3)."""
+        """The cluster JSON object (docs/architecture.md §4)."""
         return {
             "name": self.name,
             "dtype_bytes": self.dtype_bytes,

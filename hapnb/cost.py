@@ -425,7 +425,7 @@ class CostModel:
         return hit
 
     def lower_bound(self) -> float:
-        """Total training flops over total throughput: no plan can be faster (DESIGN §3.2). A device with
+        """Total training flops over total throughput: no plan can be faster. A device with
         a device model counts its peak per GPU (no efficiency reaches more; overheads left out)."""
         if self._lower_bound is None:
             self._lower_bound = self._flops_bound()

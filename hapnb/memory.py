@@ -1,4 +1,4 @@
-"""Memory per device: what a program keeps on each GPU, by category, and its peak (DESIGN §4).
+"""Memory per device: what a program keeps on each GPU, by category, and its peak.
 
 One set of rules, the *pieces* of a step (:func:`step_pieces`), serves three users: the exact breakdown at
 integer shard lengths (:func:`memory_breakdown`, behind :meth:`hapnb.cost.CostModel.memory_breakdown` and

@@ -1,6 +1,6 @@
 """The Plan: a synthesized distributed program with its ratios, stages, history and provenance.
 
-A plan is a frozen value and saves to a versioned, self-contained JSON (``"format": 1``; DESIGN §3.4):
+A plan is a frozen value and saves to a versioned, self-contained JSON (``"format": 1``; docs/architecture.md §4):
 cluster, ratios, program (instructions with their tensors, forms, collective kinds and static shard
 lengths), per-stage costs, pins, search stats and the graph fingerprint it was made for. Loading never
 executes code.

@@ -147,3 +147,29 @@ def test_the_unpacked_wheel_reads_its_data_without_the_checkout(wheel: Path, tmp
     assert Path(got["runs"]).name == "h100-lm-steps.json"
     assert got["n_runs"] == 12
     assert got["ratio"] == pytest.approx(1.0, abs=0.1)  # the shipped H100 model predicts the shipped run
+
+
+@pytest.mark.slow
+def test_the_unpacked_wheel_plans_displays_and_verifies(wheel: Path, tmp_path: Path):
+    """What a user does first, from the installed package alone (outside the checkout): ``hapnb demo
+    --no-verify`` (plan, explain, report) and one ``hapnb verify`` on 2 gloo ranks, whose workers import
+    hapnb from the same place."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = dict(os.environ, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
+
+    def hapnb(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "hapnb", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0, f"hapnb {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        return r.stdout + r.stderr
+
+    out = hapnb("demo", "--no-verify", "--report", "report.html")
+    assert "faster" in out and (tmp_path / "report.html").stat().st_size > 10_000
+    out = hapnb(
+        "verify", "--model", "mlp", "--layers", "2", "--batch", "8", "--set", "hidden=16",
+        "--cluster", "1xV100+1xP100", "--nproc", "2", "--steps", "2",
+    )  # fmt: skip
+    assert "verify mlp: OK on 2 ranks" in out

@@ -64,7 +64,7 @@ MODEL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = MappingProxyType(
     }
 )
 
-#: Forward share of an op's training time when it has no flops (backward = 2x forward, DESIGN §1).
+#: Forward share of an op's training time when it has no flops (backward = 2x forward, as the rules charge).
 FORWARD_SHARE_DEFAULT = 1.0 / 3.0
 #: Blocks traced when a big zoo model is priced from a shallow copy (see :func:`model_costs`).
 TRACED_BLOCKS = 2

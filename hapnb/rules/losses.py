@@ -3,7 +3,7 @@
 Algebra: a loss is a sum (or mean) of per-sample terms, so sharding the batch (or an extra per-sample
 dim) of input and target gives a partial sum ``R``; ``reduction='mean'`` divides by the GLOBAL count
 (of non-ignored targets for cross entropy/NLL, of elements for MSE), so the partials add up to the
-single-device loss exactly (DESIGN §1, gradient semantics). ``reduction='none'`` keeps the shard
+single-device loss exactly (the gradient semantics of docs/architecture.md §5). ``reduction='none'`` keeps the shard
 (``G``). Class weights stay ``I``.
 """
 
