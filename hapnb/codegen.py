@@ -10,9 +10,11 @@
 * ``collective``: the matching :mod:`hapnb.collectives` call with static Python-int shard lengths from
   ``plan.lengths_of``.
 * ``compute``: :func:`hapnb.rules.localize` gives the call the rank runs on its local tensors.
+* after the walk, the buffers the traced program updates (batch norm's running statistics) are computed
+  from the plan's globally reduced statistics and written back in place (:mod:`hapnb.bufferupdates`).
 
 The output is the rank's partial loss (``R`` form): summing it over ranks gives the single-device loss,
-and back-propagating every rank's own partial loss gives correct gradients (DESIGN.md §1).
+and back-propagating every rank's own partial loss gives correct gradients.
 
 >>> import hapnb, torch
 >>> from hapnb.codegen import generate
@@ -37,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
+from .bufferupdates import BufferUpdateError, emit_buffer_updates
 from .forms import Form, G, I, R, parse_form, shard_offsets
 from .graph import Graph, Op, map_args
 
@@ -661,6 +664,15 @@ def generate(
                 env[(tid, f)] = emit(operator.getitem, (nd, item), name=tname(g.tensors[tid].name, f))
         else:
             env[(op.outputs[0], out_forms[0])] = nd
+
+    # ------------------------------------------------------ buffer updates (batch norm's running statistics)
+    try:
+        notes += emit_buffer_updates(
+            g, lambda fn, a, kw: emit(fn, _retype(a, dtype), _retype(kw, dtype)), env,
+            lambda name, dim: lengths(name, dim, "buffer update"), records, attr,
+        )  # fmt: skip
+    except BufferUpdateError as e:
+        raise CodegenError(str(e)) from None
 
     # ------------------------------------------------------------------ output: the partial loss
     loss = g.tensors[g.loss]

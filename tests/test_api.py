@@ -1,4 +1,4 @@
-"""Golden test of the public surface (DESIGN §3.1, §3.2): renaming a public name or a CLI flag is a
+"""Golden test of the public surface (docs/architecture.md §4): renaming a public name or a CLI flag is a
 decision made here, in one reviewed line, not a side effect. Also: no module is shadowed by a function
 of the same name (``import hapnb.x.y as m`` always gives the module)."""
 
@@ -80,7 +80,9 @@ def test_cli_surface_is_the_golden_list():
     from hapnb import cli
 
     got = _subcommands(cli.build_parser())
-    assert got == CLI, "CLI changed: update CLI in tests/test_api.py (and DESIGN §3.2 / README) on purpose"
+    assert got == CLI, (
+        "CLI changed: update CLI in tests/test_api.py (and docs/architecture.md / README) on purpose"
+    )
 
 
 CLI: dict[str, list[str]] = {

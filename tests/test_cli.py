@@ -1,4 +1,4 @@
-"""The command line contract (DESIGN §3.2): flags, JSON keys, files, exit codes."""
+"""The command line contract (docs/architecture.md §4): flags, JSON keys, files, exit codes."""
 
 from __future__ import annotations
 

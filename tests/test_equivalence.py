@@ -1,4 +1,4 @@
-"""The generated programs equal the single-device program (DESIGN §7): every zoo model on several
+"""The generated programs equal the single-device program (docs/architecture.md §5): every zoo model on several
 clusters (uneven ratios, a zero-length shard), with pins, and model code that is not in the zoo.
 Each case runs the distributed program on local gloo ranks in float64 and compares the loss, every
 gradient and the weights after optimizer steps with one device (hapnb.verify)."""

@@ -1,4 +1,4 @@
-"""The house rules: hapnb's modules import one way along the data flow (DESIGN §2), counting imports at
+"""The house rules: hapnb's modules import one way along the data flow (docs/architecture.md §2), counting imports at
 any depth (a function-local import that closes a circle is still a circle), and no module is too big.
 
 Every ``import``/``from`` anywhere in a module's AST is resolved to the hapnb module it names; an edge
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hapnb": ROOT / "hapnb", "hapnb.widgets": ROOT / "widgets"}
 
-#: Layers bottom up (DESIGN §2; issue 7). A module may import its own layer (one way) and those below.
+#: Layers bottom up (docs/architecture.md §2). A module may import its own layer (one way) and those below.
 #: ``hapnb`` itself (the lazy public API) and ``__main__`` sit on top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("display",),  # renderers: a leaf that imports no other hapnb module
@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "duplex",
     ),
     ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
-    ("expand", "codegen", "collectives", "run"),
+    ("expand", "bufferupdates", "codegen", "collectives", "run"),
     ("session",),
     ("cli",),
     ("widgets",),
@@ -93,7 +93,9 @@ def layer_of(mod: str) -> int:
     for k, layer in enumerate(LAYERS):
         if head in layer:
             return k
-    raise AssertionError(f"{mod}: no layer; add it to LAYERS in tests/test_layers.py (and DESIGN §2)")
+    raise AssertionError(
+        f"{mod}: no layer; add it to LAYERS in tests/test_layers.py (and docs/architecture.md §2)"
+    )
 
 
 def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:

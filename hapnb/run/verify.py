@@ -3,9 +3,10 @@
 :func:`verify` writes a bundle, starts K worker ranks (gloo on CPU) under the process supervisor, trains
 a few optimizer steps with dropout off (float64 by default) and compares, against the single-device
 program with the same weights and batch: the loss at every step, every parameter gradient after the
-first backward and every weight after the last step. Workers report progress (a heartbeat per phase and
-step); a run that stops reporting for ``stall_timeout`` seconds is *stuck*, one that keeps reporting but
-passes ``timeout`` is *slow*, and the :class:`VerifyError` says which.
+first backward and every weight and buffer (batch norm's running statistics) after the last step.
+Workers report progress (a heartbeat per phase and step); a run that stops reporting for
+``stall_timeout`` seconds is *stuck*, one that keeps reporting but passes ``timeout`` is *slow*, and the
+:class:`VerifyError` says which.
 
 >>> import hapnb
 >>> plan = hapnb.synthesize("mlp", "2xV100", layers=1, hidden=8, input=4, batch=4)  # doctest: +SKIP
@@ -27,11 +28,12 @@ from typing import Any
 
 import torch
 
-from ..codegen import generate, reference_module, reference_params
+from ..codegen import generate, program_weights, reference_module, reference_params
 from ..expand import expand_virtual, has_virtual
 from ..graph import Graph
 from ..pipelines import PipelinePlan
 from ..plan import Plan
+from ..tracing import module_path
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
 from .worker import WORKER_ARGV, duplex_program, make_optimizer, runtime_argv
@@ -58,7 +60,7 @@ class VerifyError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorCheck:
-    """One compared quantity: ``kind`` is loss/grad/weight, ``rel`` the max relative error
+    """One compared quantity: ``kind`` is loss/grad/weight/buffer, ``rel`` the max relative error
     ``max|a-b| / max(max|b|, atol)``, ``ok`` whether ``max|a-b| <= atol + rtol * max|b|``."""
 
     kind: str
@@ -75,8 +77,8 @@ class TensorCheck:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """The result of :func:`verify`: ``ok`` only when the loss at every step, every gradient and every
-    weight after the steps match the single-device program."""
+    """The result of :func:`verify`: ``ok`` only when the loss at every step, every gradient, and every
+    weight and buffer after the steps match the single-device program."""
 
     ok: bool
     plan: str
@@ -175,8 +177,8 @@ def run_reference(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Train the single-device program (dropout off) for ``steps``: losses per step, gradients after the
-    first backward and weights after the last step, keyed by model FQN (a tied parameter under each of
-    its names). ``progress`` gets ``{"rank": None, "phase": "reference", "step": s}`` per step."""
+    first backward, weights and buffers after the last step, keyed by model FQN (a tied parameter under
+    each of its names). ``progress`` gets ``{"rank": None, "phase": "reference", "step": s}`` per step."""
     prev = torch.get_default_dtype()
     tdtype = getattr(torch, dtype) if dtype else None
     try:
@@ -200,7 +202,10 @@ def run_reference(
             opt.step()
             losses.append(float(loss.detach()))
         weights = {k: p.detach().clone() for k, p in params.items()}
-        return {"losses": losses, "grads": grads, "weights": weights}
+        names = {graph.tensors[t].name for t in graph.params if graph.tensors[t].role == "buffer"}
+        named = ((module_path(k), b) for k, b in gm.named_buffers())
+        buffers = {k: b.detach().clone() for k, b in named if k in names}
+        return {"losses": losses, "grads": grads, "weights": weights, "buffers": buffers}
     finally:
         torch.set_default_dtype(prev)
 
@@ -217,8 +222,11 @@ def _compare(kind: str, name: str, a: torch.Tensor, b: torch.Tensor, rtol: float
         )
     if a.numel() == 0:
         return TensorCheck(kind, name, 0.0, 0.0, True)
-    diff = float((a - b).abs().max())
-    scale = float(b.abs().max())
+    # equal values count as no error, infinities included (an attention mask's -inf); the scale is
+    # the largest finite value
+    diff = float(torch.where(a == b, 0.0, (a - b).abs()).max())
+    finite = b[torch.isfinite(b)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
     if diff != diff:  # NaN
         return TensorCheck(kind, name, float("inf"), float("inf"), False, "NaN")
     return TensorCheck(kind, name, diff / max(scale, atol), diff, diff <= atol + rtol * scale)
@@ -241,6 +249,35 @@ def _assemble(
     return pieces[0], [p for p in pieces if p is not None]
 
 
+def _buffer_check(
+    name: str,
+    recs: Sequence[Mapping[str, Any]],
+    want: torch.Tensor | None,
+    initial: torch.Tensor | None,
+    rtol: float,
+    atol: float,
+) -> TensorCheck:
+    """Buffer ``name`` after the steps (every rank's copy when replicated) against the single-device
+    run's; a buffer the distributed run left at its initial value is said to be not updated."""
+    full, copies = _assemble(name, recs, "weights")
+    if full is None or want is None:
+        which = "the distributed run" if full is None else "the single-device run"
+        return TensorCheck("buffer", name, float("inf"), float("inf"), False, f"missing in {which}")
+    check = max(
+        (_compare("buffer", name, c, want, rtol, atol) for c in copies or [full]), key=lambda c: c.rel
+    )
+    if check.ok or initial is None:
+        return check
+    start = initial.detach().to(torch.float64)
+    stale = [
+        c for c in copies or [full] if c.shape == start.shape and torch.equal(c.to(torch.float64), start)
+    ]
+    if stale and not torch.equal(want.detach().to(torch.float64), start):
+        detail = "never updated by the distributed run (still its initial value)"
+        return TensorCheck("buffer", name, check.rel, check.abs, False, detail)
+    return check
+
+
 def _checks(
     graph: Graph,
     recs: Sequence[Mapping[str, Any]],
@@ -248,7 +285,10 @@ def _checks(
     steps: int,
     rtol: float,
     atol: float,
+    initial: Mapping[str, torch.Tensor],
 ) -> list[TensorCheck]:
+    """The loss at every step, every gradient after the first backward, every weight and buffer after
+    the steps; ``initial``: the weights and buffers before the first step (to tell a stale buffer)."""
     checks: list[TensorCheck] = []
     dist_loss = torch.tensor(recs[0]["global_losses"], dtype=torch.float64)
     summed = torch.tensor([sum(rec["losses"][s] for rec in recs) for s in range(steps)], dtype=torch.float64)
@@ -258,6 +298,10 @@ def _checks(
         checks.append(_compare("loss", "all-reduced", dist_loss, ref_loss, rtol, atol))
     for tid in graph.params:
         t = graph.tensors[tid]
+        if t.role == "buffer":
+            checks.append(
+                _buffer_check(t.name, recs, ref["buffers"].get(t.name), initial.get(t.name), rtol, atol)
+            )
         if t.role != "param":
             continue
         for part, kind, refd in (("grads", "grad", ref["grads"]), ("weights", "weight", ref["weights"])):
@@ -313,8 +357,8 @@ def verify(
     (``gpus > 1``), one rank per physical GPU of its expansion (:func:`hapnb.expand.expand_virtual`).
 
     Compares the summed loss at every step, every parameter gradient after the first backward (sharded
-    gradients concatenated; a replicated gradient on every rank) and every weight after ``steps``
-    optimizer steps. Dropout is off in both runs; ``dtype`` (default float64) casts weights and float
+    gradients concatenated; a replicated gradient on every rank) and every weight and buffer after
+    ``steps`` optimizer steps (a buffer the ranks never updated is named as such). Dropout is off in both runs; ``dtype`` (default float64) casts weights and float
     inputs. ``timeout``: limit on the ranks' whole run in seconds (None: none); ``stall_timeout``: the
     ranks are stuck when none reports progress for that long. ``progress`` is called with each progress
     event (see :data:`ProgressFn`). Raises :class:`VerifyError` when a rank crashes (with its traceback),
@@ -415,7 +459,7 @@ def verify(
         ref = run_reference(
             bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress
         )
-        checks = _checks(bundle.graph, recs, ref, steps, rtol, atol)
+        checks = _checks(bundle.graph, recs, ref, steps, rtol, atol, program_weights(bundle.graph))
         return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
     finally:
         if keep is None:

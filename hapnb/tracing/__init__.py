@@ -665,6 +665,8 @@ def trace(
     """
     import torch
 
+    from .lower import cumulative_batch_norm
+
     if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
         specs = model.graph_signature.user_inputs
         return _from_lowered(model, list(specs), name or "model")
@@ -684,7 +686,8 @@ def trace(
     try:
         tracker = _ModuleTracker(wrapper)
         try:
-            ep = torch.export.export(wrapper, example, strict=False)
+            with cumulative_batch_norm(wrapper):
+                ep = torch.export.export(wrapper, example, strict=False)
             return _from_lowered(ep, names, gname)
         except TraceError:
             raise
@@ -694,7 +697,8 @@ def trace(
         finally:
             tracker.remove()
         try:
-            ep = torch.export.export(wrapper, example, strict=True)
+            with cumulative_batch_norm(wrapper):
+                ep = torch.export.export(wrapper, example, strict=True)
             return _from_lowered(ep, names, gname)
         except TraceError:
             raise

@@ -31,11 +31,12 @@ node name; the tracer stores it as ``Op.origin``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Lowered", "lower", "needs_lowering", "HAPNB_DECOMPOSITIONS"]
+__all__ = ["Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "HAPNB_DECOMPOSITIONS"]
 
 
 def _batch_norm_stats(x: Any) -> tuple[Any, Any, int]:
@@ -111,6 +112,52 @@ HAPNB_DECOMPOSITIONS: dict[str, str] = {
     "sums that one all-reduce each completes (SyncBatchNorm); running statistics updated as torch does",
     "aten._native_batch_norm_legit.no_stats": "batch norm without running statistics: the same sums",
 }
+
+
+def _cumulative_forward(self: Any, x: Any) -> Any:
+    """A BatchNorm module's training forward with ``momentum=None`` (cumulative moving average) that
+    torch.export can capture: torch computes the factor ``1 / num_batches_tracked`` as a Python float
+    (data-dependent); here it is a tensor. The batch statistics come from the functional batch norm
+    with momentum 1 (its "running" results are the batch mean and unbiased variance), which
+    :func:`_batch_norm_functional` lowers to sums like any training batch norm."""
+    import torch
+
+    if self.momentum is not None or not self.training or self.running_mean is None:
+        return type(self).forward(self, x)
+    self._check_input_dim(x)
+    self.num_batches_tracked.add_(1)
+    factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
+    y, _, _, mean, var = torch.ops.aten._native_batch_norm_legit_functional(
+        x, self.weight, self.bias, self.running_mean, self.running_var, True, 1.0, self.eps
+    )
+    self.running_mean.mul_(1 - factor).add_(mean * factor)
+    self.running_var.mul_(1 - factor).add_(var * factor)
+    return y
+
+
+@contextmanager
+def cumulative_batch_norm(model: Any) -> Iterator[None]:
+    """While the block runs, BatchNorm modules of ``model`` with ``momentum=None`` use a forward that
+    torch.export can capture (:func:`_cumulative_forward`: the same updates, as torch makes them)."""
+    import types
+
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    mods = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.momentum is None] if isinstance(
+        model, torch.nn.Module
+    ) else []  # fmt: skip
+    own = [(m, m.__dict__.get("forward")) for m in mods]
+    try:
+        for m in mods:
+            m.forward = types.MethodType(_cumulative_forward, m)
+        yield
+    finally:
+        for m, fwd in own:
+            if fwd is None:
+                del m.forward
+            else:
+                m.forward = fwd
 
 
 @dataclass(frozen=True)
