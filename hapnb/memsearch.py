@@ -288,18 +288,18 @@ class MemoryTracker:
             forms = [getattr(pin, "form", pin)] if pin is not None else list(self.th.forms[t.id])
             least = np.min([self.vec(t.id, f) for f in forms], axis=0)
             at[min(t.consumers), 0 if t.role == "param" else 1] += least
-        first: dict[int, int] = {}  # activation -> the first op that may save it
+        first: dict[int, int] = {}  # a storage -> the first op that may save it (or a view of it)
         for pos, comp in enumerate(s._ops):
             for c in comp:
                 for p in self.pieces(pos, c.strategy):
                     if p.kind == "saved":
-                        first.setdefault(p.tensor, pos)
+                        first.setdefault(saved_key(p, 1)[0], pos)
         for pos, comp in enumerate(s._ops):
             least = None
             for c in comp:
                 v = np.zeros(n)
                 for p in self.pieces(pos, c.strategy):
-                    if p.kind == "saved" and first[p.tensor] == pos:
+                    if p.kind == "saved" and first[saved_key(p, 1)[0]] == pos:
                         v += self.vec(p.tensor, p.form, p.segment) * p.scale
                 least = v if least is None else np.minimum(least, v)
             if least is not None:
