@@ -16,12 +16,19 @@ position-bias computation), back through each op's largest input, with its own s
 into gives it its share of its cost by the form it takes the branch in (what that op costs above its
 cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
 tensor's side. A parameter that several spine ops take (tied embeddings, :func:`_tied`) is loaded once in
-one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`).
+one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`), and pays its load
+(its gradient's sync) where it first loads it. A spine tensor that a later spine op takes again (a residual,
+a mixture-of-experts layer's input at its dispatch einsum) keeps the form that op takes it in as a state too
+(:mod:`hapnb.rejoin`).
+
+A tensor is converted at most once (the search's rule): besides the form it was made in, a :class:`Joint`
+gives its consumers at most one more form (the cheapest collective from the present form; a slice of a
+replicated form is free but is that one conversion), none once two are present.
 
 Relaxations (each can only lower the bound): computation on one device (the one with the most left),
-stages merged, comm tokens ignored (a tensor may be converted into several forms), tensors off the spine
-and its side inputs free, gradient syncs counted only for parameters with one consumer. Every op's cost
-and every tensor's conversions are counted in exactly one term, so the sum of the terms is admissible.
+stages merged, tensors off the spine and its side inputs free, gradient syncs counted only for parameters
+with one consumer (and the tied one). Every op's cost and every tensor's conversions are counted in
+exactly one term, so the sum of the terms is admissible.
 
 The bound of a node at position ``pos`` is ``acc[jstar] + Σ term(props)``, one *term* per spine tensor with
 pending consumers: the main term (the live spine tensor, with the rest of the spine behind it) and, for
@@ -33,10 +40,11 @@ ops before the spine consumer that are on no path (their cheapest strategy).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-from typing import Any
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
+from .rejoin import Layout, coupled_term, find_rejoins
 from .spine import _cheapest, local_pricer
 from .triples import LOADABLE_ROLES
 
@@ -81,26 +89,34 @@ class Joint:
         return v
 
     def _solve(self, have: list[int]) -> float:
-        n = len(self.bits)
-        made = [min(self.price[a][b] for a in have) for b in range(n)]  # cheapest collective to each form
-        for a in have:
-            made[a] = 0.0
+        """The least cost of the consumers' forms with ``have`` present. A tensor is converted at most once
+        (the search's rule), so its forms are the one it was made in and at most one more: with one form
+        present, at most one form is made (the cheapest collective from it; a slice of a replicated form is
+        free but still the tensor's one conversion); with two present, none."""
         tabs = self.tabs
+        if len(have) > 1:  # converted already: every consumer takes a present form
+            v = 0.0
+            for t in tabs:
+                v += min([t[b] for b in have])
+            return v
+        a = have[0]
+        made = list(self.price[a])  # the cheapest collective from the present form to each form
+        made[a] = 0.0
         if len(tabs) == 1:  # one consumer: its cheapest form, made if need be
-            return min((m + x for m, x in zip(made, tabs[0])), default=_INF)
-        # which forms to make (each paid once), then every consumer takes its best available form
-        extra = [b for b in range(n) if made[b] > 0.0 and made[b] < _INF and any(t[b] < _INF for t in tabs)]
-        best = _INF
-        for r in range(min(len(extra), len(tabs)) + 1):
-            for s in itertools.combinations(extra, r):
-                avail = have + list(s)
-                v = sum(made[b] for b in s)
-                for t in tabs:
-                    v += min(t[b] for b in avail)
-                    if v >= best:
-                        break
-                if v < best:
-                    best = v
+            return min(map(operator.add, made, tabs[0]), default=_INF)
+        best = 0.0  # no form made: every consumer takes the present one
+        for t in tabs:
+            best += t[a]
+        for b, m in enumerate(made):
+            if b == a or m >= best:
+                continue
+            v = m  # form b made: every consumer takes the better of the two
+            for t in tabs:
+                v += t[a] if t[a] < t[b] else t[b]
+                if v >= best:
+                    break
+            if v < best:
+                best = v
         return best
 
 
@@ -178,7 +194,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             for pos in range(p + 1, b + 1):
                 terms[pos] = terms[pos] + ((0, const.table, 0.0, const),)
 
-    joints: dict[tuple[int, int, bool], Joint] = {}
+    joints: dict[tuple[Any, ...], Joint] = {}  # (tensor, pending sides, main?, state) -> its Joint
     bjoints: dict[tuple[int, int], Joint] = {}
 
     def branch_joint(x: int, by_in: list[float], pend: list[int]) -> Joint:
@@ -238,96 +254,8 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             merging.setdefault(m, []).append(br)
         else:
             solve(br)
-    # main[pos]: the main term at pos; M(pos, f): its value with the live spine tensor just made in form f
-    loss_bits = tb.bits_of[g.loss]
-    end = Joint([[0.0] * len(loss_bits)], price_matrix(g.loss), loss_bits)
-    main: list[Term] = [(0, end.table, 0.0, end)] * (n_ops + 1)
-    main[n_ops] = (_mask(loss_bits), end.table, 0.0, end)
-    # a parameter that several spine ops take (tied embeddings) is loaded once, in one form: the DP keeps
-    # its form as a state (0: not loaded yet), read from the node's properties (:class:`Tied`)
-    tied = _tied(s)
-    states = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
-    pmask = _mask(tb.bits_of[tied]) if tied >= 0 else 0
-    tieds: dict[tuple[int, int], Tied] = {}
-    cur, add = g.loss, 0.0  # the live spine tensor; the non-path ops' cheapest since its spine consumer
-    by_in: dict[int, list[float]] | None = None  # per state: the spine consumer's cost per form of ``cur``
-    tabs_side: dict[int, list[float]] = {}
-    bits: tuple[int, ...] = loss_bits
-    pm: list[list[float]] = []
-    for i in range(n_ops - 1, -1, -1):
-        if i in spine_ops and spine_ops[i][1] == cur:
-            src, out = spine_ops[i]
-            op = g.ops[i]
-            k_out = op.outputs.index(out)
-            k_p = op.inputs.index(tied) if tied >= 0 and op.inputs.count(tied) == 1 else -1
-            _, _, add_n, joint_n = main[i + 1]
-            nxt = {p: [joint_n.value(b | p) + add_n for b in tb.bits_of[out]] for p in states}
-            row_of = entries[i]
-            k_in = op.inputs.index(src) if src >= 0 else -1
-            by_in = {p: [_INF] * (len(th.forms[src]) if src >= 0 else 1) for p in states}
-            for c in s._ops[i]:
-                e = row_of[c.index]
-                v0 = local(i, c)
-                a = e.in_forms[k_in] if src >= 0 else 0
-                fp = tb.bits_of[tied][e.in_forms[k_p]] if k_p >= 0 else 0
-                for p in states:
-                    if fp and p and p != fp:
-                        continue  # the tied parameter is loaded in another form
-                    v = v0 + nxt[fp or p][e.out_forms[k_out]]
-                    if v < by_in[p][a]:
-                        by_in[p][a] = v
-            if i in merging:  # the branch with the largest input into op i gets the op's share (one only)
-                brs = sorted(merging[i], key=lambda br: (-g.tensors[br[-1][2]].numel, br[-1][2]))
-                y = brs[0][-1][2]
-                k_y = op.inputs.index(y)
-                share = [_INF] * len(th.forms[y])
-                for c in s._ops[i]:
-                    e = row_of[c.index]
-                    v0 = local(i, c)
-                    a = e.in_forms[k_in] if src >= 0 else 0
-                    fp = tb.bits_of[tied][e.in_forms[k_p]] if k_p >= 0 else 0
-                    for p in states:
-                        if fp and p and p != fp:
-                            continue
-                        v = v0 + nxt[fp or p][e.out_forms[k_out]]
-                        if v < _INF and by_in[p][a] < _INF:
-                            v = max(0.0, v - by_in[p][a])
-                            if v < share[e.in_forms[k_y]]:
-                                share[e.in_forms[k_y]] = v
-                merge_tabs[y] = share
-                for br in brs:
-                    if br[0][0] not in solved:
-                        solve(br)
-            if src < 0:  # the source op: the spine tensor's form is its strategy's
-                consts = {p: Joint([by_in[p]], [[0.0]], (0,)) for p in states}
-                t0 = Tied(consts, pmask) if tied >= 0 else consts[0]
-                cur, by_in = -1, None
-                main[i] = (pmask, t0.table, 0.0, t0)
-                continue
-            cur, add = src, 0.0
-            tabs_side = {o: side_tab(o, src) for o in sides.get(src, ())}
-            bits, pm = tb.bits_of[src], price_matrix(src)
-        elif by_in is None:  # after the loss's producer or before the source: a constant
-            m1, t1, a1, j1 = main[i + 1]
-            main[i] = (m1, t1, a1 + minloc[i], j1)
-            continue
-        else:
-            add += minloc[i]
-        pend = [o for o in tabs_side if o >= i]
-        js = {}
-        for p in states:
-            key = (cur, len(pend), True, p)
-            j = joints.get(key)  # type: ignore[call-overload]
-            if j is None:
-                j = joints[key] = Joint([by_in[p]] + [tabs_side[o] for o in pend], pm, bits)  # type: ignore[index]
-            js[p] = j
-        if tied < 0:
-            main[i] = (_mask(bits), js[0].table, add, js[0])
-            continue
-        t1 = tieds.get((cur, len(pend)))
-        if t1 is None:
-            t1 = tieds[(cur, len(pend))] = Tied(js, pmask)
-        main[i] = (_mask(bits) | pmask, t1.table, add, t1)
+    paths = _Paths(local, minloc, sides, side_tab, price_matrix, merging, merge_tabs, solve, solved, joints)
+    main = _main_terms(s, paths)
     for br in branches:
         if br[0][0] not in solved:
             solve(br)
@@ -353,6 +281,151 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
                 j = joints[key] = Joint([tabs[o] for o in pend], pm, bits)
             terms[pos] = terms[pos] + ((_mask(bits), j.table, 0.0, j),)
     return jstar, [(main[pos],) + terms[pos] for pos in range(n_ops + 1)]
+
+
+class _Paths(NamedTuple):
+    """What :func:`side_terms` hands its main DP (:func:`_main_terms`): the op pricer, the cheapest cost of
+    the ops on no path, the sides and their tables, the price matrices, the branches that merge into spine
+    ops (with their merge ops' shares, the branch solver and the solved branches) and the Joint cache."""
+
+    local: Callable[[int, Any], float]
+    minloc: list[float]
+    sides: dict[int, list[int]]
+    side_tab: Callable[[int, int], list[float]]
+    price_matrix: Callable[[int], list[list[float]]]
+    merging: dict[int, list[tuple[int, int, int]]]
+    merge_tabs: dict[int, list[float]]
+    solve: Callable[[list[tuple[int, int, int]]], None]
+    solved: set[int]
+    joints: dict[tuple[Any, ...], Joint]
+
+
+def _main_terms(s: Any, pt: _Paths) -> list[Term]:
+    """The main term per position: the spine DP from the loss back to the source op. ``main[pos]`` values the
+    live spine tensor's present forms (with the rest of the spine behind it); the DP reads it with the
+    tensor just made in each form. States (:class:`hapnb.rejoin.Layout`): a tied parameter's present form
+    (:func:`_tied`, :class:`Tied`) and the forms that rejoining spine tensors are taken in
+    (:mod:`hapnb.rejoin`, :class:`~hapnb.rejoin.Coupled`); without either there is one state."""
+    g, th, tb = s.graph, s.theory, s._tables
+    n_ops, spine_ops, entries, local = len(g.ops), tb.spine, tb.entries, pt.local
+    loss_bits = tb.bits_of[g.loss]
+    end = Joint([[0.0] * len(loss_bits)], pt.price_matrix(g.loss), loss_bits)
+    main: list[Term] = [(0, end.table, 0.0, end)] * (n_ops + 1)
+    main[n_ops] = (_mask(loss_bits), end.table, 0.0, end)
+    # a parameter that several spine ops take (tied embeddings) is loaded once, in one form: the DP keeps
+    # its form as a state (0: not loaded yet), read from the node's properties (:class:`Tied`)
+    tied = _tied(s)
+    pmask = _mask(tb.bits_of[tied]) if tied >= 0 else 0
+    # its load (with its gradient's sync) is paid once, where the DP first loads it (state 0 -> its form)
+    tied_load = (
+        {b: s._load_s(tied, f, False) for f, b in zip(th.forms[tied], tb.bits_of[tied])} if tied >= 0 else {}
+    )
+    pvals = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
+    lay = Layout(find_rejoins(s, pt.sides, len(pvals)), pvals, n_ops + 1)
+    per_state: list[dict[tuple[int, ...], Joint]] = [{}] * (n_ops + 1)  # per position: state -> Joint
+    per_state[n_ops] = {st: end for st in lay.states(n_ops)}
+    tieds: dict[tuple[int, int], Tied] = {}
+    cur, add = g.loss, 0.0  # the live spine tensor; the non-path ops' cheapest since its spine consumer
+    by_in: dict[tuple[int, ...], list[float]] | None = None  # per state: the spine consumer's cost per form
+    tabs_side: dict[int, list[float]] = {}
+    bits: tuple[int, ...] = loss_bits
+    pm: list[list[float]] = []
+    for i in range(n_ops - 1, -1, -1):
+        if i in spine_ops and spine_ops[i][1] == cur:
+            src, out = spine_ops[i]
+            op = g.ops[i]
+            k_out = op.outputs.index(out)
+            k_p = op.inputs.index(tied) if tied >= 0 and op.inputs.count(tied) == 1 else -1
+            nxt = lay.next_values(i, per_state[i + 1], tb.bits_of[out], main[i + 1][2])
+            check, keep = lay.moves(i)
+            k_in = op.inputs.index(src) if src >= 0 else -1
+            by_in = {st: [_INF] * (len(th.forms[src]) if src >= 0 else 1) for st in lay.states(i)}
+            # per strategy: ((state it can run in, its cost with the rest), its form of ``src``, its index)
+            moves: list[tuple[list[tuple[tuple[int, ...], float]], int, int]] = []
+            for c in s._ops[i]:
+                e = entries[i][c.index]
+                v0 = local(i, c)
+                fp = tb.bits_of[tied][e.in_forms[k_p]] if k_p >= 0 else 0
+                row = []
+                for st in by_in:
+                    p = st[0]
+                    if fp and p and p != fp:
+                        continue  # the tied parameter is loaded in another form
+                    if any(e.in_forms[k] != st[n] for n, k in check):
+                        continue  # a rejoining tensor taken in another form than the state's
+                    v = v0 + tied_load[fp] if fp and not p else v0  # the tied parameter loaded here
+                    row.append((st, v + nxt[(fp or p, *(st[n] for n in keep))][e.out_forms[k_out]]))
+                moves.append((row, e.in_forms[k_in] if src >= 0 else 0, c.index))
+            for row, a, _ in moves:
+                for st, v in row:
+                    if v < by_in[st][a]:
+                        by_in[st][a] = v
+            if i in pt.merging:  # the branch with the largest input into op i gets the op's share (one only)
+                _merge(s, pt, i, moves, by_in)
+            if src < 0:  # the source op: the spine tensor's form is its strategy's
+                consts = {st: Joint([by_in[st]], [[0.0]], (0,)) for st in by_in}
+                t0 = Tied({st[0]: j for st, j in consts.items()}, pmask) if tied >= 0 else consts[(0,)]
+                cur, by_in = -1, None
+                main[i], per_state[i] = (pmask, t0.table, 0.0, t0), consts
+                continue
+            cur, add = src, 0.0
+            tabs_side = {o: pt.side_tab(o, src) for o in pt.sides.get(src, ())}
+            bits, pm = tb.bits_of[src], pt.price_matrix(src)
+        elif by_in is None:  # after the loss's producer or before the source: a constant
+            m1, t1, a1, j1 = main[i + 1]
+            main[i], per_state[i] = (m1, t1, a1 + pt.minloc[i], j1), per_state[i + 1]
+            continue
+        else:
+            add += pt.minloc[i]
+        pend = [o for o in tabs_side if o >= i]
+        js = {}
+        for st in by_in:
+            key = (cur, len(pend), True, st)
+            j = pt.joints.get(key)
+            if j is None:
+                tabs = [by_in[st]] + [tabs_side[o] for o in pend] + lay.delta(i, st, len(bits))
+                j = pt.joints[key] = Joint(tabs, pm, bits)
+            js[st] = j
+        per_state[i] = js
+        if lay.live(i):
+            t2 = coupled_term(lay, i, js, pmask, _mask(bits), tb.bits_of, pt.price_matrix)
+            main[i] = (t2.mask, t2.table, add, t2)
+        elif tied < 0:
+            main[i] = (_mask(bits), js[(0,)].table, add, js[(0,)])
+        else:
+            t1 = tieds.get((cur, len(pend)))
+            if t1 is None:
+                t1 = tieds[(cur, len(pend))] = Tied({st[0]: j for st, j in js.items()}, pmask)
+            main[i] = (_mask(bits) | pmask, t1.table, add, t1)
+    return main
+
+
+def _merge(
+    s: Any,
+    pt: _Paths,
+    i: int,
+    moves: Sequence[tuple[Sequence[tuple[tuple[int, ...], float]], int, int]],
+    by_in: Mapping[tuple[int, ...], list[float]],
+) -> None:
+    """Spine op ``i``'s share of its cost for the branch with the largest input into it (what a strategy
+    costs above the cheapest one for the spine tensor's form, in any state: the least over them is
+    admissible), then solve the branches that merge there."""
+    g, th, entries = s.graph, s.theory, s._tables.entries
+    brs = sorted(pt.merging[i], key=lambda br: (-g.tensors[br[-1][2]].numel, br[-1][2]))
+    y = brs[0][-1][2]
+    k_y = g.ops[i].inputs.index(y)
+    share = [_INF] * len(th.forms[y])
+    for row, a, index in moves:
+        f = entries[i][index].in_forms[k_y]
+        for st, v in row:
+            if v < _INF and by_in[st][a] < _INF:
+                v = max(0.0, v - by_in[st][a])
+                if v < share[f]:
+                    share[f] = v
+    pt.merge_tabs[y] = share
+    for br in brs:
+        if br[0][0] not in pt.solved:
+            pt.solve(br)
 
 
 def _branches(

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "searchtables",
         "spine",
         "spineside",
+        "rejoin",
         "chainbound",
         "memsearch",
         "balance",

@@ -1,0 +1,250 @@
+"""Spine tensors that rejoin the spine: the form a later spine op takes an earlier spine tensor in, kept as a
+state of the spine DP (:mod:`hapnb.spineside`).
+
+The spine DP tracks one live tensor at a time. A spine tensor ``x`` whose spine consumer has run can still be
+taken by a later spine op (not as its spine input): the residual stream by the add that closes a block, or
+a mixture-of-experts layer's input by the dispatch einsum (``bsd,bsec->becd``), whose spine input is the
+larger routing tensor. Without this module that op takes ``x`` in any form for free, so the bound lets an
+expert-parallel dispatch (``x`` replicated, the routing tensor and the expert buffer sharded by expert) cost
+no more than a data-parallel one, though ``x`` is sharded by batch everywhere else and replicating it costs an
+all-gather of the layer's whole activation: on the MoE LM of ``examples/corpus.py`` (real size) the root
+bound was 9 % below the optimum and no search within 200k expansions closed the gap; coupled, the root bound
+is the optimum.
+
+A :class:`Rejoin` is ``x`` (made by spine op ``made``, the spine input of op ``spine``) and the later spine op
+``at`` that takes it. For the positions ``(made, at]`` the DP keeps, as a state, the form ``b`` that op
+``at`` takes ``x`` in: at op ``at`` only the strategies that take ``x`` in ``b`` are allowed; where ``x`` is
+the live spine tensor (positions ``(made, spine]``) its :class:`~hapnb.spineside.Joint` has one more
+consumer that needs ``b`` (so ``b`` is made once, shared with the spine op and the sides that take it); after
+``x``'s spine consumer (positions ``(spine, at]``) the term pays the cheapest collective from a present form
+of ``x`` to ``b`` (nothing when ``b`` is present). The term's value is the least over the states
+(:class:`Coupled`), and the DP takes the least over ``b`` where ``x`` is made. A tied parameter's state
+(:class:`~hapnb.spineside.Tied`) is the state's first component.
+
+Admissible: every complete program takes ``x`` at op ``at`` in some form ``b``; that form is present then, so
+it was made (``x``'s first form) or converted from a present form by the one collective a tensor may have
+(the search converts a tensor at most once, so the collective's source is present from ``x``'s making on);
+the relaxed program with that state pays at most what the program pays for ``x``'s forms and for the ops, and
+the bound is the least over the states. ``x``'s collectives are counted in one term only: a spine tensor is
+coupled only when none of its side consumers runs after its spine consumer (those pay their forms in a side
+term of their own). Leaving a rejoin out only frees its form again (the bound without it), so which are
+coupled is a matter of cost: the states at a position are the product of the forms of the coupled tensors
+live there (and the tied parameter's), and :func:`find_rejoins` keeps the largest tensors first (then the
+shortest spans, which nest inside the longer ones) while that product stays at most :data:`MAX_STATES`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MAX_STATES", "Rejoin", "find_rejoins", "Layout", "Coupled", "coupled_term"]
+
+#: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's)
+MAX_STATES = 16
+_INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    """Spine tensor ``x`` (made by spine op ``made``, spine input of op ``spine``) taken again by spine op
+    ``at`` (its input ``k``) in one of ``forms`` (indices into ``theory.forms[x]``)."""
+
+    x: int
+    made: int
+    spine: int
+    at: int
+    k: int
+    forms: tuple[int, ...]
+
+
+def find_rejoins(s: Any, sides: Mapping[int, Sequence[int]], tied_states: int) -> list[Rejoin]:
+    """The rejoining spine tensors of search ``s`` that the DP couples (module docstring): each spine tensor
+    with no side consumer after its spine consumer, with the first later spine op that takes it once; the
+    largest first (then the shortest span), while the states at every position stay at most
+    :data:`MAX_STATES` (``tied_states``: the tied parameter's, 1 if none)."""
+    g, tb = s.graph, s._tables
+    spine_ops, entries = tb.spine, tb.entries
+    found = []
+    for i1, (x, _) in spine_ops.items():
+        made = g.tensors[x].producer if x >= 0 else None
+        if made is None or spine_ops.get(made, (0, -1))[1] != x:
+            continue
+        if any(o > i1 for o in sides.get(x, ())):
+            continue  # its late sides pay its forms in a side term
+        later = [
+            o for o in g.tensors[x].consumers
+            if o > i1 and o in spine_ops and spine_ops[o][0] != x and g.ops[o].inputs.count(x) == 1
+        ]  # fmt: skip
+        if not later or not s._ops[min(later)]:
+            continue
+        at = min(later)
+        k = g.ops[at].inputs.index(x)
+        forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
+        found.append(Rejoin(x, made, i1, at, k, forms))
+    found.sort(key=lambda r: (-g.tensors[r.x].numel, r.at - r.made, r.x))
+    size = [tied_states] * (len(g.ops) + 1)
+    kept = []
+    for r in found:
+        span = range(r.made + 1, r.at + 1)
+        if max(size[p] for p in span) * len(r.forms) > MAX_STATES:
+            continue
+        for p in span:
+            size[p] *= len(r.forms)
+        kept.append(r)
+    kept.sort(key=lambda r: (r.made, r.x))
+    return kept
+
+
+class Layout:
+    """The DP's states per position: ``(p, b_1, ..)``, ``p`` the tied parameter's present form (its bit, 0:
+    not loaded; always 0 without one) and ``b_j`` the form the j-th live rejoin (``rejoins`` order) is taken
+    in at its op ``at``. A rejoin is live at the positions ``(made, at]``."""
+
+    def __init__(self, rejoins: Sequence[Rejoin], pvals: Sequence[int], n_pos: int) -> None:
+        self.rejoins = list(rejoins)
+        self.pvals = list(pvals)
+        self._live: list[tuple[int, ...]] = [()] * n_pos
+        for j, r in enumerate(self.rejoins):
+            for p in range(r.made + 1, r.at + 1):
+                self._live[p] = self._live[p] + (j,)
+        self._states: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+
+    def live(self, pos: int) -> tuple[int, ...]:
+        """The rejoins live at ``pos`` (indices into :attr:`rejoins`)."""
+        return self._live[pos]
+
+    def states(self, pos: int) -> list[tuple[int, ...]]:
+        """Every state at ``pos``."""
+        live = self._live[pos]
+        out = self._states.get(live)
+        if out is None:
+            forms = [self.rejoins[j].forms for j in live]
+            out = self._states[live] = [(p, *bs) for p in self.pvals for bs in itertools.product(*forms)]
+        return out
+
+    def moves(self, i: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """For spine op ``i``: the state components its strategies must match, as (component, input index),
+        and the components kept into the next position's state (the rest of that state: the rejoin made
+        by op ``i``, which the next position's values take the least over)."""
+        live = self._live[i]
+        check = [(1 + n, self.rejoins[j].k) for n, j in enumerate(live) if self.rejoins[j].at == i]
+        keep = [1 + n for n, j in enumerate(live) if self.rejoins[j].at != i]
+        return check, keep
+
+    def next_values(
+        self, i: int, joints: Mapping[tuple[int, ...], Any], bits: Sequence[int], add: float
+    ) -> dict[tuple[int, ...], list[float]]:
+        """Per state after spine op ``i`` without the rejoin ``i`` makes: the value at position ``i + 1`` with
+        the live spine tensor just made in each form (``bits``), the least over that rejoin's forms."""
+        live = self._live[i + 1]
+        new = [1 + n for n, j in enumerate(live) if self.rejoins[j].made == i]
+        out: dict[tuple[int, ...], list[float]] = {}
+        for st in self.states(i + 1):
+            key = tuple(x for n, x in enumerate(st) if n not in new)
+            vals = [joints[st].value(b) + add for b in bits]
+            have = out.get(key)
+            out[key] = vals if have is None else [min(a, b) for a, b in zip(have, vals)]
+        return out
+
+    def delta(self, pos: int, st: tuple[int, ...], n_forms: int) -> list[list[float]]:
+        """The extra consumer of the live spine tensor at ``pos`` where it is a rejoin (its form in state
+        ``st``: made once, like the other consumers' forms), else none."""
+        for n, j in enumerate(self._live[pos]):
+            r = self.rejoins[j]
+            if pos <= r.spine:
+                b = st[1 + n]
+                return [[0.0 if f == b else _INF for f in range(n_forms)]]
+        return []
+
+    def outer(self, pos: int) -> list[tuple[int, int]]:
+        """The rejoins at ``pos`` whose spine consumer has run: (state component, index into rejoins)."""
+        return [(1 + n, j) for n, j in enumerate(self._live[pos]) if pos > self.rejoins[j].spine]
+
+
+class Coupled:
+    """A main term where rejoins are live: the least over the states (``joints``: state -> the live spine
+    tensor's Joint) of that Joint's value plus, per rejoin whose spine consumer ran (``outer``: state
+    component, the tensor's form bits, its price matrix), the cheapest collective from a present form to the
+    state's form (0 when present). ``pmask``: the tied parameter's bits (the state's first component is its
+    present form, as :class:`~hapnb.spineside.Tied`); ``cmask``: the live spine tensor's. Memoised per
+    properties in :attr:`table`."""
+
+    __slots__ = ("joints", "pmask", "pvals", "cmask", "outer", "table")
+
+    def __init__(
+        self,
+        joints: Mapping[tuple[int, ...], Any],
+        pmask: int,
+        cmask: int,
+        outer: Sequence[tuple[int, Sequence[int], Sequence[Sequence[float]]]],
+    ) -> None:
+        self.joints = dict(joints)
+        self.pmask, self.cmask = pmask, cmask
+        self.pvals = {st[0] for st in self.joints}
+        self.outer = list(outer)
+        self.table: dict[int, float] = {}
+
+    @property
+    def mask(self) -> int:
+        """The property bits the value reads."""
+        m = self.pmask | self.cmask
+        for _, bits, _ in self.outer:
+            for b in bits:
+                m |= b
+        return m
+
+    def value(self, present: int) -> float:
+        """The term's value for the present bits (``props & mask``)."""
+        v = self.table.get(present)
+        if v is None:
+            v = self.table[present] = self._solve(present)
+        return v
+
+    def _solve(self, present: int) -> float:
+        p = present & self.pmask
+        if p not in self.pvals:
+            p = 0
+        cur = present & self.cmask
+        made: list[tuple[int, list[float]]] = []
+        for comp, bits, price in self.outer:
+            have = [a for a, b in enumerate(bits) if present & b]
+            if len(have) == 1:  # a collective from the present form (the tensor's one conversion)
+                cost = list(price[have[0]])
+                cost[have[0]] = 0.0
+            else:  # converted already: a present form only (none present: free, never the case)
+                cost = [0.0 if f in have or not have else _INF for f in range(len(bits))]
+            made.append((comp, cost))
+        best = _INF
+        for st, joint in self.joints.items():
+            if st[0] != p:
+                continue
+            v = 0.0
+            for comp, cost in made:
+                v += cost[st[comp]]
+            if v >= best:
+                continue
+            v += joint.value(cur)
+            if v < best:
+                best = v
+        return best
+
+
+def coupled_term(
+    lay: Layout,
+    pos: int,
+    joints: Mapping[tuple[int, ...], Any],
+    pmask: int,
+    cmask: int,
+    bits_of: Sequence[Sequence[int]],
+    price: Callable[[int], Sequence[Sequence[float]]],
+) -> Coupled:
+    """The :class:`Coupled` term at ``pos`` (rejoins live there) from its per-state Joints (``bits_of``: each
+    tensor's form bits; ``price``: a tensor's price matrix)."""
+    outer = []
+    for comp, j in lay.outer(pos):
+        x = lay.rejoins[j].x
+        outer.append((comp, bits_of[x], price(x)))
+    return Coupled(joints, pmask, cmask, outer)
