@@ -1,8 +1,8 @@
 """Measure training steps of the real-model corpus on one GPU, for the device model's fidelity on code
 from well-known libraries (issue 18; docs/fidelity.md section (d)).
 
-Runs on a machine with a CUDA GPU and torch + transformers; it needs nothing of hapnb but
-``examples/corpus.py``. Per model (realistic size unless ``--size tiny``): fp32 (TF32 off, as the shipped
+Runs on a machine with a CUDA GPU, torch and transformers, from the repository (``examples/corpus.py``; the
+timed loop is :func:`hapnb.run.profile.step_times`). Per model (realistic size unless ``--size tiny``): fp32 (TF32 off, as the shipped
 H100 device model was fitted), a step is forward + backward + ``torch.optim.Adam`` step; median over
 ``--steps`` timed steps after ``--warmup``; peak ``torch.cuda.max_memory_allocated``. Writes JSON lines
 (one per model) to ``--out``. The predictions are made on any machine with
@@ -31,6 +31,7 @@ def measure(name: str, size: str, batch: int | None, steps: int, warmup: int, de
     import torch
 
     from examples import corpus
+    from hapnb.run.profile import step_times
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -38,21 +39,10 @@ def measure(name: str, size: str, batch: int | None, steps: int, warmup: int, de
     model, inputs = corpus.CORPUS[name](**kw)
     model = model.to(device).train()
     inputs = tuple(x.to(device) for x in inputs)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for k in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        sync()
-        if k >= warmup:
-            times.append(time.perf_counter() - t0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    times, loss = step_times(model, inputs, opt, steps, warmup)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     params = sum(p.numel() for p in model.parameters())
     return {
@@ -63,7 +53,7 @@ def measure(name: str, size: str, batch: int | None, steps: int, warmup: int, de
         "step_s": statistics.median(times),
         "step_s_all": times,
         "peak_memory_bytes": int(peak),
-        "loss": float(loss.detach()),
+        "loss": loss,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         "torch": torch.__version__,
     }

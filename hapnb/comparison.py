@@ -404,8 +404,7 @@ def _hap(x: _Inputs) -> StrategyResult:
         plan = synthesize(x.theory, x.cluster, **kw)
     except OutOfMemoryError as e:
         plan = synthesize(x.theory, x.cluster, check_memory=False, **kw)
-        need = getattr(e, "need", "")
-        note += ", no program fits" + (f" ({need})" if need else "") + "; the plan ignoring memory"
+        note += ", no program fits" + (f" ({e.need})" if e.need else "") + "; the plan ignoring memory"
     if x.spec:
         plan = dataclasses.replace(plan, model=freeze_mapping(x.spec))
     chosen = plan.stats.get("chosen", "search")

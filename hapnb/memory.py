@@ -43,6 +43,7 @@ backward (``regather`` x2).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -273,8 +274,19 @@ def storage(g: Graph) -> Storage:
     square roots of a training batch norm) stands for the fused kernel the model called: it keeps the
     group's own floating-point inputs (as most ops keep theirs) and, of what the decomposition's ops save,
     only the small statistics (tensors at most 1/:data:`STAT_FRACTION` of the group's largest input, per
-    channel or per row), not its full-size intermediates.
+    channel or per row), not its full-size intermediates. Computed once per graph.
     """
+    hit = _STORAGE.get(g)
+    if hit is None:
+        hit = _STORAGE[g] = _storage(g)
+    return hit
+
+
+#: :func:`storage` per graph (a graph is a frozen value compared by identity)
+_STORAGE: weakref.WeakKeyDictionary[Graph, Storage] = weakref.WeakKeyDictionary()
+
+
+def _storage(g: Graph) -> Storage:
     root: dict[int, int] = {}
     grad = {t.id for t in g.tensors if t.role == "param" and t.requires_grad}
     for op in g.ops:
@@ -419,6 +431,15 @@ def saved_key(p: Piece, n: int) -> tuple[int, str, float]:
     return (p.storage if p.storage >= 0 else p.tensor, str(p.form) if n > 1 else "", p.scale)
 
 
+def _first_save(p: Piece, n: int, seen: set[tuple[int, str, float]]) -> bool:
+    """Whether saved piece ``p`` is the first of its :func:`saved_key` (recorded in ``seen``)."""
+    key = saved_key(p, n)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
 def saved_bytes(g: Graph) -> float:
     """Bytes of activations the single-device program keeps for its backward (every form the whole
     tensor; each storage once): what :func:`hapnb.run.profile.measure_saved_bytes` measures in PyTorch.
@@ -434,8 +455,7 @@ def saved_bytes(g: Graph) -> float:
     for op in g.ops:
         rep = Strategy("replicate", (I,) * len(op.inputs), (I,) * len(op.outputs))
         for p in op_pieces(g, op, rep, st):
-            if p.kind == "saved" and saved_key(p, 1) not in seen:
-                seen.add(saved_key(p, 1))
+            if p.kind == "saved" and _first_save(p, 1, seen):
                 total += g.tensors[p.tensor].nbytes * p.scale
     return total
 
@@ -462,12 +482,8 @@ def _program_pieces(cm: Any, program: Sequence[Any], extra: Sequence[Any]) -> li
                 seen_load.add(ld.tensor)
                 out += load_pieces(g, ld)
         for p in op_pieces(g, g.ops[step.op], step.strategy, st):
-            if p.kind == "saved":
-                key = saved_key(p, cm.n)
-                if key in saved:
-                    continue
-                saved.add(key)
-            out.append(p)
+            if p.kind != "saved" or _first_save(p, cm.n, saved):
+                out.append(p)
     out += [Piece("extra", cv.tensor, cv.dst) for cv in extra]
     return out
 
@@ -651,8 +667,7 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
         s = min(ss, key=weight)
         for p in op_pieces(g, op, s, st):
             if p.kind == "saved":
-                if saved_key(p, cm.n) not in seen:
-                    seen.add(saved_key(p, cm.n))
+                if _first_save(p, cm.n, seen):
                     add("A", p.tensor, p.form, p.segment, p.scale)
             elif p.form.kind == "G":
                 L_coef[op.segment] = max(L_coef.get(op.segment, 0.0), float(g.tensors[p.tensor].nbytes))

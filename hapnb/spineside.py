@@ -156,12 +156,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         x = src_of[i]
         if x < 0:
             continue
-        cands = [
-            o for o in g.tensors[x].consumers
-            if o not in on_path and g.ops[o].inputs.count(x) == 1 and s._ops[o]
-        ]  # fmt: skip
-        cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
-        sides[x] = sorted(cands[:MAX_SIDES])
+        sides[x] = _side_consumers(s, x, on_path)
         on_path.update(sides[x])
     # branches (paths into a path op's other inputs) with their sides; x -> the path op taking it
     consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
@@ -493,16 +488,23 @@ def _branches(
             for x in (src, t) if src >= 0 else (t,):
                 if x in sides:
                     continue
-                cands = [
-                    o for o in g.tensors[x].consumers
-                    if o not in on_path and g.ops[o].inputs.count(x) == 1 and s._ops[o]
-                ]  # fmt: skip
-                cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
-                sides[x] = sorted(cands[:MAX_SIDES])
+                sides[x] = _side_consumers(s, x, on_path)
                 on_path.update(sides[x])
     for b, x in anchors.items():
         sides[x] = sorted({*sides.get(x, ()), b})
     return out, anchors
+
+
+def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:
+    """The consumers of tensor ``x`` coupled with it as its sides: ops on no path yet that take ``x`` once,
+    those with communicating strategies first, at most :data:`MAX_SIDES`, in program order."""
+    g, entries = s.graph, s._tables.entries
+    cands = [
+        o for o in g.tensors[x].consumers
+        if o not in on_path and g.ops[o].inputs.count(x) == 1 and s._ops[o]
+    ]  # fmt: skip
+    cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
+    return sorted(cands[:MAX_SIDES])
 
 
 class Tied:

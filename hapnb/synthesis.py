@@ -69,7 +69,12 @@ FINAL_CANDIDATES = 8
 
 
 class OutOfMemoryError(RuntimeError):
-    """No plan fits every device's memory (the message says what the leanest program needs and what fills it)."""
+    """No plan fits every device's memory (the message says what the leanest program needs and what fills
+    it); ``need``: the same in one line, for reports (hapnb.compare's note)."""
+
+    def __init__(self, message: str, need: str = "") -> None:
+        super().__init__(message)
+        self.need = need
 
 
 @without_gc
@@ -642,17 +647,16 @@ def out_of_memory(th: Theory, c: Cluster, pins: Mapping[str, Any] | None = None)
     top = "; ".join(f"{n}: {w} {_size(b)}" for n, w, b in largest_pieces(cm, prog, extra, r, j))
     over = [f"{dv.name} {_size(m)}" for dv, m in zip(c.devices, peak) if m > dv.memory_bytes / dv.gpus]
     need = ", ".join(over[:4]) + (f" and {len(over) - 4} more" if len(over) > 4 else "")
-    err = OutOfMemoryError(
+    return OutOfMemoryError(
         f"{head}. The leanest program hapnb tried ({what}; ratios proportional to memory) needs "
         f"{_size(peak[j])} on {d.name}, which has {_size(d.memory_bytes / d.gpus)}: every device would need "
         f"at least {worst:.2f}x its memory"
         + (f" (over: {need})" if need else "")
         + f". What fills {d.name}: {fill}. Largest: {top}. "
-        + _TO_FIT
+        + _TO_FIT,
+        need=f"leanest program needs {_size(peak[j])} on {d.name} of {_size(d.memory_bytes / d.gpus)}, "
+        f"{worst:.2f}x its memory",
     )
-    #: what the leanest program needs, in one line (reports such as hapnb.compare's note show it)
-    err.need = f"leanest program needs {_size(peak[j])} on {d.name} of {_size(d.memory_bytes / d.gpus)}, {worst:.2f}x its memory"
-    return err
 
 
 def _graph_of(

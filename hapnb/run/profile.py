@@ -96,6 +96,7 @@ __all__ = [
     "profile_overlap_slowdown",
     "fit_matmul_curve",
     "measure_step_s",
+    "step_times",
     "profile_cluster",
     "profile_collectives",
     "profile_device_model",
@@ -182,28 +183,39 @@ def measure_saved_bytes(model: Any, inputs: Sequence[Any]) -> int:
     return sum(sizes.values())
 
 
-def measure_step_s(
-    model: Any, inputs: Sequence[Any], steps: int = 10, warmup: int = 2, lr: float = 1e-4
-) -> float:
-    """Median seconds of one ``loss = model(*inputs); loss.backward(); SGD step`` (CUDA synchronised)."""
+def step_times(
+    model: Any, inputs: Sequence[Any], optimizer: Any, steps: int = 10, warmup: int = 2
+) -> tuple[list[float], float]:
+    """Seconds of each of ``steps`` timed training steps (``zero_grad; loss = model(*inputs);
+    loss.backward(); optimizer.step()``, CUDA synchronised) after ``warmup`` untimed ones, and the last
+    step's loss."""
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     dev = next((t.device for t in list(inputs) + params if isinstance(t, torch.Tensor)), torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    times = []
+    times, loss = [], None
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss = model(*inputs)
         loss.backward()
-        opt.step()
+        optimizer.step()
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times, float(loss.detach()) if loss is not None else float("nan")
+
+
+def measure_step_s(
+    model: Any, inputs: Sequence[Any], steps: int = 10, warmup: int = 2, lr: float = 1e-4
+) -> float:
+    """Median seconds of one ``loss = model(*inputs); loss.backward(); SGD step`` (:func:`step_times`)."""
+    import torch
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    return statistics.median(step_times(model, inputs, opt, steps, warmup)[0])
 
 
 @dataclass(frozen=True)
