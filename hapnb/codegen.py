@@ -262,6 +262,25 @@ def _retype(value: Any, dtype: torch.dtype | None) -> Any:
     return map_args(value, lambda v: dtype if isinstance(v, torch.dtype) and v == torch.float32 else v)
 
 
+#: ops whose traced form depends on the strides the tracing device gave (a ``view`` after a
+#: transpose is valid where the kernel before it left the data in that order, and fails where another
+#: device's kernel did not): the program runs them as ``reshape``, a view where one is possible
+_STRIDE_FREE: Mapping[Any, Any] = {
+    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default,
+}
+
+#: a zero-size, non-persistent buffer of every program that makes tensors: its device is where the
+#: program runs (``module.to(device)`` moves it), read by the ops the trace gave a fixed device
+DEVICE_ANCHOR = "_hapnb_device"
+
+
+def _redevice(value: Any, device: Callable[[], Any]) -> Any:
+    """Replace ``torch.device`` constants in an argument tree (a traced ``arange(..., device=cpu)``, a
+    ``.to(cpu)``) by ``device()``, the node of the device the program runs on."""
+    return map_args(value, lambda v: device() if isinstance(v, torch.device) else v)
+
+
 def _zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Set an op's ``dropout_p`` argument (scaled_dot_product_attention and friends) to 0."""
     schema = getattr(fn, "_schema", None)
@@ -466,6 +485,17 @@ def generate(
     def emit(target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
         return fxg.create_node("call_function", target, args, kwargs or {}, name=name)
 
+    device_node: list[fx.Node] = []
+
+    def runtime_device() -> fx.Node:
+        if not device_node:
+            root.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
+            device_node.append(emit(getattr, (fxg.get_attr(DEVICE_ANCHOR), "device"), name="device"))
+        return device_node[0]
+
+    def fixed(value: Any) -> Any:  # an op's traced constants as this program runs them
+        return _redevice(_retype(value, dtype), runtime_device)
+
     def tname(t: str, f: Form) -> str:
         return re.sub(r"\W", "_", f"{t}_{f}")
 
@@ -651,14 +681,15 @@ def generate(
                 f"{type(e).__name__}: {e}"
             ) from e
         cargs, ckw = call.bind(args_nodes)
-        cargs, ckw = _retype(cargs, dtype), _retype(ckw, dtype)
+        cargs, ckw = fixed(cargs), fixed(ckw)
         if not dropout:
             cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
         out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
+        fn = _STRIDE_FREE.get(call.fn, call.fn)
         if zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
-            nd = emit(C.regathered(call.fn), cargs, ckw, out_name)
+            nd = emit(C.regathered(fn), cargs, ckw, out_name)
         else:
-            nd = emit(call.fn, cargs, ckw, out_name)
+            nd = emit(fn, cargs, ckw, out_name)
         if op.output_items:
             for tid, item, f in zip(op.outputs, op.output_items, out_forms):
                 env[(tid, f)] = emit(operator.getitem, (nd, item), name=tname(g.tensors[tid].name, f))
@@ -668,7 +699,7 @@ def generate(
     # ------------------------------------------------------ buffer updates (batch norm's running statistics)
     try:
         notes += emit_buffer_updates(
-            g, lambda fn, a, kw: emit(fn, _retype(a, dtype), _retype(kw, dtype)), env,
+            g, lambda fn, a, kw: emit(fn, fixed(a), fixed(kw)), env,
             lambda name, dim: lengths(name, dim, "buffer update"), records, attr,
         )  # fmt: skip
     except BufferUpdateError as e:
@@ -775,6 +806,17 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
         raise CodegenError(f"the traced program of {graph.name} is not an fx GraphModule")
     changed = False
     drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
+    device_node: list[fx.Node] = []
+
+    def runtime_device() -> fx.Node:  # read from an anchor buffer, as in generate()
+        if not device_node:
+            gm.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
+            first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+            with gm.graph.inserting_before(first):
+                anchor = gm.graph.get_attr(DEVICE_ANCHOR)
+                device_node.append(gm.graph.call_function(getattr, (anchor, "device")))
+        return device_node[0]
+
     for nd in list(gm.graph.nodes):
         if nd.op != "call_function":
             continue
@@ -788,8 +830,12 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
             a, kw = _zero_dropout(nd.target, a, kw)
         if dtype is not None:
             a, kw = _retype(a, dtype), _retype(kw, dtype)
+        a, kw = _redevice(a, runtime_device), _redevice(kw, runtime_device)
         if a != tuple(nd.args) or kw != dict(nd.kwargs):
             nd.args, nd.kwargs = a, kw
+            changed = True
+        if nd.target in _STRIDE_FREE:
+            nd.target = _STRIDE_FREE[nd.target]
             changed = True
     if changed:
         gm.graph.lint()
@@ -803,15 +849,14 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
                 mod, _, leaf = name.rpartition(".")
                 owner = gm.get_submodule(mod) if mod else gm
                 owner._buffers[leaf] = b.to(dtype)
-        for name in dir(gm):  # lifted constants become plain tensor attributes
-            v = getattr(gm, name, None)
-            if (
-                isinstance(v, torch.Tensor)
-                and not isinstance(v, torch.nn.Parameter)
-                and v.is_floating_point()
-            ):
-                if name not in gm._buffers:
-                    setattr(gm, name, v.to(dtype))
+    # lifted constants are plain tensor attributes: make them non-persistent buffers, so that
+    # ``module.to(device)`` moves them and the state dict does not list them
+    for mod in gm.modules():
+        for name, v in [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            delattr(mod, name)
+            mod.register_buffer(name, v, persistent=False)
     return gm
 
 

@@ -237,12 +237,20 @@ class Graph:
 
 
 def fingerprint(tensors: Sequence[TensorRef], ops: Sequence[Op]) -> str:
-    """A stable hash of the graph structure (op targets, wiring, shapes, dtypes)."""
+    """A stable hash of the graph structure (op targets, wiring, shapes, dtypes). The device a model was
+    traced on is not part of it (a traced ``arange(..., device=...)``): a plan made from a model on the
+    CPU runs the same model on a GPU."""
+    import torch
+
+    def nodev(v: Any) -> Any:
+        return "device" if isinstance(v, torch.device) else v
+
     h = hashlib.sha256()
     for t in tensors:
         h.update(json.dumps([t.name, t.shape, t.dtype, t.role]).encode())
     for op in ops:
-        h.update(json.dumps([op.target, op.inputs, op.outputs, repr(op.args), repr(op.kwargs)]).encode())
+        args, kwargs = map_args(op.args, nodev), map_args(op.kwargs, nodev)
+        h.update(json.dumps([op.target, op.inputs, op.outputs, repr(args), repr(kwargs)]).encode())
     return h.hexdigest()[:16]
 
 

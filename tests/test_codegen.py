@@ -10,6 +10,7 @@ import re
 import pytest
 import synthetic
 import torch
+from torch import nn
 
 from hapnb import zoo
 from hapnb.cluster import Cluster
@@ -237,3 +238,55 @@ def test_tied_parameter_is_one_local_parameter() -> None:
     torch.testing.assert_close(rparams["head.weight"].grad, want)
     prog.module(*inputs).backward()
     torch.testing.assert_close(local[emb.local_name].grad, want)
+
+
+class _Positions(nn.Module):
+    """Tensors the trace makes on a fixed device: ``arange(..., device=...)`` and ``.to(device)`` of a
+    plain tensor attribute (a lifted constant on a submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.pos = nn.Embedding(6, 8)
+        self.inner = nn.Module()
+        self.inner.freq = torch.linspace(0.5, 1.5, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = torch.arange(ids.shape[1], device=ids.device)
+        h = self.emb(ids) + self.pos(p) * self.inner.freq.to(ids.device)
+        return (h * h).mean()
+
+
+def test_programs_make_their_tensors_where_they_are_moved() -> None:
+    """A program traced on the CPU and moved with ``.to(device)`` makes its tensors on that device (a
+    traced device argument reads the program's own device), and its constants move with it (checked on
+    the meta device: a tensor left on the CPU fails there as it would on a GPU)."""
+    torch.manual_seed(0)
+    model, ids = _Positions(), torch.randint(0, 16, (4, 6))
+    plan = synthesize(model, "1xV100", example_inputs=(ids,), check_memory=False)
+    prog = generate(plan, plan.graph, 0)
+    assert prog.module(ids).item() == pytest.approx(model(ids).item(), rel=1e-6)
+    assert prog.module.to("meta")(ids.to("meta")).device.type == "meta"
+    ref = reference_module(plan.graph)
+    assert ref(ids).item() == pytest.approx(model(ids).item(), rel=1e-6)
+    assert ref.to("meta")(ids.to("meta")).device.type == "meta"
+    assert sorted(ref.state_dict()) == ["model.emb.weight", "model.pos.weight"]  # no lifted constants
+
+
+def test_the_graph_fingerprint_ignores_the_tracing_device() -> None:
+    """A plan made from a model on the CPU fits the same model traced on a GPU."""
+    from hapnb.graph import fingerprint
+
+    model, ids = _Positions(), torch.randint(0, 16, (4, 6))
+    g = synthesize(model, "1xV100", example_inputs=(ids,), check_memory=False).graph
+    moved = [
+        dataclasses.replace(
+            op,
+            kwargs=tuple(
+                (k, torch.device("cuda", 0) if isinstance(v, torch.device) else v) for k, v in op.kwargs
+            ),
+        )
+        for op in g.ops
+    ]
+    assert any(dict(op.kwargs).get("device") is not None for op in g.ops)
+    assert fingerprint(g.tensors, moved) == g.fingerprint

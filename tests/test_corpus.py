@@ -140,3 +140,17 @@ def test_unshardable_batch_ops_names_an_op_without_a_rule(monkeypatch: pytest.Mo
 
     g = hap.trace(Bessel(), (torch.randn(8, 4),))
     assert corpus.unshardable_batch_ops(g) == [("i0", "aten.i0.default")]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_programs_traced_on_the_cpu_run_on_another_device(name: str) -> None:
+    """A one-device plan's program and the single-device program traced on the CPU run on a device whose kernels lay
+    their results out otherwise (the meta device, as a GPU: SDPA's output strides differ, so a traced
+    ``view`` after its transpose fails there) and make every tensor there (traced device arguments)."""
+    from hapnb.codegen import generate, reference_module
+
+    _, inputs = corpus.CORPUS[name](size="tiny")
+    plan = hap.synthesize(f"examples.corpus:{name}", "1xV100", size="tiny", check_memory=False)
+    meta = tuple(x.to("meta") for x in inputs)
+    assert generate(plan, plan.graph, 0).module.to("meta")(*meta).device.type == "meta"
+    assert reference_module(plan.graph).to("meta")(*meta).device.type == "meta"
