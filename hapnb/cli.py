@@ -92,13 +92,22 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="duplex plans: run the two micro-batches one after the other instead of interleaved",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where each rank's tensors live: auto = nccl on the rank's GPU, gloo on the CPU; cuda with "
+        "gloo runs several ranks on one machine's GPUs (rank r on GPU r mod count)",
+    )
 
 
 def _runtime_argv(ns: argparse.Namespace) -> list[str]:
     """The worker arguments of :func:`_runtime_args`' flags (only those not at their defaults)."""
     from .run.worker import runtime_argv
 
-    return runtime_argv(ns.grad_sync, ns.bucket_cap_bytes, ns.first_bucket_cap_bytes, not ns.no_interleave)
+    return runtime_argv(
+        ns.grad_sync, ns.bucket_cap_bytes, ns.first_bucket_cap_bytes, not ns.no_interleave, ns.device
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -560,6 +569,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             bucket_cap=ns.bucket_cap_bytes,
             first_bucket_cap=ns.first_bucket_cap_bytes,
             interleave=not ns.no_interleave,
+            device=ns.device,
         )
     except (VerifyError, BundleError, CodegenError, PipelineError) as e:
         print(f"hapnb verify: {e}", file=sys.stderr)

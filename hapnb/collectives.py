@@ -200,6 +200,12 @@ def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return out
 
 
+def _copies_back(x: torch.Tensor, ctx: _Ctx) -> bool:
+    """Whether the backend writes a broadcast's result into the root's own buffer as a tensor copy
+    (gloo stages CUDA tensors through the host and copies back on every rank, the root included)."""
+    return x.is_cuda and "gloo" in ctx.backend
+
+
 def _start_all_gather(
     x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, ctx: _Ctx, async_op: bool
 ) -> tuple[list[Any], _Finish]:
@@ -222,8 +228,14 @@ def _start_all_gather(
     bufs = []
     works = []
     for i, n in enumerate(lengths):
-        if i == ctx.rank:  # the root's buffer is only read; clone when async so x may change meanwhile
-            b = x.clone(memory_format=torch.contiguous_format) if async_op else x.contiguous()
+        if i == ctx.rank:  # the root's buffer is only read; clone when async so x may change meanwhile,
+            # and with gloo on CUDA tensors, whose broadcast copies the result back into the root's
+            # buffer too (an in-place write autograd would see on a tensor saved for the backward)
+            b = (
+                x.clone(memory_format=torch.contiguous_format)
+                if async_op or _copies_back(x, ctx)
+                else x.contiguous()
+            )
         else:
             b = x.new_empty(_sized(x, dim, n))
         bufs.append(b)

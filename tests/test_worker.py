@@ -81,3 +81,22 @@ def test_worker_cli_overlap_options() -> None:
     assert (a.grad_sync, a.bucket_cap_bytes, a.no_interleave) == ("sync", 4096, True)
     with pytest.raises(SystemExit):
         main(["b", "--grad-sync", "later"])
+
+
+def test_rank_device_choices_and_errors() -> None:
+    """Where a rank's tensors live: the backend's own device by default, the CPU for gloo on request,
+    and a clear error for nccl on the CPU, CUDA without a GPU or an unknown device."""
+    import torch
+
+    from hapnb.run.worker import rank_device, runtime_argv
+
+    assert rank_device("gloo", "auto", 0) == torch.device("cpu")
+    assert rank_device("gloo", "cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="nccl runs on CUDA tensors only"):
+        rank_device("nccl", "cpu", 0)
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+        rank_device("gloo", "tpu", 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="rank 1: device cuda, but torch sees no CUDA device"):
+            rank_device("gloo", "cuda", 1)
+    assert runtime_argv() == [] and runtime_argv(device="cuda")[-2:] == ["--device", "cuda"]

@@ -350,6 +350,7 @@ def verify(
     bucket_cap: int | None = None,
     first_bucket_cap: int | None = None,
     interleave: bool = True,
+    device: str = "auto",
 ) -> VerifyReport:
     """Run ``plan`` on ``nproc`` local ranks and compare with the single-device program.
 
@@ -364,8 +365,9 @@ def verify(
     event (see :data:`ProgressFn`). Raises :class:`VerifyError` when a rank crashes (with its traceback),
     the ranks are stuck, or slow past ``timeout``; every rank process is gone by then. ``keep``: a folder
     to keep the bundle and the rank logs in (default: a temporary folder, removed). ``worker``: how to
-    start a rank (``python *worker BUNDLE ...``). ``grad_sync``, ``bucket_cap``, ``first_bucket_cap``
-    and ``interleave`` go to the workers (:func:`hapnb.run.worker.run_worker`): replicated gradients are
+    start a rank (``python *worker BUNDLE ...``). ``grad_sync``, ``bucket_cap``, ``first_bucket_cap``,
+    ``interleave`` and ``device`` (where the ranks' tensors live, :data:`hapnb.run.worker.DEVICES`:
+    ``"cuda"`` with gloo runs every rank on this machine's GPUs) go to the workers (:func:`hapnb.run.worker.run_worker`): replicated gradients are
     all-reduced in async buckets by default (``"sync"``: inside autograd), and the gradients are read
     after the buckets are waited for. A duplex plan (``plan.duplex``) runs as two micro-batches per rank.
     ``optimizer``: ``"sgd"`` (default) or ``"adam"``.
@@ -378,9 +380,15 @@ def verify(
     rtol = (1e-7 if dtype == "float64" else 1e-3) if rtol is None else rtol
     atol = (1e-9 if dtype == "float64" else 1e-5) if atol is None else atol
     if isinstance(plan, PipelinePlan):
-        if (grad_sync, bucket_cap, first_bucket_cap, interleave) != ("buckets", None, None, True):
+        if (grad_sync, bucket_cap, first_bucket_cap, interleave, device) != (
+            "buckets",
+            None,
+            None,
+            True,
+            "auto",
+        ):
             raise ValueError(
-                "grad_sync, bucket caps and interleave apply to SPMD plans, not to pipeline plans"
+                "grad_sync, bucket caps, interleave and device apply to SPMD plans, not to pipeline plans"
             )
         if model is not None or example_inputs is not None or tuple(worker) != WORKER_ARGV:
             raise ValueError(
@@ -407,6 +415,8 @@ def verify(
         raise ValueError(f"plan {plan.name} is for {what}; verify it with nproc={n}, not {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < n:
         raise ValueError(f"backend nccl needs {n} CUDA devices, this machine has {torch.cuda.device_count()}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda, but torch sees no CUDA device here; verify on the CPU (device='auto')")
     work = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="hapnb-verify-"))
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
@@ -432,7 +442,7 @@ def verify(
             "--verify-out", str(out),
             "--timeout", f"{backstop:g}",
         ]  # fmt: skip
-        args += runtime_argv(grad_sync, bucket_cap, first_bucket_cap, interleave)
+        args += runtime_argv(grad_sync, bucket_cap, first_bucket_cap, interleave, device)
         if dtype:
             args += ["--dtype", dtype]
         if lr is not None:

@@ -12,7 +12,7 @@ name is replaced by the rank — or written to the inherited file descriptor ``-
     {"rank": 0, "step": 0, "loss": 1.15, "global_loss": 2.30, "step_s": 0.012, "max_memory_bytes": 123456}
 
 ``loss`` is the rank's partial loss (R form), ``global_loss`` (rank 0 only, ``null`` elsewhere) the
-sum over ranks, i.e. the single-device loss; ``max_memory_bytes`` the peak CUDA memory (NCCL) or the
+sum over ranks, i.e. the single-device loss; ``max_memory_bytes`` the peak CUDA memory (a GPU rank) or the
 process's peak resident memory (CPU). Every step trains on the bundle's example batch.
 
 Progress: the command line also prints a *phase* heartbeat on stdout whenever the rank starts a phase
@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
-    "WORKER_ARGV", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
+    "WORKER_ARGV", "DEVICES", "rank_device", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
     "rank_options", "init_group",
 ]  # fmt: skip
 
@@ -74,18 +74,47 @@ def runtime_argv(
     bucket_cap: int | None = None,
     first_bucket_cap: int | None = None,
     interleave: bool = True,
+    device: str = "auto",
 ) -> list[str]:
-    """The worker arguments for how ranks sync gradients and run duplex plans (only non-defaults).
+    """The worker arguments for how ranks sync gradients, run duplex plans and where their tensors live
+    (only non-defaults).
 
-    >>> runtime_argv("sync", 4096, interleave=False)
-    ['--grad-sync', 'sync', '--bucket-cap-bytes', '4096', '--no-interleave']
+    >>> runtime_argv("sync", 4096, interleave=False, device="cuda")
+    ['--grad-sync', 'sync', '--bucket-cap-bytes', '4096', '--no-interleave', '--device', 'cuda']
     """
     out = [] if grad_sync == "buckets" else ["--grad-sync", grad_sync]
     if bucket_cap is not None:
         out += ["--bucket-cap-bytes", str(int(bucket_cap))]
     if first_bucket_cap is not None:
         out += ["--first-bucket-cap-bytes", str(int(first_bucket_cap))]
-    return out + ([] if interleave else ["--no-interleave"])
+    out += [] if interleave else ["--no-interleave"]
+    return out + ([] if device == "auto" else ["--device", device])
+
+
+#: where a rank's tensors live: ``auto`` is the backend's own (nccl: the rank's GPU, gloo: the CPU);
+#: ``cuda`` with gloo runs several ranks on the GPUs of one machine (rank r on GPU r mod count)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def rank_device(backend: str, device: str, rank: int) -> Any:
+    """The torch device of ``rank`` (see :data:`DEVICES`), made current when it is a GPU; a clear error
+    for a combination that cannot run (nccl on the CPU, CUDA where torch sees no GPU)."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend nccl runs on CUDA tensors only; use --backend gloo for CPU ranks")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"rank {rank}: device cuda, but torch sees no CUDA device; use --device cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def make_optimizer(name: str, params: Sequence[Any], lr: float | None = None) -> Any:
@@ -173,6 +202,7 @@ def run_worker(
     bucket_cap: int | None = None,
     first_bucket_cap: int | None = None,
     interleave: bool = True,
+    device: str = "auto",
 ) -> list[dict[str, Any]]:
     """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc).
 
@@ -180,7 +210,8 @@ def run_worker(
     asynchronously by gradient hooks during the backward (:mod:`hapnb.run.buckets`; caps in bytes,
     default 25 MiB and 1 MiB for the first) and waits before the gradients are read or the optimizer
     steps; ``"sync"`` all-reduces each inside autograd. A duplex plan runs as two micro-batches
-    (:mod:`hapnb.run.duplex`; ``interleave=False`` runs them one after the other)."""
+    (:mod:`hapnb.run.duplex`; ``interleave=False`` runs them one after the other). ``device``: see
+    :data:`DEVICES`."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     t_start = time.perf_counter()
 
@@ -214,12 +245,7 @@ def run_worker(
     created = init_group(backend, rank, world_size, timeout_s)
     sink = _Sink(metrics_out, rank)
     try:
-        if backend == "nccl":
-            local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
+        device = rank_device(backend, device, rank)
         tdtype = getattr(torch, dtype) if dtype else None
         if tdtype is not None:
             torch.set_default_dtype(tdtype)
@@ -392,6 +418,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-interleave", action="store_true", help="duplex plans: run the two micro-batches one by one"
     )
+    ap.add_argument(
+        "--device", default="auto", choices=DEVICES, help="auto: nccl on the rank's GPU, gloo on the CPU"
+    )
     return ap
 
 
@@ -433,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bucket_cap=args.bucket_cap_bytes,
             first_bucket_cap=args.first_bucket_cap_bytes,
             interleave=not args.no_interleave,
+            device=args.device,
         ),
     )
 
