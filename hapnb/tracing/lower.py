@@ -39,9 +39,10 @@ from typing import Any
 __all__ = ["Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "HAPNB_DECOMPOSITIONS"]
 
 
-def _batch_norm_stats(x: Any) -> tuple[Any, Any, int]:
-    """Mean and biased variance of ``x`` per channel (dim 1), kept as ``[1, C, 1, ...]``, as sums over
-    every other dim divided by the count (two passes: the mean, then the centred squares)."""
+def _batch_norm_stats(x: Any) -> tuple[Any, Any, Any, int]:
+    """Mean, ``x - mean`` and biased variance of ``x`` per channel (dim 1), the statistics kept as
+    ``[1, C, 1, ...]``, as sums over every other dim divided by the count (two passes: the mean, then the
+    centred squares)."""
     import torch
 
     dims = [0] + list(range(2, x.dim()))
@@ -49,18 +50,20 @@ def _batch_norm_stats(x: Any) -> tuple[Any, Any, int]:
     mean = torch.sum(x, dims, keepdim=True) / count
     centred = x - mean
     var = torch.sum(centred * centred, dims, keepdim=True) / count
-    return mean, var, count
+    return mean, centred, var, count
 
 
-def _normalize(x: Any, mean: Any, var: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:
-    """``((x - mean) * rsqrt(var + eps)) * weight + bias`` per channel (dim 1), and the ``rstd``."""
+def _normalize(centred: Any, var: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:
+    """``(x - mean) * (rsqrt(var + eps) * weight) + bias`` per channel (dim 1), and the ``rstd``.
+
+    The per-channel scale is formed first, so the one full-size tensor autograd keeps is ``centred``
+    (which the variance keeps too): as much as the fused kernel keeps (its input), where normalizing
+    and then scaling would keep two more."""
     import torch
 
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    shape = [1, centred.shape[1]] + [1] * (centred.dim() - 2)
     rstd = torch.rsqrt(var + eps)
-    y = (x - mean) * rstd
-    if weight is not None:
-        y = y * weight.reshape(shape)
+    y = centred * (rstd if weight is None else rstd * weight.reshape(shape))
     if bias is not None:
         y = y + bias.reshape(shape)
     return y, rstd
@@ -76,13 +79,14 @@ def _batch_norm_functional(
     unbiased, ``momentum`` as torch uses it)."""
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     if training:
-        mean, var, count = _batch_norm_stats(x)
+        mean, centred, var, count = _batch_norm_stats(x)
         new_mean = running_mean * (1 - momentum) + mean.reshape(-1) * momentum
         new_var = running_var * (1 - momentum) + var.reshape(-1) * (count / max(count - 1, 1)) * momentum
     else:
         mean, var = running_mean.reshape(shape), running_var.reshape(shape)
+        centred = x - mean
         new_mean, new_var = running_mean, running_var
-    y, rstd = _normalize(x, mean, var, weight, bias, eps)
+    y, rstd = _normalize(centred, var, weight, bias, eps)
     return y, mean.reshape(-1), rstd.reshape(-1), new_mean, new_var
 
 
@@ -90,8 +94,8 @@ def _batch_norm_no_stats(
     x: Any, weight: Any, bias: Any, training: bool, momentum: float, eps: float
 ) -> tuple[Any, Any, Any]:
     """``aten._native_batch_norm_legit`` without running statistics: always the batch's statistics."""
-    mean, var, _ = _batch_norm_stats(x)
-    y, rstd = _normalize(x, mean, var, weight, bias, eps)
+    mean, centred, var, _ = _batch_norm_stats(x)
+    y, rstd = _normalize(centred, var, weight, bias, eps)
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
