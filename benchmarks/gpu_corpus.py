@@ -10,6 +10,7 @@ H100 device model was fitted), a step is forward + backward + ``torch.optim.Adam
 
     python benchmarks/gpu_corpus.py --out gpu.jsonl llama vit resnet50        # on the GPU machine
     python benchmarks/gpu_corpus.py --predict gpu.jsonl --md docs/fidelity.md  # here: predictions
+    python benchmarks/gpu_corpus.py --saved --out saved.jsonl llama            # saved bytes per SDPA kernel
 """
 
 from __future__ import annotations
@@ -57,6 +58,36 @@ def measure(name: str, size: str, batch: int | None, steps: int, warmup: int, de
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         "torch": torch.__version__,
     }
+
+
+def saved(name: str, size: str, device: str) -> dict[str, Any]:
+    """Bytes autograd keeps for one forward on ``device`` (fp32) against hapnb's prediction
+    (:func:`hapnb.memory.saved_bytes` of the traced model), and which fused attention kernels the model's
+    attention may use there (a kernel that refuses the call leaves the math kernel, which keeps the
+    attention probabilities)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from examples import corpus
+    from hapnb.memory import saved_bytes
+    from hapnb.run.profile import measure_saved_bytes
+    from hapnb.tracing import trace
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, inputs = corpus.CORPUS[name](size=size)
+    predicted = saved_bytes(trace(model, inputs))
+    model = model.to(device).train()
+    inputs = tuple(x.to(device) for x in inputs)
+    row: dict[str, Any] = {"model": name, "size": size, "predicted_saved_bytes": predicted}
+    row["measured_saved_bytes"] = measure_saved_bytes(model, inputs)
+    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        try:
+            with sdpa_kernel([getattr(SDPBackend, backend)]):
+                row[f"saved_bytes_{backend.lower()}"] = measure_saved_bytes(model, inputs)
+        except RuntimeError as e:
+            row[f"saved_bytes_{backend.lower()}"] = f"refused: {str(e).splitlines()[0][:160]}"
+        torch.cuda.empty_cache()
+    return row
 
 
 def predict(rows: list[dict[str, Any]], cluster: str = "1xH100") -> list[dict[str, Any]]:
@@ -114,6 +145,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append one JSON line per measured model here")
     ap.add_argument("--predict", default=None, help="a JSON-lines file of measurements: add predictions")
     ap.add_argument("--json", default=None, help="with --predict: write measured + predicted rows here")
+    ap.add_argument("--saved", action="store_true", help="saved activation bytes per attention kernel")
     ns = ap.parse_args()
     if ns.predict:
         rows = [json.loads(line) for line in Path(ns.predict).read_text().splitlines() if line.strip()]
@@ -124,7 +156,10 @@ def main() -> None:
         return
     for name in ns.models:
         try:
-            row = measure(name, ns.size, ns.batch, ns.steps, ns.warmup, ns.device)
+            if ns.saved:
+                row = saved(name, ns.size, ns.device)
+            else:
+                row = measure(name, ns.size, ns.batch, ns.steps, ns.warmup, ns.device)
         except Exception as e:  # noqa: BLE001 - one model's failure (e.g. out of memory) must not stop the rest
             row = {"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
