@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import hapnb
-from hapnb.optimize import Memo
+from hapnb.synth.optimize import Memo
 from hapnb.tuning import faster
 
 

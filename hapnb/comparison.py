@@ -18,7 +18,7 @@ strategy      what it is, and how its row is computed
               expert dim with even ratios, the expert count padded to a multiple of the devices (every
               device holds ``ceil(E/n)`` expert slots), everything else data parallel (even ratios)
 ``fsdp``      fully sharded data parallel as PyTorch FSDP (FULL_SHARD) / ZeRO-3 runs it: the ``dp_ev`` pins
-              with every parameter stored sharded (:func:`hapnb.optimize.fsdp_pins`), all-gathered before
+              with every parameter stored sharded (:func:`hapnb.synth.optimize.fsdp_pins`), all-gathered before
               each use in the forward and again in the backward, its gradient reduce-scattered; even ratios
 ``pipeline``  a heterogeneous pipeline (Ditto: node folding + DP recovery, 1F1B, :func:`hapnb.pipeline`)
 ============  ==============================================================================================
@@ -65,9 +65,9 @@ from typing import Any
 from .cluster import Cluster
 from .forms import G
 from .graph import Graph
-from .optimize import baseline_specs, fsdp_pins
 from .plan import Plan, freeze_mapping
-from .search import NoProgramError
+from .synth.optimize import baseline_specs, fsdp_pins
+from .synth.search import NoProgramError
 from .synthesis import OutOfMemoryError, baselines, fixed_plan, synthesize
 from .tracing import resolve_model
 from .triples import Theory, dim_class, theory
@@ -357,7 +357,7 @@ class _Inputs:
 
 
 def _dp_ev(th: Theory, c: Cluster) -> tuple[dict[str, Any], Any, dict[str, bool]]:
-    """The pins, ratios and search options of the ``dp_ev`` baseline (:func:`hapnb.optimize.baseline_specs`),
+    """The pins, ratios and search options of the ``dp_ev`` baseline (:func:`hapnb.synth.optimize.baseline_specs`),
     which ``ep`` and ``fsdp`` start from."""
     _, pins, ratios, opts = next(s for s in baseline_specs(th, c, {}) if s[0] == "dp_ev")
     return pins, ratios, opts

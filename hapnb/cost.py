@@ -197,7 +197,7 @@ class Load:
     reduce-scattered back to the shard. ZeRO-2 (FSDP's SHARD_GRAD_OP) keeps the gathered copy until the
     backward has used it; ZeRO-3 (FSDP's FULL_SHARD) frees it after the forward use and all-gathers it
     again in the backward. ``zero=-1`` is the search's "replicated use, storage decided at the end"
-    (:mod:`hapnb.memsearch`); a finished program has none."""
+    (:mod:`hapnb.synth.memory_prune`); a finished program has none."""
 
     tensor: int
     form: Form
@@ -233,7 +233,7 @@ class Step:
     conversions: tuple[Conversion, ...] = ()
 
     def __hash__(self) -> int:
-        # computed once per step: programs (tuples of hundreds of steps) key the memos of hapnb.optimize
+        # computed once per step: programs (tuples of hundreds of steps) key the memos of hapnb.synth.optimize
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.op, self.strategy, self.loads, self.conversions))

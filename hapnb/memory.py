@@ -3,7 +3,7 @@
 One set of rules, the *pieces* of a step (:func:`step_pieces`), serves three users: the exact breakdown at
 integer shard lengths (:func:`memory_breakdown`, behind :meth:`hapnb.cost.CostModel.memory_breakdown` and
 every report), the same model as a linear function of the ratios for the ratio LP (:func:`memory_linear`),
-and the search's per-step increments (:mod:`hapnb.memsearch`). A piece is one tensor's contribution:
+and the search's per-step increments (:mod:`hapnb.synth.memory_prune`). A piece is one tensor's contribution:
 
 =============  ===========================================================================================
 ``param``      a parameter in its *stored* form: the parameter, its gradient and Adam's two states (x4)
@@ -636,7 +636,7 @@ def lean_linear(cm: Any, pins: Mapping[int, Any]) -> MemoryLinear:
     """A lean estimate of the least memory a program can need, as a :class:`MemoryLinear`: every parameter
     and input in a sharded form where it can take one (its pin's form if pinned; a ZeRO pin's shard), every
     op under the strategy whose saved activations and outputs have the least replicated bytes (then the
-    least sharded). For picking ratios that leave room (:func:`hapnb.optimize.optimize`), not a bound."""
+    least sharded). For picking ratios that leave room (:func:`hapnb.synth.optimize.optimize`), not a bound."""
     g, th = cm.graph, cm.theory
     st = storage(g)
     seen: set[tuple[int, str, float]] = set()

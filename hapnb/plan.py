@@ -27,7 +27,7 @@ from typing import Any
 from .cluster import Cluster
 from .cost import Conversion, CostModel, Step
 from .forms import Form, parse_form
-from .optimize import Round
+from .synth.optimize import Round
 from .triples import Theory, coverage
 
 #: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)

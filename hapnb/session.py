@@ -35,8 +35,8 @@ from . import display
 from .cluster import Cluster, Collective, Device
 from .forms import Form, Storage, parse_pin
 from .plan import Plan, freeze_mapping, make_plan
-from .search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
-from .searchspec import pin_choices
+from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
+from .synth.spec import pin_choices
 from .synthesis import context_of, replan, synthesize
 from .triples import Theory, theory
 from .tuning import WhatIf, WhyNot, rebuild_graph, what_if
@@ -51,7 +51,7 @@ AUTO = "auto"
 
 
 class UnknownPinError(PinError, KeyError):
-    """A pin names no tensor of the program (a :class:`~hapnb.search.PinError` and a ``KeyError``)."""
+    """A pin names no tensor of the program (a :class:`~hapnb.synth.search.PinError` and a ``KeyError``)."""
 
     __str__ = BaseException.__str__  # the message, not KeyError's quoted repr
 
@@ -497,7 +497,7 @@ class Session:
 
     def pinnable(self) -> dict[str, tuple[str, ...]]:
         """Parameters and inputs that can take more than one form, with their pins: the forms, then for a
-        parameter its sharded storages (``zero3(d)``, ``zero2(d)``: :func:`hapnb.searchspec.pin_choices`)."""
+        parameter its sharded storages (``zero3(d)``, ``zero2(d)``: :func:`hapnb.synth.spec.pin_choices`)."""
         g, th = self.graph, self.theory
         return {
             t.name: tuple(str(f) for f in pin_choices(th, t.id))
@@ -534,7 +534,7 @@ class Session:
         """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, a parameter storage such as
         ``"zero3(0)"`` / ``hapnb.FullShard(0)``, ...); ``None``/``"auto"`` unpins. Returns the stored
         value. Takes effect at the next :meth:`resynthesize` (the search cursor restarts then). Raises
-        :class:`UnknownPinError` (a KeyError) for an unknown tensor and :class:`~hapnb.search.PinError` (a
+        :class:`UnknownPinError` (a KeyError) for an unknown tensor and :class:`~hapnb.synth.search.PinError` (a
         ValueError) for a form the tensor cannot take."""
         pin = self._checked_pin(name, form)
         if pin:

@@ -1,12 +1,12 @@
 """Synthesis: the public entry points that turn a model and a cluster into :class:`~hapnb.plan.Plan` values.
 
 :func:`synthesize` resolves the model (a Graph, a Theory, an nn.Module with example inputs, a zoo name or
-``package.module:factory``), runs the Q/B loop of :mod:`hapnb.optimize`, packages the best program with
+``package.module:factory``), runs the Q/B loop of :mod:`hapnb.synth.optimize`, packages the best program with
 its ratios as a Plan and checks that it fits in memory. :func:`baselines` packages the data-parallel and
 tensor-parallel programs under the same cost model, for comparison.
 
 Every plan :func:`synthesize` returns carries its :class:`SynthesisContext` (``plan.context``: the theory,
-the model spec, synthesize's arguments and a :class:`~hapnb.optimize.Memo` of searches, LPs and
+the model spec, synthesize's arguments and a :class:`~hapnb.synth.optimize.Memo` of searches, LPs and
 simulated times), shared by every plan :func:`replan` (``plan.replan(...)``) makes from it: a re-plan with
 other pins, ratio pins or cluster runs synthesize's own steps on the merged inputs and takes every
 search, LP and simulation whose inputs did not change from the memo, so it returns exactly the plan a
@@ -28,13 +28,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import plan as plan_module
-from .balance import solver_name
 from .cluster import Cluster
 from .cost import CostModel
-from .duplex import duplex_cost
 from .graph import Graph
 from .memory import largest_pieces
-from .optimize import (
+from .plan import Plan, freeze_mapping, make_plan
+from .simulation import iteration_lower_bound, iteration_time
+from .synth.balance import solver_name
+from .synth.duplex import duplex_cost
+from .synth.optimize import (
     Candidate,
     Memo,
     assign_segments,
@@ -46,9 +48,7 @@ from .optimize import (
     proven_gap,
     without_gc,
 )
-from .plan import Plan, freeze_mapping, make_plan
-from .search import NoProgramError, Search
-from .simulation import iteration_lower_bound, iteration_time
+from .synth.search import NoProgramError, Search
 from .tracing import resolve_model
 from .triples import Theory, coverage, theory
 from .tuning import rebuild_graph, sensitivity, why_not
@@ -107,11 +107,11 @@ def synthesize(
     ``ratios``: a mapping of ratio pins (``{"v100-0": 0.3, "p100-1": (0.05, 0.2)}``), or a list of
     per-device ratios (one list, or one per segment) to use as they are (no LP).
     ``duplex``: HiDup's duplex schedule (two micro-batches, one computing while the other communicates,
-    :mod:`hapnb.duplex`): search and LP minimise the duplex time; the plan has ``duplex=True``,
+    :mod:`hapnb.synth.duplex`): search and LP minimise the duplex time; the plan has ``duplex=True``,
     ``cost_s`` = its duplex time and ``stats["duplex"]`` True (its stages are the plain cost model's).
 
     ``check_memory`` (default True): the plan fits every device's memory. The Q/B loop keeps to memory
-    where it binds (:func:`hapnb.optimize.optimize` ``memory``: memory-aware search with ZeRO-2/3 storage,
+    where it binds (:func:`hapnb.synth.optimize.optimize` ``memory``: memory-aware search with ZeRO-2/3 storage,
     memory caps in the LP); plans that fit without it are unchanged; when nothing fits,
     :class:`OutOfMemoryError` says what the leanest program needs. ``False``: memory is ignored.
 
@@ -150,7 +150,7 @@ class SynthesisContext:
     (synthesize's keyword arguments: ``ratios`` (ratio pins or fixed ratios), ``options``,
     ``max_iterations``, ``max_expansions``, ``max_seconds``, ``seed_baselines``, ``check_memory``,
     ``progress``, ``duplex``, ``pick``, ``segments``) and ``memo``, the searches, LPs and simulated times
-    computed so far (:class:`~hapnb.optimize.Memo`; also what :mod:`hapnb.tuning` reuses)."""
+    computed so far (:class:`~hapnb.synth.optimize.Memo`; also what :mod:`hapnb.tuning` reuses)."""
 
     def __init__(
         self,
@@ -546,7 +546,7 @@ def fixed_plan(
     """The plan of one A* search at fixed ``ratios`` (one row per segment; no LP) with form ``pins`` and
     search ``options``, with its simulated time: how :func:`baselines` (and the strategies of
     :func:`hapnb.compare`) package a fixed strategy. ``name`` is recorded as ``options["baseline"]``.
-    Raises :class:`~hapnb.search.NoProgramError` (or ValueError for bad pins) when no program exists."""
+    Raises :class:`~hapnb.synth.search.NoProgramError` (or ValueError for bad pins) when no program exists."""
     t0 = time.perf_counter()
     opts = dict(options or {})
     s = Search(th, c, ratios=ratios, pins=pins, options=opts)

@@ -6,9 +6,9 @@
 * :func:`sensitivity` (``plan.sensitivity()``): the ratio LP of the plan's program, solved with its dual
   values: the devices whose computation is tight in each stage, and what a faster device (+10 % flop/s),
   a faster collective kind (+10 % bandwidth) or a faster intra-machine link would save, to first order
-  (:func:`hapnb.balance.lp_changes`: the LP's dual that is right for each change, the LP being degenerate).
+  (:func:`hapnb.synth.balance.lp_changes`: the LP's dual that is right for each change, the LP being degenerate).
   A plan whose ratios the memory caps moved (the plain LP's optimum overflows a device) is read from the
-  memory-capped LP (:func:`hapnb.balance.memory_lp`): the devices whose memory binds, and what ``factor``
+  memory-capped LP (:func:`hapnb.synth.balance.memory_lp`): the devices whose memory binds, and what ``factor``
   times their memory would save, are its ``memory``.
   A plan whose ratios are not the LP's optimum (fixed ratios, a baseline program at its own ratios, a
   duplex plan's even micro-batches) is priced at its own ratios instead (``basis="fixed ratios"``).
@@ -37,7 +37,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .balance import (
+from .cluster import Cluster, Collective
+from .cost import Conversion, CostModel, Load, Step
+from .forms import Form, Storage, parse_form, parse_pin
+from .graph import Graph
+from .memory import overflow
+from .plan import Plan, tuning_function
+from .synth.balance import (
     MemoryCapError,
     device_classes,
     lp_changes,
@@ -47,15 +53,9 @@ from .balance import (
     row_role,
     solve_lp,
 )
-from .cluster import Cluster, Collective
-from .cost import Conversion, CostModel, Load, Step
-from .duplex import duplex_cost
-from .forms import Form, Storage, parse_form, parse_pin
-from .graph import Graph
-from .memory import overflow
-from .optimize import without_gc
-from .plan import Plan, tuning_function
-from .search import NoProgramError, PinError, Search
+from .synth.duplex import duplex_cost
+from .synth.optimize import without_gc
+from .synth.search import NoProgramError, PinError, Search
 from .triples import Theory
 
 __all__ = [
@@ -258,7 +258,7 @@ class LinkBound:
 @dataclass(frozen=True)
 class MemoryBound:
     """A device whose memory caps its ratio in a :class:`Sensitivity` (the plan's ratios come from the
-    memory-capped LP, :func:`hapnb.balance.memory_lp`, and more memory on the device would save time):
+    memory-capped LP, :func:`hapnb.synth.balance.memory_lp`, and more memory on the device would save time):
     ``phase``, the peak that binds (``"backward"`` or ``"optimizer step"``); ``capacity_bytes``;
     ``saving_s``, what ``factor`` x its memory would save (first order)."""
 
@@ -407,7 +407,7 @@ def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
 
 def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
     """Device -> the first device the LP cannot tell it from: of one class of
-    :func:`hapnb.balance.device_classes` (the same flop/s, device model, GPUs and memory) and with the same
+    :func:`hapnb.synth.balance.device_classes` (the same flop/s, device model, GPUs and memory) and with the same
     ratio pin (the LP is then symmetric in the two, so a change to either saves the same), unless the
     program re-cuts tensors between ratio segments (a reshard's cost depends on the devices' order)."""
     names = plan.cluster.names

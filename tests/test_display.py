@@ -18,7 +18,7 @@ import synthetic  # noqa: E402
 from hapnb import display as D  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
-from hapnb.search import Search  # noqa: E402
+from hapnb.synth.search import Search  # noqa: E402
 from hapnb.synthesis import synthesize  # noqa: E402
 from hapnb.triples import theory  # noqa: E402
 

@@ -37,7 +37,7 @@ def test_the_library_has_runnable_examples() -> None:
         "hapnb.synthesis",
         "hapnb.cluster",
         "hapnb.forms",
-        "hapnb.balance",
+        "hapnb.synth.balance",
     ):
         tests = doctest.DocTestFinder().find(importlib.import_module(name), name)
         attempted += sum(len([e for e in t.examples if not e.options.get(doctest.SKIP)]) for t in tests)

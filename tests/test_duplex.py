@@ -9,12 +9,12 @@ from test_search import all_programs, brute_force
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.balance import balance
 from hapnb.cluster import Cluster, Collective
 from hapnb.cost import Conversion, CostModel, Load, Step
-from hapnb.duplex import duplex_cost, duplex_evaluate, feature_terms, next_psi, psi_phi
 from hapnb.forms import G, I
-from hapnb.search import Search
+from hapnb.synth.balance import balance
+from hapnb.synth.duplex import duplex_cost, duplex_evaluate, feature_terms, next_psi, psi_phi
+from hapnb.synth.search import Search
 from hapnb.triples import theory
 
 
@@ -288,7 +288,7 @@ def test_dominance_and_priority_hold_for_random_completions():
     exceeds the completed time when its bounds are the true remaining computation and communication."""
     import random
 
-    from hapnb.duplex import dominates, priority
+    from hapnb.synth.duplex import dominates, priority
 
     rnd = random.Random(7)
     n = 3

@@ -18,13 +18,13 @@ from test_search import all_programs
 import hapnb as hap
 from hapnb import collectives as C
 from hapnb import zoo
-from hapnb.balance import MemoryCapError, balance, balance_in_memory
 from hapnb.cluster import Cluster
 from hapnb.cost import CostModel, Load
 from hapnb.forms import FullShard, I, ShardGradOp, Storage, parse_pin
 from hapnb.memory import memory_linear, overflow, peak_raw
 from hapnb.plan import Plan
-from hapnb.search import NoProgramError, Search
+from hapnb.synth.balance import MemoryCapError, balance, balance_in_memory
+from hapnb.synth.search import NoProgramError, Search
 from hapnb.synthesis import OutOfMemoryError
 from hapnb.tracing import resolve_model
 from hapnb.triples import theory

@@ -1,4 +1,4 @@
-"""The Q/B alternation (hapnb.optimize) on its own: it returns a fixpoint of search and LP."""
+"""The Q/B alternation (hapnb.synth.optimize) on its own: it returns a fixpoint of search and LP."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hapnb import zoo
 def test_program_is_paired_with_ratios_optimised_for_it(name):
     """The Q/B loop returns a fixpoint: re-balancing the final program cannot improve it, and the plan
     costs exactly what the cost model says at its ratios."""
-    from hapnb.balance import balance
     from hapnb.cost import CostModel
-    from hapnb.optimize import optimize
     from hapnb.plan import make_plan
+    from hapnb.synth.balance import balance
+    from hapnb.synth.optimize import optimize
 
     model, inputs, _ = zoo.build(name, **{**zoo.TINY[name], "devices": 4})
     th = hap.theory(hap.trace(model, inputs, name=name))
@@ -31,10 +31,10 @@ def test_program_is_paired_with_ratios_optimised_for_it(name):
 def test_duplex_loop_returns_a_duplex_fixpoint():
     """optimize(duplex=True): the program is paired with the duplex LP's ratios for it, its cost is the
     duplex time there, and the duplex time never exceeds the plain loop's optimum."""
-    from hapnb.balance import balance
     from hapnb.cost import CostModel
-    from hapnb.duplex import duplex_cost
-    from hapnb.optimize import optimize
+    from hapnb.synth.balance import balance
+    from hapnb.synth.duplex import duplex_cost
+    from hapnb.synth.optimize import optimize
 
     model, inputs, _ = zoo.build("mlp", layers=2, hidden=1024, input=16, batch=8, devices=3)
     th = hap.theory(hap.trace(model, inputs, name="mlp"))
@@ -55,8 +55,8 @@ def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pi
     and its proven optimum keeps the new pins and options (_subsumes): the optimum is then the one a search
     of the smaller space finds (same cost); otherwise the search runs."""
     from hapnb.forms import FullShard, G, I
-    from hapnb.optimize import _dp_pins, _subsumes
-    from hapnb.search import Search
+    from hapnb.synth.optimize import _dp_pins, _subsumes
+    from hapnb.synth.search import Search
     from hapnb.tracing import zoo_graph
 
     plain = {"sfb": False, "grouped": False}

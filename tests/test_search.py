@@ -11,7 +11,7 @@ import synthetic as S
 from hapnb.cluster import Cluster
 from hapnb.cost import Conversion, CostModel, Load, Step
 from hapnb.forms import G, I, R
-from hapnb.search import PinError, Search
+from hapnb.synth.search import PinError, Search
 from hapnb.triples import LOADABLE_ROLES, theory
 
 CONV = {

@@ -9,12 +9,13 @@ import pytest
 import synthetic as S
 from test_search import CLUSTERS, brute_force
 
-from hapnb import rejoin, spineside
-from hapnb import search as search_module
 from hapnb.cluster import Cluster
 from hapnb.forms import G, I, R
 from hapnb.rules import Strategy
-from hapnb.search import Search
+from hapnb.synth import heuristic_rejoin as rejoin
+from hapnb.synth import heuristic_side
+from hapnb.synth import search as search_module
+from hapnb.synth.search import Search
 from hapnb.tracing import zoo_graph
 from hapnb.triples import theory
 
@@ -43,7 +44,7 @@ def test_bert_moe_at_paper_scale_is_proven_optimal_within_the_default_budget():
 
 @pytest.mark.parametrize("seed", range(24))
 def test_chain_bound_is_admissible_and_the_search_with_it_exact(seed, monkeypatch):
-    # the chain bound (hapnb.chainbound) from the first expansion on: the root value never exceeds the
+    # the chain bound (hapnb.synth.chain_bound) from the first expansion on: the root value never exceeds the
     # optimum, and A* with it still returns the brute-force optimum (tests/test_search.py's check)
     monkeypatch.setattr(search_module, "SWITCH_AFTER", 0)
     monkeypatch.setattr(search_module, "NEAR", 0.0)  # switch even where a dive nearly proves the optimum
@@ -152,7 +153,7 @@ def _moe_graph(tokens: int, hidden: int, experts: int, capacity: int, residual: 
     """An expert layer as a MoE LM has it: ``h`` feeds the router, whose routes ``[T, E, C]`` (larger than
     ``h``: the spine follows them) dispatch ``h`` to per-expert buffers ``[E, C, D]`` (``tsd,tec->ecd``),
     a batched expert matmul, and the combine back to tokens (``residual``: plus ``h``). ``h`` is a spine
-    tensor that the dispatch takes again (a rejoin, :mod:`hapnb.rejoin`)."""
+    tensor that the dispatch takes again (a rejoin, :mod:`hapnb.synth.heuristic_rejoin`)."""
     b = S.Builder()
     t, d, e, c = tokens, hidden, experts, capacity
     x = b.tensor("x", (t, d), "input")
@@ -181,7 +182,7 @@ def _coupled(monkeypatch) -> list:
         made.append(rejoin.find_rejoins(*args))
         return made[-1]
 
-    monkeypatch.setattr(spineside, "find_rejoins", find)
+    monkeypatch.setattr(heuristic_side, "find_rejoins", find)
     return made
 
 
@@ -194,7 +195,7 @@ def _path_scores_at_most(s: Search, nid: int, bound: float) -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_a_tensor_that_rejoins_the_spine_is_coupled_admissibly(seed, monkeypatch):
     # the dispatch takes h again after the router (its spine consumer): the DP keeps the form it takes h in
-    # (hapnb.rejoin). A* returns the brute-force optimum, and no node on the optimal program's path (A*'s
+    # (hapnb.synth.heuristic_rejoin). A* returns the brute-force optimum, and no node on the optimal program's path (A*'s
     # and brute force's, walked as a seed) scores above it
     dims = [(4, 8, 2, 8), (8, 16, 4, 8), (2, 64, 2, 64), (16, 32, 2, 32), (4, 8, 2, 8)][seed]
     th = theory(_moe_graph(*dims, residual=seed == 4), _moe_strategies)

@@ -8,11 +8,11 @@ import pytest
 import synthetic as S
 
 import hapnb
-import hapnb.search as search_module
+import hapnb.synth.search as search_module
 from hapnb.cluster import Cluster
 from hapnb.cost import CostModel
 from hapnb.forms import FullShard, G, I
-from hapnb.searchtables import entries_for, ratio_classes, theory_tables
+from hapnb.synth.tables import entries_for, ratio_classes, theory_tables
 from hapnb.tracing import zoo_graph
 from hapnb.triples import theory
 

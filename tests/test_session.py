@@ -15,8 +15,8 @@ import synthetic  # noqa: E402
 from hapnb.cluster import Cluster  # noqa: E402
 from hapnb.forms import FullShard  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
-from hapnb.search import PinError, Search  # noqa: E402
 from hapnb.session import AUTO, JobState, PlanDiff, Progress, Session, UnknownPinError  # noqa: E402
+from hapnb.synth.search import PinError, Search  # noqa: E402
 from hapnb.triples import theory  # noqa: E402
 
 CLUSTER = "2xV100+2xP100"

@@ -14,8 +14,8 @@ from hapnb.cost import CostModel
 from hapnb.forms import FullShard, ShardGradOp
 from hapnb.memory import fits as memory_fits
 from hapnb.memory import memory_linear
-from hapnb.search import Search
 from hapnb.simulation import iteration_time, plan_lower_bound
+from hapnb.synth.search import Search
 from hapnb.triples import theory
 from hapnb.tuning import program_steps
 

@@ -7,7 +7,7 @@ import torch
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.search import PinError
+from hapnb.synth.search import PinError
 from hapnb.synthesis import OutOfMemoryError
 
 CLUSTERS = ["paper-hetero-8", "a100-p100", "2xV100+2xP100"]

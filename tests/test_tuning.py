@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 
 from hapnb import zoo
-from hapnb.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.cluster import Cluster
 from hapnb.cost import CostModel
 from hapnb.forms import ShardGradOp
 from hapnb.plan import Plan, make_plan
-from hapnb.search import PinError
+from hapnb.synth.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
+from hapnb.synth.search import PinError
 from hapnb.synthesis import replan, synthesize
 from hapnb.tuning import faster, program_steps, what_if
 
@@ -119,7 +119,7 @@ def _resolved(plan: Plan, cluster: Cluster) -> float:
 def test_dual_predictions_match_re_solved_lps(gpt, monkeypatch, tangent):
     """First order by the duals == the LP re-solved for a small change (and close for +10 %), with the
     tangent LP in HiGHS, through PuLP, and with CBC (the fallback solver) for every LP."""
-    import hapnb.balance as balance_module
+    import hapnb.synth.balance as balance_module
 
     if tangent == "pulp":  # the solver-independent path of the tangent LP
         monkeypatch.setattr(balance_module._Tangent, "_build_highs", lambda self: None)
@@ -273,9 +273,9 @@ def test_fast_replan_is_a_fixpoint_that_keeps_the_pins_and_stays_near_the_fresh_
     pin, the A* at its ratios finds no cheaper program, the LP for its program no cheaper ratios, and on
     these models its stage cost is no worse than the exact re-plan's (a fresh synthesize; whose pick by
     simulated time may take a costlier baseline program, so the simulated time is not compared)."""
-    from hapnb.balance import balance
-    from hapnb.optimize import keeps_ratio_pins, parse_pins
-    from hapnb.search import Search
+    from hapnb.synth.balance import balance
+    from hapnb.synth.optimize import keeps_ratio_pins, parse_pins
+    from hapnb.synth.search import Search
 
     cases = [
         (gpt, dict(pins={"blocks.0.qkv.weight": "G0"})),

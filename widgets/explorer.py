@@ -61,8 +61,8 @@ from hapnb import display
 from hapnb.cluster import PRESETS, Cluster
 from hapnb.forms import Form
 from hapnb.plan import Plan
-from hapnb.search import Search, SearchEvent, SearchNode
 from hapnb.session import AUTO, JobState, Progress, Session
+from hapnb.synth.search import Search, SearchEvent, SearchNode
 from hapnb.tuning import INTRA_MACHINE
 
 __all__ = ["Explorer"]

@@ -23,13 +23,13 @@ with the same key are compared by (closed cost, per-device computation of the op
 dropped only if the other is no worse in every component, so the search is exact for the stage cost
 ``sum(comm + max_j comp_j)``. The heuristic is the larger of the remaining computation at infinite
 bandwidth, ``max_j (open_j + remaining lower bound_j)``, and a relaxed program along the spine coupled with
-its tensors' other consumers (:mod:`hapnb.spineside`); a search still open after
-:data:`~hapnb.chainbound.SWITCH_AFTER` expansions adds the chain bound (:mod:`hapnb.chainbound`: the spine
+its tensors' other consumers (:mod:`hapnb.synth.heuristic_side`); a search still open after
+:data:`~hapnb.synth.chain_bound.SWITCH_AFTER` expansions adds the chain bound (:mod:`hapnb.synth.chain_bound`: the spine
 and the side chains to the ops they meet, by memoised DP). Each never overestimates, so the first complete
 program popped is optimal; a search stopped by a limit reports the proven lower bound
 (:attr:`SearchResult.bound`, ``gap``).
 
-**Duplex** (``Search(..., duplex=True)``, HiDup's two micro-batches, :mod:`hapnb.duplex`): a node's label
+**Duplex** (``Search(..., duplex=True)``, HiDup's two micro-batches, :mod:`hapnb.synth.duplex`): a node's label
 is ``(base, acc, copen, tail)``: ``base`` is HiDup's ``ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i)`` for the
 open stage i plus the gradient syncs so far (whole, once), ``acc`` the open stage's per-device
 computation, ``copen`` its feature communication, ``tail`` the per-device inner syncs of virtual
@@ -38,7 +38,7 @@ priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first c
 minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
 and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
 
-**Memory** (``Search(..., memory=True)``, :mod:`hapnb.memsearch`): partial programs whose memory lower
+**Memory** (``Search(..., memory=True)``, :mod:`hapnb.synth.memory_prune`): partial programs whose memory lower
 bound exceeds a device's capacity are pruned ("memory: ..." in :attr:`SearchEvent.pruned`); a parameter
 used replicated is loaded with its storage deferred (replicated, ZeRO-2 or ZeRO-3), priced at the cheapest
 and realized when the program completes (the cheapest storage that fits), and dominance also compares
@@ -58,15 +58,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .chainbound import NEAR, SWITCH_AFTER, ChainBound, switch
-from .cluster import Cluster
-from .cost import Conversion, CostModel, Load, Step
+from ..cluster import Cluster
+from ..cost import Conversion, CostModel, Load, Step
+from ..forms import Form, I, R, Storage
+from ..graph import Graph
+from ..rules import Strategy
+from ..triples import Theory
+from ..triples import theory as build_theory
+from .chain_bound import NEAR, SWITCH_AFTER, ChainBound, switch
 from .duplex import dominates, priority
-from .forms import Form, I, R, Storage
-from .graph import Graph
-from .memsearch import MemoryTracker
-from .rules import Strategy
-from .searchspec import (
+from .heuristic import CONVERSIONS, spine_bound, spine_value
+from .heuristic_side import Term, side_terms, term_value
+from .memory_prune import MemoryTracker
+from .spec import (
     PinError,
     SearchEvent,
     SearchNode,
@@ -76,11 +80,7 @@ from .searchspec import (
     normalize_ratios,
     resolve_pins,
 )
-from .searchtables import entries_for, ratio_classes, theory_tables
-from .spine import CONVERSIONS, spine_bound, spine_value
-from .spineside import Term, side_terms, term_value
-from .triples import Theory
-from .triples import theory as build_theory
+from .tables import entries_for, ratio_classes, theory_tables
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
@@ -139,7 +139,7 @@ class _Node:
     expanded: bool = False
     copen: float = 0.0  # duplex: the open stage's feature communication (full batch)
     tail: tuple[float, ...] = ()  # duplex: per-device inner gradient sync, charged once at the end
-    ms: Any = None  # memory=True: the MemState (hapnb.memsearch)
+    ms: Any = None  # memory=True: the MemState (hapnb.synth.memory_prune)
     real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
 
 
@@ -168,7 +168,7 @@ class Search:
     ) -> None:
         t0 = time.perf_counter()
         # costs that depend only on the theory, the cluster and the ratios (not on pins or options), shared
-        # by the searches of one re-planning context at the same ratios (hapnb.optimize.Memo.shared)
+        # by the searches of one re-planning context at the same ratios (hapnb.synth.optimize.Memo.shared)
         self._shared: dict[str, Any] = {} if shared is None else shared
         self.duplex = bool(duplex)
         self.theory = graph if isinstance(graph, Theory) else build_theory(graph)
@@ -210,7 +210,7 @@ class Search:
     # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
         g, th, cm = self.graph, self.theory, self.cost_model
-        # the ratio-independent tables: built once per theory (hapnb.optimize passes one "static" dict for
+        # the ratio-independent tables: built once per theory (hapnb.synth.optimize passes one "static" dict for
         # every search of a context; a table is reused only for the very theory it was built from)
         static = self._shared.get("static")
         hit = static.get("tables") if static is not None else None
@@ -258,7 +258,7 @@ class Search:
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
         self._rem = rem
-        # what does not depend on the ratios is kept per cluster: ``shared["per_cluster"]`` (hapnb.optimize
+        # what does not depend on the ratios is kept per cluster: ``shared["per_cluster"]`` (hapnb.synth.optimize
         # passes one dict for every search of a context on this cluster)
         self._per_cluster: dict[Any, Any] = self._shared.setdefault("per_cluster", {})
         # the hot loop's lookups by property bits (ints hash fast): a load's option [(Load, bit, 0, 1, seconds)]
@@ -281,7 +281,7 @@ class Search:
             self._jstar, self._spine_opts = spine_bound(self)
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
             self._terms: list[tuple[Term, ...]] = []
-        else:  # the spine coupled with its tensors' other consumers (hapnb.spineside)
+        else:  # the spine coupled with its tensors' other consumers (hapnb.synth.heuristic_side)
             self._jstar, self._terms = side_terms(self)
         self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
         self._chain: ChainBound | None = None  # the stronger bound, after SWITCH_AFTER expansions
@@ -290,14 +290,14 @@ class Search:
     def _h(self, pos: int, acc: tuple[float, ...], props: int) -> float:
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
-        communication that the spine path cannot avoid (:func:`hapnb.spine.spine_bound`)."""
+        communication that the spine path cannot avoid (:func:`hapnb.synth.heuristic.spine_bound`)."""
         h = max(map(operator.add, acc, self._rem[pos]))
         h2 = acc[self._jstar] + term_value(self._terms[pos], props)  # one-hot on the bottleneck device
         return h2 if h2 > h else h
 
     def _load(self, t: int, f: Form, sfb: bool) -> Load:
         """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
-        (memory=True, :mod:`hapnb.memsearch`) or the plain load."""
+        (memory=True, :mod:`hapnb.synth.memory_prune`) or the plain load."""
         st = self.storage.get(t)
         if st is not None:
             return Load(t, f, False, st.zero, st.form)
@@ -389,7 +389,7 @@ class Search:
     ) -> bool:
         """Whether a program with ``key`` at (``base``, ``acc``) is dominated; else record it (and drop the
         entries it dominates). With memory (``ms``), dominance also needs memory no worse
-        (:meth:`hapnb.memsearch.MemoryTracker.dominates`)."""
+        (:meth:`hapnb.synth.memory_prune.MemoryTracker.dominates`)."""
         entries = self._seen.get(key)
         mx = max(acc)
         if entries is None:
@@ -420,7 +420,7 @@ class Search:
     def _h_duplex(
         self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...], props: int
     ) -> float:
-        """Duplex A* priority: an admissible bound of the duplex time (:func:`~hapnb.duplex.priority`)."""
+        """Duplex A* priority: an admissible bound of the duplex time (:func:`~hapnb.synth.duplex.priority`)."""
         spine = spine_value(self._spine_opts[pos], props)
         comm = spine_value(self._spine_comm_opts[pos], props)
         return priority(base, copen, acc, tail, self._rem[pos], self._w, spine, comm)
@@ -433,7 +433,7 @@ class Search:
         acc: tuple[float, ...],
         tail: tuple[float, ...],
     ) -> bool:
-        """Pareto dominance of duplex labels at one state (:func:`~hapnb.duplex.dominates`)."""
+        """Pareto dominance of duplex labels at one state (:func:`~hapnb.synth.duplex.dominates`)."""
         label = (base, acc, copen, tail)
         entries = self._seen.get(key)
         if entries is None:
@@ -795,9 +795,9 @@ class Search:
         return best
 
     def _switch_bound(self) -> None:
-        """Add the chain bound to the heuristic (:func:`hapnb.chainbound.switch`), unless its DP went past
+        """Add the chain bound to the heuristic (:func:`hapnb.synth.chain_bound.switch`), unless its DP went past
         its cap in an earlier search on this theory, or a dive from the best open program leaves a gap of
-        at most :data:`~hapnb.chainbound.NEAR` to the proven bound (what is left are near-ties of small
+        at most :data:`~hapnb.synth.chain_bound.NEAR` to the proven bound (what is left are near-ties of small
         tensors' forms, which the chain bound does not separate)."""
         static = self._shared.get("static")
         if static is not None and static.get("chain exhausted") is self.theory:
@@ -978,6 +978,6 @@ class Search:
         )
 
     def _repr_html_(self) -> str:
-        from . import display
+        from .. import display
 
         return display.safe_html(display.search_html, self)

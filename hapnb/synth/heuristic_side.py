@@ -1,7 +1,7 @@
-"""The plain A* bound with side consumers: the spine DP (:mod:`hapnb.spine`) coupled, at each spine tensor,
+"""The plain A* bound with side consumers: the spine DP (:mod:`hapnb.synth.heuristic`) coupled, at each spine tensor,
 with the tensor's other consumers.
 
-:func:`hapnb.spine.spine_bound` prices one input→loss path and lets every tensor off it take any form. On
+:func:`hapnb.synth.heuristic.spine_bound` prices one input→loss path and lets every tensor off it take any form. On
 a transformer that loses most of what the program pays: the attention input feeds the query, key and value
 projections, the MLP input the gate and up projections, and only one of each is on the spine; the others
 took their weights sharded for free (their input's form was free). Here the spine tensor ``x``'s other
@@ -19,7 +19,7 @@ tensor's side. A parameter that several spine ops take (tied embeddings, :func:`
 one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`), and pays its load
 (its gradient's sync) where it first loads it. A spine tensor that a later spine op takes again (a residual,
 a mixture-of-experts layer's input at its dispatch einsum) keeps the form that op takes it in as a state too
-(:mod:`hapnb.rejoin`).
+(:mod:`hapnb.synth.heuristic_rejoin`).
 
 A tensor is converted at most once (the search's rule): besides the form it was made in, a :class:`Joint`
 gives its consumers at most one more form (the cheapest collective from the present form; a slice of a
@@ -44,9 +44,9 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .rejoin import Layout, coupled_term, find_rejoins
-from .spine import _cheapest, local_pricer
-from .triples import LOADABLE_ROLES
+from ..triples import LOADABLE_ROLES
+from .heuristic import _cheapest, local_pricer
+from .heuristic_rejoin import Layout, coupled_term, find_rejoins
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
 
@@ -131,7 +131,7 @@ def term_value(terms: Sequence[Term], props: int) -> float:
 
 
 def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
-    """Per position (0 .. number of ops), the terms of the bound of :class:`~hapnb.search.Search` ``s``
+    """Per position (0 .. number of ops), the terms of the bound of :class:`~hapnb.synth.search.Search` ``s``
     (being compiled; see the module docstring), and ``jstar``, the device class the bound weighs."""
     g, th, tb = s.graph, s.theory, s._tables
     n_ops = len(g.ops)
@@ -298,9 +298,9 @@ class _Paths(NamedTuple):
 def _main_terms(s: Any, pt: _Paths) -> list[Term]:
     """The main term per position: the spine DP from the loss back to the source op. ``main[pos]`` values the
     live spine tensor's present forms (with the rest of the spine behind it); the DP reads it with the
-    tensor just made in each form. States (:class:`hapnb.rejoin.Layout`): a tied parameter's present form
+    tensor just made in each form. States (:class:`hapnb.synth.heuristic_rejoin.Layout`): a tied parameter's present form
     (:func:`_tied`, :class:`Tied`) and the forms that rejoining spine tensors are taken in
-    (:mod:`hapnb.rejoin`, :class:`~hapnb.rejoin.Coupled`); without either there is one state."""
+    (:mod:`hapnb.synth.heuristic_rejoin`, :class:`~hapnb.synth.heuristic_rejoin.Coupled`); without either there is one state."""
     g, th, tb = s.graph, s.theory, s._tables
     n_ops, spine_ops, entries, local = len(g.ops), tb.spine, tb.entries, pt.local
     loss_bits = tb.bits_of[g.loss]

@@ -1,6 +1,6 @@
 """A stronger A* bound for long searches: a relaxed program over tracked chains, solved exactly by memoised DP.
 
-:class:`hapnb.search.Search` starts with the cheap bound of :mod:`hapnb.spineside` (one lookup per child).
+:class:`hapnb.synth.search.Search` starts with the cheap bound of :mod:`hapnb.synth.heuristic_side` (one lookup per child).
 On a transformer LM that bound leaves the query / value paths of attention free between their projection
 and the attention op, so programs that shard the hidden state (and must later pay for it) look cheap and
 the search stalls on the combinations of small tensors' forms. After :data:`SWITCH_AFTER` expansions a
@@ -8,7 +8,7 @@ search switches to :class:`ChainBound` as well (the larger of the two is used, a
 scores are raised at once); every search the zoo's models make finishes before that, so their plans and
 times do not change.
 
-The relaxed program tracks a set of tensors: the spine (:func:`hapnb.spine.spine_path`) and, from each
+The relaxed program tracks a set of tensors: the spine (:func:`hapnb.synth.heuristic.spine_path`) and, from each
 spine tensor's other consumers, a *chain* forward along one consumer each step until it meets a tracked
 op (the attention op for the query and value paths). Relaxations (each can only lower the bound):
 computation on one device (the one with the most left), stages merged (the stage cost is at least the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from .spine import local_pricer
+from .heuristic import local_pricer
 
 __all__ = ["SWITCH_AFTER", "NEAR", "MAX_CHAIN", "ChainBound", "switch"]
 
@@ -46,7 +46,7 @@ _INF = float("inf")
 class ChainBound:
     """The relaxed program's cost from a position, for a search's properties (see the module docstring).
 
-    ``s``: the :class:`~hapnb.search.Search` (compiled; its strategies, tables, ratios and price caches).
+    ``s``: the :class:`~hapnb.synth.search.Search` (compiled; its strategies, tables, ratios and price caches).
     :meth:`value` is the bound of the ops from ``pos`` on (add the open stage's computation on ``jstar``).
     """
 
@@ -250,7 +250,7 @@ class _Prices:
     class (the search's collective prices are shared by the tensors of one class)."""
 
     def __init__(self, s: Any) -> None:
-        from .spine import _cheapest
+        from .heuristic import _cheapest
 
         self._s, self._cheapest = s, _cheapest
         self._memo: dict[tuple[int, int, int], float] = {}

@@ -12,7 +12,7 @@ kernel launches halve too, an optimistic simplification). The stages follow HiDu
 (micro-batch 2 computes stage i-1 while micro-batch 1 communicates for stage i, then micro-batch 1
 computes stage i while micro-batch 2 communicates, then micro-batch 2 computes stage i). Expanded,
 ``ψ_m = sum_i [max(p_{i-1}, c_i) + max(c_i, p_i)] + p_m``: a sum of maxima with non-negative
-coefficients, which :func:`hapnb.balance.balance` (``duplex=True``) turns into an LP.
+coefficients, which :func:`hapnb.synth.balance.balance` (``duplex=True``) turns into an LP.
 
 Once per iteration, after both micro-batches (the two micro-batches' gradients are accumulated first,
 HiDup §3.2), and not overlapped with any computation:
@@ -33,7 +33,7 @@ fill its idle time in the last stage, the duplex charges them after both micro-b
 The forward and backward collectives of a stage are charged together, as the plain model does (HiDup: the
 backward's pairs overlap as the forward's do).
 
-For the search (:class:`~hapnb.search.Search` with ``duplex=True``): :func:`priority`, an admissible
+For the search (:class:`~hapnb.synth.search.Search` with ``duplex=True``): :func:`priority`, an admissible
 bound of the duplex time from a partial program's label, and :func:`dominates`, HiDup's Pareto
 dominance generalised to a stage that is still open (proofs in their docstrings).
 
@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import CostModel, Step, Term
+from ..cost import CostModel, Step, Term
 
 __all__ = [
     "DuplexStage",

@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import Cluster
-from .cost import Step
-from .forms import Form, Storage, parse_pin
-from .graph import Graph
-from .triples import Theory
+from ..cluster import Cluster
+from ..cost import Step
+from ..forms import Form, Storage, parse_pin
+from ..graph import Graph
+from ..triples import Theory
 
 __all__ = [
     "PinError", "normalize_ratios", "resolve_pins", "pin_choices", "explain_no_strategy", "explain_no_program",
@@ -119,7 +119,7 @@ def _module_output(g: Graph, name: str) -> Any:
 
 
 def explain_no_strategy(search: Any, op_id: int) -> str:
-    """Why the pins of a :class:`~hapnb.search.Search` leave op ``op_id`` no strategy, and how to fix it."""
+    """Why the pins of a :class:`~hapnb.synth.search.Search` leave op ``op_id`` no strategy, and how to fix it."""
     g = search.graph
     op = g.ops[op_id]
     pinned = [(g.tensors[t].name, str(search.pins[t])) for t in op.inputs + op.outputs if t in search.pins]
@@ -137,7 +137,7 @@ def explain_no_strategy(search: Any, op_id: int) -> str:
 
 
 def explain_no_program(search: Any) -> str:
-    """Why a :class:`~hapnb.search.Search` found no complete program (memory, or the pins)."""
+    """Why a :class:`~hapnb.synth.search.Search` found no complete program (memory, or the pins)."""
     pins = ", ".join(f"{search.graph.tensors[t].name}={f}" for t, f in search.pins.items())
     mem = search._mem
     if mem is not None and mem.stats["pruned_memory"]:

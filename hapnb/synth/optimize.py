@@ -12,7 +12,7 @@ reuses): every search and every LP is a pure function of its inputs, so a call t
 search (cluster, ratios, pins, options, budget) or the same LP (cluster, program, ratio pins) again takes
 the earlier result instead of recomputing it, and returns exactly what it would have computed.
 
-``duplex=True`` optimises HiDup's duplex time (:mod:`hapnb.duplex`) instead: the duplex search (ψ/φ
+``duplex=True`` optimises HiDup's duplex time (:mod:`hapnb.synth.duplex`) instead: the duplex search (ψ/φ
 labels) alternates with the duplex LP, and the costs in the result and its history are duplex times.
 """
 
@@ -22,6 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..cluster import Cluster
+from ..cost import Conversion, CostModel, Step
+from ..forms import Form, FullShard, G, I, ShardGradOp, parse_pin
+from ..graph import Graph
+from ..memory import MemoryLinear, memory_linear
+from ..memory import fits as memory_fits
+from ..triples import Theory
 from .balance import (
     MemoryCapError,
     RatioPin,
@@ -31,15 +38,8 @@ from .balance import (
     memory_start_ratios,
     parse_ratio_pins,
 )
-from .cluster import Cluster
-from .cost import Conversion, CostModel, Step
 from .duplex import duplex_cost
-from .forms import Form, FullShard, G, I, ShardGradOp, parse_pin
-from .graph import Graph
-from .memory import MemoryLinear, memory_linear
-from .memory import fits as memory_fits
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
-from .triples import Theory
 
 __all__ = [
     "Round",
@@ -445,10 +445,10 @@ def optimize(
     bound at or above the plan's cost (``stats["optimal_by_bound"]``).
     ``duplex``: minimise the duplex time (``stats["duplex"]`` says which objective was used).
     ``memory``: keep to every device's memory, lazily: a search whose program does not fit at its
-    ratios is run again with memory (:mod:`hapnb.memsearch`: pruning, ZeRO storage) and so is every later
+    ratios is run again with memory (:mod:`hapnb.synth.memory_prune`: pruning, ZeRO storage) and so is every later
     search; an LP whose ratios do not fit is solved again with memory caps
-    (:func:`hapnb.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
-    at the starting ratios, the loop starts again from :func:`hapnb.balance.memory_start_ratios`. Plans
+    (:func:`hapnb.synth.balance.balance_in_memory`); candidates that do not fit are dropped; when no program fits
+    at the starting ratios, the loop starts again from :func:`hapnb.synth.balance.memory_start_ratios`. Plans
     that fit without it are unchanged. ``stats["memory_bound"]`` says whether memory bound.
     ``start``: warm start (what a fast re-plan uses): the loop starts from these ratios (one row per
     segment, each moved into the ratio pins, keeping its proportions on the free devices) instead of

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from ..cost import Load
+from ..forms import Form, I
+from ..memory import _PART_OF, _PARTS, load_pieces, op_pieces, saved_key, storage
 from .balance import _quiet_stdout, _solver
-from .cost import Load
-from .forms import Form, I
-from .memory import _PART_OF, _PARTS, load_pieces, op_pieces, saved_key, storage
 
 __all__ = ["MemoryTracker", "MemState"]
 
@@ -54,7 +54,7 @@ _PIECES: weakref.WeakKeyDictionary[Any, dict[Any, list[Any]]] = weakref.WeakKeyD
 
 
 class MemoryTracker:
-    """Per-node memory for one :class:`hapnb.search.Search` (see the module docstring)."""
+    """Per-node memory for one :class:`hapnb.synth.search.Search` (see the module docstring)."""
 
     def __init__(self, search: Any) -> None:
         s = search

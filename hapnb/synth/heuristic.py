@@ -1,4 +1,4 @@
-"""The A* spine bound (:class:`hapnb.search.Search`'s admissible heuristic, with the remaining computation).
+"""The A* spine bound (:class:`hapnb.synth.search.Search`'s admissible heuristic, with the remaining computation).
 
 :func:`spine_bound` is a backward DP over a relaxed problem along one path (the *spine*) from an input to
 the loss; :func:`spine_value` reads it for a node's properties. The search keeps the result per position.
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .cost import Conversion
-from .forms import Form
-from .triples import LOADABLE_ROLES
+from ..cost import Conversion
+from ..forms import Form
+from ..triples import LOADABLE_ROLES
 
 __all__ = ["CONVERSIONS", "spine_bound", "spine_path", "spine_value"]
 
@@ -55,7 +55,7 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
     plus the communication of its own that the bounds count, in order: its single-consumer parameters'
     loads and an SFB sync. Plain loads' prices do not depend on the ratios (shared per cluster), an SFB
     sync's do (shared per ratios); they are not shared where loads depend on the search (memory, storage
-    pins). Used by the spine bound, its side consumers (:mod:`hapnb.spineside`) and the chain bound."""
+    pins). Used by the spine bound, its side consumers (:mod:`hapnb.synth.heuristic_side`) and the chain bound."""
     g, tb = s.graph, s._tables
     single = tb.single_param
     plain = s._mem is None and not s.storage
@@ -97,7 +97,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     parameters with one consumer. Along the spine the forms must match: converting the spine
     tensor costs the cheapest collective between the two forms.
 
-    ``s`` is the :class:`~hapnb.search.Search` being compiled (its compiled strategies, theory tables,
+    ``s`` is the :class:`~hapnb.synth.search.Search` being compiled (its compiled strategies, theory tables,
     ratios, remaining computation, shared price caches and load pricing). Returns the device the bound
     weighs (``jstar``, an index into the search's per-device vectors: one entry per device class) and, per
     position, ``(property bit, bound)`` for each form of the live spine tensor (``comm_only``: the
@@ -113,7 +113,7 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     local = local_pricer(s, jstar, comm_only)  # weights one-hot on jstar (zero for comm_only)
 
     # a conversion's price depends on the tensor only through its price class (bytes, ratio segment, need
-    # of a gradient: hapnb.searchtables): per (price class, the tensor's forms), the cheapest collective
+    # of a gradient: hapnb.synth.tables): per (price class, the tensor's forms), the cheapest collective
     # from each form to each (0 to itself; the searches at the same ratios share them: s._shared)
     prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
 

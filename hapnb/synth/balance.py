@@ -6,7 +6,7 @@ Constraints: ``P_k >= comp_{k,j}(r)`` and ``M_{k,c} >= const_c + slope_c * r[s][
 Objective: ``sum_k P_k + sum M + constant terms`` — exactly :meth:`CostModel.evaluate`, constants kept.
 Solved with PuLP: HiGHS (via highspy) when installed, CBC otherwise.
 
-``duplex=True`` minimises HiDup's duplex time (:mod:`hapnb.duplex`) instead. Expanded, ``ψ_m = sum_k
+``duplex=True`` minimises HiDup's duplex time (:mod:`hapnb.synth.duplex`) instead. Expanded, ``ψ_m = sum_k
 [max(p_{k-1}, c_k) + max(c_k, p_k)] + p_m`` (``p_0 = 0``; the ``-comp_{k-1}`` of stage k cancels the
 ``+comp_{k-1}`` stage k-1 left): a sum of maxima with coefficients 1. Epigraph variables: ``P_k >= comp_kj(r)
 / 2`` per device, ``C_k = (constant terms + sum_c M_{k,c}) / 2`` with ``M_{k,c}`` as above, ``A_k >=
@@ -42,10 +42,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import Cluster
-from .cost import CostModel, Step
+from ..cluster import Cluster
+from ..cost import CostModel, Step
+from ..memory import MemoryLinear, lean_linear, memory_linear
 from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
-from .memory import MemoryLinear, lean_linear, memory_linear
 
 __all__ = [
     "RatioPin",
@@ -318,7 +318,7 @@ def balance(
     duplex: bool = False,
 ) -> BalanceResult:
     """Solve for the ratios minimising ``cm.evaluate(program, ratios)`` (``duplex``: minimising
-    :func:`hapnb.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found). Identical devices
+    :func:`hapnb.synth.duplex.duplex_cost`; ``cost`` is then the duplex time at the ratios found). Identical devices
     share one ratio (:func:`ratio_lp` ``symmetric``: the same optimum from an LP with a row per device kind,
     not per device; without ratio pins, duplex or segments), so they get exactly equal ratios."""
     t0 = time.perf_counter()

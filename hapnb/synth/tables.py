@@ -1,10 +1,10 @@
 """The ratio-independent tables of a search, built once per theory and shared by every search on it.
 
-:class:`~hapnb.search.Search` compiles its theory into integer tables (a property bit per (tensor, form),
+:class:`~hapnb.synth.search.Search` compiles its theory into integer tables (a property bit per (tensor, form),
 which properties die after each op, every strategy's needed inputs as bits). None of that depends on the
 ratios, and only the strategy filter depends on the pins, so :func:`theory_tables` builds it once per
 theory and :func:`entries_for` filters it for one search's pins and options, re-checking only the ops that
-touch a pinned tensor. A re-planning context (:class:`hapnb.optimize.Memo`) keeps the tables, so its
+touch a pinned tensor. A re-planning context (:class:`hapnb.synth.optimize.Memo`) keeps the tables, so its
 searches (the Q/B loop's, the baseline seeds', a re-plan's) skip this work.
 
 >>> import hapnb
@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .cost import Conversion, CostModel
-from .forms import Form, Storage
-from .rules import Strategy
-from .spine import spine_path
-from .triples import LOADABLE_ROLES, Theory
+from ..cost import Conversion, CostModel
+from ..forms import Form, Storage
+from ..rules import Strategy
+from ..triples import LOADABLE_ROLES, Theory
+from .heuristic import spine_path
 
 __all__ = ["Entry", "TheoryTables", "theory_tables", "entries_for", "ratio_classes"]
 
@@ -37,7 +37,7 @@ class Entry(NamedTuple):
     ratio segment; ``sfb_params`` an SFB strategy's parameters taken replicated (SFB replaces their gradient
     sync, so each must have one consumer and no storage pin); ``sfb_shared`` whether one of them has more
     than one consumer (never allowed); ``in_forms`` / ``out_forms`` and ``spine_terms`` for the spine bound
-    (:mod:`hapnb.spine`). A named tuple: thousands are made per theory."""
+    (:mod:`hapnb.synth.heuristic`). A named tuple: thousands are made per theory."""
 
     index: int
     strategy: Strategy
@@ -63,7 +63,7 @@ class TheoryTables:
     compiled (:class:`Entry`), unfiltered; ``price_class``: per tensor, the class of tensors whose collectives
     cost the same (same bytes, ratio segment and need of a gradient); ``bits_of``: per tensor, the bit of
     each of its forms (in ``theory.forms`` order); ``forms_class``: per tensor, which distinct tuple of forms
-    it has; ``spine``: op -> (spine input, spine output) along the spine path (:func:`hapnb.spine.spine_path`);
+    it has; ``spine``: op -> (spine input, spine output) along the spine path (:func:`hapnb.synth.heuristic.spine_path`);
     ``single_param``: per tensor, whether it is a parameter with one consumer."""
 
     bit: Mapping[tuple[int, Form], int]

@@ -1,5 +1,5 @@
 """Spine tensors that rejoin the spine: the form a later spine op takes an earlier spine tensor in, kept as a
-state of the spine DP (:mod:`hapnb.spineside`).
+state of the spine DP (:mod:`hapnb.synth.heuristic_side`).
 
 The spine DP tracks one live tensor at a time. A spine tensor ``x`` whose spine consumer has run can still be
 taken by a later spine op (not as its spine input): the residual stream by the add that closes a block, or
@@ -14,12 +14,12 @@ is the optimum.
 A :class:`Rejoin` is ``x`` (made by spine op ``made``, the spine input of op ``spine``) and the later spine op
 ``at`` that takes it. For the positions ``(made, at]`` the DP keeps, as a state, the form ``b`` that op
 ``at`` takes ``x`` in: at op ``at`` only the strategies that take ``x`` in ``b`` are allowed; where ``x`` is
-the live spine tensor (positions ``(made, spine]``) its :class:`~hapnb.spineside.Joint` has one more
+the live spine tensor (positions ``(made, spine]``) its :class:`~hapnb.synth.heuristic_side.Joint` has one more
 consumer that needs ``b`` (so ``b`` is made once, shared with the spine op and the sides that take it); after
 ``x``'s spine consumer (positions ``(spine, at]``) the term pays the cheapest collective from a present form
 of ``x`` to ``b`` (nothing when ``b`` is present). The term's value is the least over the states
 (:class:`Coupled`), and the DP takes the least over ``b`` where ``x`` is made. A tied parameter's state
-(:class:`~hapnb.spineside.Tied`) is the state's first component.
+(:class:`~hapnb.synth.heuristic_side.Tied`) is the state's first component.
 
 Admissible: every complete program takes ``x`` at op ``at`` in some form ``b``; that form is present then, so
 it was made (``x``'s first form) or converted from a present form by the one collective a tensor may have
@@ -169,7 +169,7 @@ class Coupled:
     tensor's Joint) of that Joint's value plus, per rejoin whose spine consumer ran (``outer``: state
     component, the tensor's form bits, its price matrix), the cheapest collective from a present form to the
     state's form (0 when present). ``pmask``: the tied parameter's bits (the state's first component is its
-    present form, as :class:`~hapnb.spineside.Tied`); ``cmask``: the live spine tensor's. Memoised per
+    present form, as :class:`~hapnb.synth.heuristic_side.Tied`); ``cmask``: the live spine tensor's. Memoised per
     properties in :attr:`table`."""
 
     __slots__ = ("joints", "pmask", "pvals", "cmask", "outer", "table")
