@@ -54,9 +54,9 @@ sys.path.insert(0, str(ROOT))  # examples.factories
 
 import hapnb  # noqa: E402
 from hapnb import zoo  # noqa: E402
-from hapnb.cluster import Cluster  # noqa: E402
-from hapnb.cost import MATMUL_FAMILIES, VECTOR_FAMILIES, CostModel  # noqa: E402
-from hapnb.devices import DeviceModel  # noqa: E402
+from hapnb.cost.model import MATMUL_FAMILIES, VECTOR_FAMILIES, CostModel  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
+from hapnb.hardware.devices import DeviceModel  # noqa: E402
 from hapnb.run.calibrate import RunFeatures, fit_time, predict_step_s, prediction_stats  # noqa: E402
 from hapnb.run.profile import profile_device_model  # noqa: E402
 

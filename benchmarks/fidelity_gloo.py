@@ -6,7 +6,7 @@ per-iteration time of >= 6 synthesized plans (small zoo models) on K local CPU r
 
 1. The cluster: ``--cluster`` (a cluster JSON from ``hapnb profile``) or, by default,
    :func:`hapnb.run.profile.profile_cluster` of ``--nproc`` local CPU ranks, one torch thread each: every
-   device carries the profiled CPU :class:`~hapnb.devices.DeviceModel` (``overlap=false``) and the
+   device carries the profiled CPU :class:`~hapnb.hardware.devices.DeviceModel` (``overlap=false``) and the
    collectives their gloo latency/bandwidth fits.
 2. Per model: ``hapnb.synthesize`` on that cluster gives the plan and its ``cost_s`` (forward, backward,
    collectives and Adam step of the slowest device, per iteration).
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hapnb  # noqa: E402
-from hapnb.cluster import Cluster  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.run.calibrate import calibrate, prediction_stats  # noqa: E402
 from hapnb.run.profile import profile_cluster  # noqa: E402
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from fidelity_gloo import measure  # noqa: E402
 
 import hapnb  # noqa: E402
-from hapnb.cluster import Cluster  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.run.calibrate import prediction_stats  # noqa: E402
 from hapnb.run.profile import profile_cluster  # noqa: E402
 

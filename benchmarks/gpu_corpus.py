@@ -62,14 +62,14 @@ def measure(name: str, size: str, batch: int | None, steps: int, warmup: int, de
 
 def saved(name: str, size: str, device: str) -> dict[str, Any]:
     """Bytes autograd keeps for one forward on ``device`` (fp32) against hapnb's prediction
-    (:func:`hapnb.memory.saved_bytes` of the traced model), and which fused attention kernels the model's
+    (:func:`hapnb.cost.memory.saved_bytes` of the traced model), and which fused attention kernels the model's
     attention may use there (a kernel that refuses the call leaves the math kernel, which keeps the
     attention probabilities)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from examples import corpus
-    from hapnb.memory import saved_bytes
+    from hapnb.cost.memory import saved_bytes
     from hapnb.run.profile import measure_saved_bytes
     from hapnb.tracing import trace
 

@@ -24,7 +24,7 @@ import platform
 import time
 from pathlib import Path
 
-from hapnb.cluster import Cluster
+from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines.costs import model_costs
 from hapnb.pipelines.exhaustive import exhaustive
 from hapnb.pipelines.planner import default_micro_batches, plan_pipeline

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def one(model: str, layers: int, spec: str) -> dict:
     """One case in this process (``--one``): trace, synthesize, report."""
     import hapnb
-    from hapnb.cluster import Cluster
+    from hapnb.hardware.cluster import Cluster
     from hapnb.tracing import resolve_model
 
     c = Cluster.resolve(spec)
@@ -98,7 +98,7 @@ def command() -> dict:
 def unchanged() -> list[dict]:
     """Zoo models at their default sizes on the paper clusters: the plan with and without memory."""
     import hapnb
-    from hapnb.cluster import Cluster
+    from hapnb.hardware.cluster import Cluster
     from hapnb.tracing import resolve_model
 
     rows = []

@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .cluster import Cluster, Collective, Device
-from .forms import (
+from .hardware.cluster import Cluster, Collective, Device
+from .ir.forms import (
     FullShard,
     G,
     I,
@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "trace": "tracing",
-    "Graph": "graph",
-    "TraceError": "graph",
+    "Graph": "ir.graph",
+    "TraceError": "ir.graph",
     "theory": "triples",
     "Theory": "triples",
     "Search": "synth.search",

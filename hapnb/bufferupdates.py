@@ -2,7 +2,7 @@
 
 A traced training program also returns its buffer updates (``BUFFER_MUTATION`` outputs of the exported,
 lowered program: :mod:`hapnb.tracing.lower` writes training batch norm's running statistics from the
-batch statistics it computes as sums). The :class:`~hapnb.graph.Graph` leaves these ops out (they do not
+batch statistics it computes as sums). The :class:`~hapnb.ir.graph.Graph` leaves these ops out (they do not
 reach the loss, so they are not planned); :func:`emit_buffer_updates` adds them to a rank's program at
 the end of its forward and writes each buffer back in place, as the single-device program does.
 
@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
-from .forms import Form, I, R
-from .graph import Graph
+from .ir.forms import Form, I, R
+from .ir.graph import Graph
 
 __all__ = ["BufferUpdateError", "emit_buffer_updates", "mutated_buffers", "write_buffer"]
 

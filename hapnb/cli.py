@@ -334,7 +334,7 @@ def _value(v: str) -> Any:
 
 
 def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    from .forms import parse_pin
+    from .ir.forms import parse_pin
 
     pins = {}
     for item in ns.pin or []:
@@ -359,7 +359,7 @@ def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 
 def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
-    from .cluster import Cluster
+    from .hardware.cluster import Cluster
     from .synthesis import synthesize
 
     c = Cluster.resolve(ns.cluster)
@@ -791,7 +791,7 @@ def cmd_theory(ns: argparse.Namespace) -> int:
 
 
 def _coverage(ns: argparse.Namespace) -> int:
-    from .cluster import Cluster
+    from .hardware.cluster import Cluster
     from .tracing import resolve_model
     from .triples import coverage, theory
 
@@ -809,7 +809,7 @@ def _coverage(ns: argparse.Namespace) -> int:
 
 def cmd_demo(ns: argparse.Namespace) -> int:
     from . import display
-    from .cluster import Cluster
+    from .hardware.cluster import Cluster
     from .synthesis import baselines, synthesize
 
     c = Cluster.preset(DEMO_CLUSTER)

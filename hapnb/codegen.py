@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
-from .forms import Form, G, I, R, parse_form, shard_offsets
-from .graph import Graph, Op, map_args
+from .ir.forms import Form, G, I, R, parse_form, shard_offsets
+from .ir.graph import Graph, Op, map_args
 
 __all__ = [
     "CodegenError",

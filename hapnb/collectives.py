@@ -1,6 +1,6 @@
 """Uneven-shard collectives with autograd duals (the runtime half of HAP's instruction set).
 
-Forms (see :mod:`hapnb.forms`): ``G(d)`` = rank-ordered contiguous slices along ``d`` whose integer
+Forms (see :mod:`hapnb.ir.forms`): ``G(d)`` = rank-ordered contiguous slices along ``d`` whose integer
 lengths ``lengths`` (one per rank, uneven, zeros allowed) are static Python ints; ``I`` = every rank
 holds the full tensor; ``R`` = every rank holds a full-shape partial sum.
 
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hapnb.forms import shard_offsets
+from hapnb.ir.forms import shard_offsets
 
 __all__ = [
     "all_gather",
@@ -157,7 +157,7 @@ def _norm_lengths(op: str, lengths: Sequence[int], ctx: _Ctx, what: str = "lengt
         )
         raise ValueError(
             f"{op}: len({what})={len(out)} but the process group has {ctx.world} ranks{hint}; "
-            f"pass exactly one shard length per rank, e.g. hapnb.forms.shard_lengths(size, ratios)"
+            f"pass exactly one shard length per rank, e.g. hapnb.ir.forms.shard_lengths(size, ratios)"
         )
     return out
 

@@ -1,7 +1,7 @@
 """One comparison of every strategy under one cost model (:func:`compare`, ``hapnb.compare`` and
 ``hapnb compare``).
 
-Every strategy is priced by the same device model and the same cost model (:mod:`hapnb.cost`): the same
+Every strategy is priced by the same device model and the same cost model (:mod:`hapnb.cost.model`): the same
 per-op computation terms, the same collective fits, the same memory breakdown. Rows (:data:`STRATEGIES`,
 in table order):
 
@@ -62,9 +62,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import Cluster
-from .forms import G
-from .graph import Graph
+from .hardware.cluster import Cluster
+from .ir.forms import G
+from .ir.graph import Graph
 from .plan import Plan, freeze_mapping
 from .synth.optimize import baseline_specs, fsdp_pins
 from .synth.search import NoProgramError

@@ -1,6 +1,6 @@
 """Run plans made for virtual devices on the physical GPUs: :func:`expand_virtual`.
 
-A virtual device (:class:`hapnb.cluster.Device` with ``gpus = k > 1``, see ``Cluster.virtual()``) stands
+A virtual device (:class:`hapnb.hardware.cluster.Device` with ``gpus = k > 1``, see ``Cluster.virtual()``) stands
 for one machine of ``k`` identical GPUs running data parallelism inside (paper §3, §6). The synthesized
 program is the same SPMD program on every rank, so a plan over virtual devices becomes an *equivalent*
 plan over the physical GPUs by cutting each virtual device's share of every sharded dim into ``k`` equal
@@ -35,9 +35,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .cluster import Cluster, Device
-from .forms import shard_lengths
-from .graph import Graph
+from .hardware.cluster import Cluster, Device
+from .ir.forms import shard_lengths
+from .ir.graph import Graph
 from .plan import Plan
 
 __all__ = ["ExpandError", "expand_cluster", "expand_virtual", "has_virtual", "physical_plan"]
@@ -193,7 +193,7 @@ def expand_virtual(
 
 
 def _dim(form: str) -> int:
-    from .forms import parse_form
+    from .ir.forms import parse_form
 
     f = parse_form(form.partition("@")[0])
     if f.kind != "G":

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster
-from .cost import Conversion, CostModel, Step
-from .forms import Form, parse_form
+from .cost.model import Conversion, CostModel, Step
+from .hardware.cluster import Cluster
+from .ir.forms import Form, parse_form
 from .synth.optimize import Round
 from .triples import Theory, coverage
 
@@ -67,7 +67,7 @@ def tuning_function(name: str) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class CommCost:
-    """One communication term of an instruction at the plan's ratios (a :class:`hapnb.cost.Term` priced):
+    """One communication term of an instruction at the plan's ratios (a :class:`hapnb.cost.model.Term` priced):
     ``forward_s`` + ``backward_s`` seconds (the backward's part runs in the backward pass); a gradient
     all-reduce of a replicated parameter has ``gradient`` set and its gradient's ``nbytes`` (for DDP
     bucketing). JSON: ``{"what", "kind", "forward_s", "backward_s"[, "gradient_bytes"]}``.
@@ -118,7 +118,7 @@ class Instruction:
 
     ``kind``: ``load`` (``tensor`` loaded in ``form``; ``name`` is ``load``, ``load_sfb``, or ``load_zero2`` /
     ``load_zero3`` for a parameter stored sharded in ``src`` (``G<d>``) and all-gathered to ``form`` ``I``
-    before use, see :class:`hapnb.cost.Load`),
+    before use, see :class:`hapnb.cost.model.Load`),
     ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
     ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
 
@@ -242,7 +242,7 @@ class Plan:
     options: tuple[tuple[str, Any], ...] = ()
     synthesis_s: float = 0.0
     graph: Any = field(default=None, compare=False, repr=False)
-    # per device: (category, bytes) pairs of the predicted peak (hapnb.cost.MEMORY_CATEGORIES)
+    # per device: (category, bytes) pairs of the predicted peak (hapnb.cost.memory.MEMORY_CATEGORIES)
     memory_breakdown: tuple[tuple[tuple[str, int], ...], ...] = ()
     #: HiDup's duplex schedule: the batch runs as two micro-batches, one computing while the other
     #: communicates, gradients accumulated before the update (``cost_s`` is then the duplex cost)
@@ -607,7 +607,7 @@ def make_plan(
     cost_model: CostModel | None = None,
 ) -> Plan:
     """Turn a searched program and its ratios into a :class:`Plan` (instructions, lengths, stages).
-    ``cost_model``: a :class:`~hapnb.cost.CostModel` of ``th`` on ``cluster`` to reuse (its caches), e.g.
+    ``cost_model``: a :class:`~hapnb.cost.model.CostModel` of ``th`` on ``cluster`` to reuse (its caches), e.g.
     when packaging several programs."""
     g = th.graph
     if cost_model is not None and (cost_model.theory is not th or cost_model.cluster != cluster):

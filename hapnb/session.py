@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import display
-from .cluster import Cluster, Collective, Device
-from .forms import Form, Storage, parse_pin
+from .hardware.cluster import Cluster, Collective, Device
+from .ir.forms import Form, Storage, parse_pin
 from .plan import Plan, freeze_mapping, make_plan
 from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
 from .synth.spec import pin_choices

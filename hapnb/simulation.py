@@ -19,7 +19,7 @@ Two modes (:func:`simulate`):
   - Backward: the steps in reverse order; a collective's backward runs after its consumer's backward and
     before its producer's; an SFB step's gathers run before the step's backward.
   - Gradients of replicated parameters are all-reduced on the gradient-comm stream in DDP buckets
-    (:func:`hapnb.cost.ddp_buckets`; ready in reverse order of first use), a bucket once every device
+    (:func:`hapnb.cost.model.ddp_buckets`; ready in reverse order of first use), a bucket once every device
     has all its gradients; a bucket costs the cluster's ``all_reduce`` ``latency + bytes/bandwidth``.
     Each device's optimizer step runs after the last bucket.
   - Comp-comm overlap (Proteus' overlap factor γ): a compute task runs at ``1/(1+γ)`` while any
@@ -51,8 +51,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import Cluster
-from .cost import ddp_buckets
+from .cost.model import ddp_buckets
+from .hardware.cluster import Cluster
 from .plan import CommCost, Plan
 
 __all__ = [
@@ -223,7 +223,7 @@ class Timeline:
 
 
 def _kinds(kind: str, n: int, on_compute: bool) -> tuple[tuple[str, int], tuple[str, int]]:
-    """The collective kinds and launches of a term's forward and backward part (cost.py's pricing)."""
+    """The collective kinds and launches of a term's forward and backward part (cost/model.py's pricing)."""
     if on_compute:  # SFB: all-gathers of the input and the output gradient
         return ("all_gather", 1), ("all_gather", 1)
     pair = {
@@ -444,7 +444,7 @@ def iteration_lower_bound(
     micro-batches each carry half of every step's computation and feature communication. 0 when a γ is
     negative (a rate above 1 would break the bound).
 
-    >>> from hapnb.cluster import Cluster
+    >>> from hapnb.hardware.cluster import Cluster
     >>> c = Cluster.resolve("2xV100")
     >>> round(iteration_lower_bound([(3e-3, 6e-3), (1e-3, 2e-3)], [], [], (0.0, 1e-3), c), 9)  # compute
     0.009

@@ -28,10 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import plan as plan_module
-from .cluster import Cluster
-from .cost import CostModel
-from .graph import Graph
-from .memory import largest_pieces
+from .cost.memory import largest_pieces
+from .cost.model import CostModel
+from .hardware.cluster import Cluster
+from .ir.graph import Graph
 from .plan import Plan, freeze_mapping, make_plan
 from .simulation import iteration_lower_bound, iteration_time
 from .synth.balance import solver_name
@@ -341,7 +341,7 @@ def replan(
     """``plan`` re-planned with its pins, ratio pins or cluster changed (``plan.replan``), reusing every
     search, LP and simulation whose inputs did not change (the plan's context's memo).
 
-    ``pins``: tensor -> form or parameter storage (``"zero3(0)"``, :class:`~hapnb.forms.FullShard`), merged
+    ``pins``: tensor -> form or parameter storage (``"zero3(0)"``, :class:`~hapnb.ir.forms.FullShard`), merged
     into the plan's pins (``None`` or ``"auto"`` removes a pin);
     ``ratio_pins``: device -> ratio or ``(lo, hi)``, merged into the plan's ratio pins (``None`` removes
     one); ``cluster``: another cluster (object, preset, JSON path or inline spec): ratio pins of devices it

@@ -1,13 +1,13 @@
 """The background theory: every Hoare triple the rules generate for one single-device program.
 
 A *property* ``(t, f)`` says a distributed tensor relates to reference tensor ``t`` by form ``f``
-(:mod:`hapnb.forms`). A triple ``{pre} instruction {post}`` says that running the instruction on every
+(:mod:`hapnb.ir.forms`). A triple ``{pre} instruction {post}`` says that running the instruction on every
 device when ``pre`` holds establishes ``post`` (paper §4.2). The theory holds three kinds of triples:
 
 * **compute**: one per (op, strategy) from :mod:`hapnb.rules`;
 * **load**: ``{} load {p:I}`` and ``{} load {p:G(d)}`` for parameters, buffers, constants and inputs, and
   for parameters ``{} load_zero2(G(d)) {p:I}`` / ``{} load_zero3(G(d)) {p:I}``: stored sharded on ``d``
-  (parameter, gradient and optimizer state) and all-gathered before use (:class:`hapnb.cost.Load`);
+  (parameter, gradient and optimizer state) and all-gathered before use (:class:`hapnb.cost.model.Load`);
 * **collective**: ``{G(d)} all_gather {I}`` (padded) and ``{G(d)} grouped_all_gather {I}``,
   ``{R} all_reduce {I}``, ``{R} reduce_scatter(d) {G(d)}`` (padded and grouped),
   ``{G(a)} all_to_all(a,b) {G(b)}``, ``{I} slice(d) {G(d)}`` (free), and for the loss ``{I} to_partial {R}``
@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .forms import Form, G, I, R, shard_lengths
-from .graph import Graph, Op, TensorRef
+from .ir.forms import Form, G, I, R, shard_lengths
+from .ir.graph import Graph, Op, TensorRef
 from .rules import RULE_SOURCES, Strategy
 
 __all__ = [

@@ -37,11 +37,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .cluster import Cluster, Collective
-from .cost import Conversion, CostModel, Load, Step
-from .forms import Form, Storage, parse_form, parse_pin
-from .graph import Graph
-from .memory import overflow
+from .cost.memory import overflow
+from .cost.model import Conversion, CostModel, Load, Step
+from .hardware.cluster import Cluster, Collective
+from .ir.forms import Form, Storage, parse_form, parse_pin
+from .ir.graph import Graph
 from .plan import Plan, tuning_function
 from .synth.balance import (
     MemoryCapError,

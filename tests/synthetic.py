@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from hapnb.cost import Load, Step
-from hapnb.forms import G, I, R
-from hapnb.graph import Graph, Op, TensorArg, TensorRef, fingerprint
+from hapnb.cost.model import Load, Step
+from hapnb.ir.forms import G, I, R
+from hapnb.ir.graph import Graph, Op, TensorArg, TensorRef, fingerprint
 from hapnb.rules import Strategy
 
 

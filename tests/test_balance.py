@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import synthetic as S
 
-from hapnb.cluster import Cluster
-from hapnb.cost import Conversion, CostModel, Load, Step
-from hapnb.forms import G, I, R
+from hapnb.cost.model import Conversion, CostModel, Load, Step
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import G, I, R
 from hapnb.rules import Strategy
 from hapnb.synth.balance import apply_ratio_pins, balance, parse_ratio_pins, solver_name
 from hapnb.triples import theory

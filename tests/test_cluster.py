@@ -1,4 +1,4 @@
-"""Tests for hapnb.cluster: devices, collectives, inline specs, presets, JSON, virtual devices."""
+"""Tests for hapnb.hardware.cluster: devices, collectives, inline specs, presets, JSON, virtual devices."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hapnb.cluster import (
+from hapnb.hardware.cluster import (
     COLLECTIVE_KINDS,
     DITTO_RELATIVE_THROUGHPUT,
     KINDS,
@@ -479,7 +479,7 @@ def test_documented_five_kind_json_loads_with_reduce_derived(tmp_path):
 
 @pytest.mark.parametrize("given", ["all_gather", "reduce_scatter", "all_reduce"])
 def test_every_kind_derives_from_one_base_kind(given):
-    from hapnb.cluster import DERIVED_COLLECTIVES, complete_collectives
+    from hapnb.hardware.cluster import DERIVED_COLLECTIVES, complete_collectives
 
     base = Collective(1e-5, 4e9)
     out = complete_collectives({given: base})
@@ -493,7 +493,7 @@ def test_every_kind_derives_from_one_base_kind(given):
 
 
 def test_given_kinds_win_over_derived_ones():
-    from hapnb.cluster import complete_collectives
+    from hapnb.hardware.cluster import complete_collectives
 
     given = {"all_gather": Collective(1e-5, 4e9), "broadcast": Collective(3e-6, 1e9)}
     out = complete_collectives(given)
@@ -504,7 +504,7 @@ def test_given_kinds_win_over_derived_ones():
 
 
 def test_h100_has_a_device_model_with_its_source_and_paper_kinds_stay_flops_only():
-    from hapnb.cluster import DEVICE_MODELS, KINDS
+    from hapnb.hardware.cluster import DEVICE_MODELS, KINDS
 
     for spec in ("1xH100", "h100", "h100x8"):
         c = Cluster.resolve(spec)
@@ -519,7 +519,7 @@ def test_h100_has_a_device_model_with_its_source_and_paper_kinds_stay_flops_only
 
 
 def test_device_model_json_round_trip_and_old_json_still_loads(tmp_path):
-    from hapnb.devices import DeviceModel
+    from hapnb.hardware.devices import DeviceModel
 
     c = Cluster.parse("2xH100")
     d = c.to_json()
@@ -542,8 +542,8 @@ def test_device_model_json_round_trip_and_old_json_still_loads(tmp_path):
 def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
     import dataclasses
 
-    from hapnb.cluster import DEVICE_MODELS
-    from hapnb.devices import DeviceModel
+    from hapnb.hardware.cluster import DEVICE_MODELS
+    from hapnb.hardware.devices import DeviceModel
 
     for m in DEVICE_MODELS.values():  # every shipped kind keeps today's pricing
         assert m.optimizer_per_tensor is False and m.vector_flops is None
@@ -576,8 +576,8 @@ def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
 
 
 def test_device_model_scan_conv_and_wave_fields_round_trip():
-    from hapnb.cluster import H100_MODEL
-    from hapnb.devices import DeviceModel
+    from hapnb.hardware.cluster import H100_MODEL
+    from hapnb.hardware.devices import DeviceModel
 
     new = dict(scan_flops=3e8, conv_eff=0.8, conv_half_flops=9e6, sm_count=132, gemm_tile=128)
     m = DeviceModel(5e12, 1e11, 1e-5, 0.7, 1e8, **new)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from hapnb import zoo
-from hapnb.cluster import Cluster
 from hapnb.codegen import (
     COLLECTIVE_FUNCTIONS,
     CodegenError,
@@ -23,7 +22,8 @@ from hapnb.codegen import (
     reference_module,
     reference_params,
 )
-from hapnb.forms import parse_form, shard_offsets
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import parse_form, shard_offsets
 from hapnb.plan import Instruction, Plan
 from hapnb.synthesis import synthesize
 from hapnb.triples import theory
@@ -148,7 +148,7 @@ def test_dropout_off_removes_randomness() -> None:
 
 def _synthetic_local(graph, op, strategy, ctx):
     """Localizer for tests/synthetic.py ops (mm, relu, add, sum): every strategy runs the plain op."""
-    from hapnb.graph import TensorArg
+    from hapnb.ir.graph import TensorArg
     from hapnb.rules import LocalCall
 
     fn = {"mm": torch.mm, "relu": torch.relu, "add": torch.add, "sum": torch.sum}[op.target]
@@ -275,7 +275,7 @@ def test_programs_make_their_tensors_where_they_are_moved() -> None:
 
 def test_the_graph_fingerprint_ignores_the_tracing_device() -> None:
     """A plan made from a model on the CPU fits the same model traced on a GPU."""
-    from hapnb.graph import fingerprint
+    from hapnb.ir.graph import fingerprint
 
     model, ids = _Positions(), torch.randint(0, 16, (4, 6))
     g = synthesize(model, "1xV100", example_inputs=(ids,), check_memory=False).graph

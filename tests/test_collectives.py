@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hapnb.collectives as C
-from hapnb.forms import shard_lengths, shard_offsets
+from hapnb.ir.forms import shard_lengths, shard_offsets
 
 F64 = torch.float64
 BASE = (4, 3, 2)  # full shape; the sharded dim's size is replaced by sum(lengths)

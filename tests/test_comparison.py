@@ -14,8 +14,8 @@ from torch import nn
 
 import hapnb as hap
 from hapnb import display
-from hapnb.cluster import Cluster
 from hapnb.comparison import STRATEGIES, expert_groups, pad_experts
+from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines import PipelinePlan, PipelineStage
 
 TINY_MLP = dict(layers=2, hidden=64, input=32, batch=16)

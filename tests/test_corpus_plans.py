@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import hapnb as hap
-from hapnb.cluster import Cluster
+from hapnb.hardware.cluster import Cluster
 from hapnb.tracing import resolve_model
 from hapnb.triples import theory
 

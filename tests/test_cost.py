@@ -9,9 +9,9 @@ import random
 import pytest
 import synthetic as S
 
-from hapnb.cluster import Cluster, Collective
-from hapnb.cost import Conversion, CostModel, Load, Step
-from hapnb.forms import G, I, R
+from hapnb.cost.model import Conversion, CostModel, Load, Step
+from hapnb.hardware.cluster import Cluster, Collective
+from hapnb.ir.forms import G, I, R
 from hapnb.triples import theory
 
 BATCH, DIMS = 64, (32, 16)
@@ -127,7 +127,7 @@ def test_memory_counts_parameter_state_and_local_shards(setup):
 
 
 def _model(**kw):
-    from hapnb.devices import DeviceModel
+    from hapnb.hardware.devices import DeviceModel
 
     base = dict(peak_flops=1e9, bandwidth_Bps=1e12, kernel_s=1e-5, matmul_eff=0.8, matmul_half_flops=1e4)
     return DeviceModel(**{**base, **kw}, source="test")
@@ -269,7 +269,7 @@ def _cluster_of(*models):
 
 
 def test_vector_flops_prices_only_the_vector_families_as_compute():
-    from hapnb.cost import MATMUL_FAMILIES, VECTOR_FAMILIES
+    from hapnb.cost.model import MATMUL_FAMILIES, VECTOR_FAMILIES
 
     g, th = _tiny_gpt()
     plain = _model(peak_flops=1e12, bandwidth_Bps=1e10, overlap=False)
@@ -328,7 +328,7 @@ def _factory(name: str, **options):
 
 
 def test_scan_flops_and_the_conv_curve_price_their_families_only():
-    from hapnb.devices import DeviceModel
+    from hapnb.hardware.devices import DeviceModel
 
     base = dict(peak_flops=1e11, bandwidth_Bps=1e13, overlap=False, vector_flops=1e9)
     for name, family, extra in (
@@ -368,7 +368,7 @@ def test_scan_flops_and_the_conv_curve_price_their_families_only():
 def test_gemm_dims_follow_the_sharded_dim_and_waves_price_the_reference_share():
     import torch
 
-    from hapnb.cost import gemm_dims
+    from hapnb.cost.model import gemm_dims
     from hapnb.tracing import trace
 
     g = trace(torch.nn.Linear(512, 768), (torch.randn(4, 64, 512),), loss=lambda o: o.sum())
@@ -392,7 +392,7 @@ def test_gemm_dims_follow_the_sharded_dim_and_waves_price_the_reference_share():
 
 
 def test_optimizer_per_tensor_charges_the_launches_per_local_parameter_tensor():
-    from hapnb.cost import Load, Step
+    from hapnb.cost.model import Load, Step
 
     g, th = _tiny_gpt()
     prog = []
@@ -437,8 +437,8 @@ def test_cpu_refinements_keep_comp_linear_equal_to_step_comp():
 
 
 def test_shipped_kinds_price_vector_ops_memory_bound_as_before():
-    from hapnb.cluster import DEVICE_MODELS
-    from hapnb.cost import VECTOR_FAMILIES
+    from hapnb.cost.model import VECTOR_FAMILIES
+    from hapnb.hardware.cluster import DEVICE_MODELS
 
     g, th = _tiny_gpt()
     h100 = DEVICE_MODELS["H100"]

@@ -12,8 +12,8 @@ import torch
 
 import hapnb as hap
 from hapnb import rules
-from hapnb.forms import G, I, R
-from hapnb.graph import Graph, Op, TensorArg, TensorRef
+from hapnb.ir.forms import G, I, R
+from hapnb.ir.graph import Graph, Op, TensorArg, TensorRef
 from hapnb.rules import discover as D
 
 

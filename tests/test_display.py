@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
 from hapnb import display as D  # noqa: E402
-from hapnb.cluster import Cluster  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
 from hapnb.synth.search import Search  # noqa: E402
 from hapnb.synthesis import synthesize  # noqa: E402

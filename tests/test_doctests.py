@@ -35,8 +35,8 @@ def test_the_library_has_runnable_examples() -> None:
         "hapnb",
         "hapnb.tracing",
         "hapnb.synthesis",
-        "hapnb.cluster",
-        "hapnb.forms",
+        "hapnb.hardware.cluster",
+        "hapnb.ir.forms",
         "hapnb.synth.balance",
     ):
         tests = doctest.DocTestFinder().find(importlib.import_module(name), name)

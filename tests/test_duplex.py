@@ -9,9 +9,9 @@ from test_search import all_programs, brute_force
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.cluster import Cluster, Collective
-from hapnb.cost import Conversion, CostModel, Load, Step
-from hapnb.forms import G, I
+from hapnb.cost.model import Conversion, CostModel, Load, Step
+from hapnb.hardware.cluster import Cluster, Collective
+from hapnb.ir.forms import G, I
 from hapnb.synth.balance import balance
 from hapnb.synth.duplex import duplex_cost, duplex_evaluate, feature_terms, next_psi, psi_phi
 from hapnb.synth.search import Search

@@ -20,7 +20,7 @@ VIRTUAL = "2xV100+2xP100"  # two machines of two GPUs: 2 virtual devices, 4 rank
 
 @pytest.fixture(scope="module")
 def virtual_plans() -> dict[str, Plan]:
-    from hapnb.cluster import Cluster
+    from hapnb.hardware.cluster import Cluster
 
     c = Cluster.parse(VIRTUAL).virtual()
     assert [d.gpus for d in c.devices] == [2, 2]
@@ -39,7 +39,7 @@ def _check_expansion(plan: Plan) -> Plan:
     """Ground truth for expand_virtual: devices, ratios and every cut, against the virtual plan."""
     from hapnb import theory
     from hapnb.expand import expand_virtual
-    from hapnb.forms import parse_form
+    from hapnb.ir.forms import parse_form
 
     e = expand_virtual(plan, plan.graph)
     vc, pc = plan.cluster, e.cluster

@@ -19,11 +19,11 @@ PACKAGES = {"hapnb": ROOT / "hapnb", "hapnb.widgets": ROOT / "widgets"}
 #: ``hapnb`` itself (the lazy public API) and ``__main__`` sit on top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("display",),  # renderers: a leaf that imports no other hapnb module
-    ("forms", "graph", "ops", "zoo"),  # values: forms, the graph IR, custom ops, model definitions
+    ("ir", "ops", "zoo"),  # values: forms and the graph IR, custom ops, model definitions
     ("rules",),
     ("tracing",),
     ("triples",),
-    ("devices", "cluster", "memory", "cost"),
+    ("hardware", "cost"),  # device models and clusters; the cost and memory models
     ("synth",),  # the search, its bounds and tables, memory pruning, the ratio LP, the Q/B loop, duplex
     ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
     ("expand", "bufferupdates", "codegen", "collectives", "run"),

@@ -1,4 +1,4 @@
-"""The saved-activation rules (hapnb.memory: SAVED_BY_NAME, storage(), saved_bytes) against ground truth:
+"""The saved-activation rules (hapnb.cost.memory: SAVED_BY_NAME, storage(), saved_bytes) against ground truth:
 the tensors PyTorch's autograd actually keeps for the backward of the same program
 (hapnb.run.profile.measure_saved_bytes: each storage once, parameters and inputs left out)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hapnb import zoo
-from hapnb.memory import saved_bytes, storage
+from hapnb.cost.memory import saved_bytes, storage
 from hapnb.run.profile import measure_saved_bytes
 from hapnb.tracing import trace
 

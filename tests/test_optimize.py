@@ -12,7 +12,7 @@ from hapnb import zoo
 def test_program_is_paired_with_ratios_optimised_for_it(name):
     """The Q/B loop returns a fixpoint: re-balancing the final program cannot improve it, and the plan
     costs exactly what the cost model says at its ratios."""
-    from hapnb.cost import CostModel
+    from hapnb.cost.model import CostModel
     from hapnb.plan import make_plan
     from hapnb.synth.balance import balance
     from hapnb.synth.optimize import optimize
@@ -31,7 +31,7 @@ def test_program_is_paired_with_ratios_optimised_for_it(name):
 def test_duplex_loop_returns_a_duplex_fixpoint():
     """optimize(duplex=True): the program is paired with the duplex LP's ratios for it, its cost is the
     duplex time there, and the duplex time never exceeds the plain loop's optimum."""
-    from hapnb.cost import CostModel
+    from hapnb.cost.model import CostModel
     from hapnb.synth.balance import balance
     from hapnb.synth.duplex import duplex_cost
     from hapnb.synth.optimize import optimize
@@ -54,7 +54,7 @@ def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pi
     """optimize answers a search from an earlier one at the same ratios when the earlier space contains it
     and its proven optimum keeps the new pins and options (_subsumes): the optimum is then the one a search
     of the smaller space finds (same cost); otherwise the search runs."""
-    from hapnb.forms import FullShard, G, I
+    from hapnb.ir.forms import FullShard, G, I
     from hapnb.synth.optimize import _dp_pins, _subsumes
     from hapnb.synth.search import Search
     from hapnb.tracing import zoo_graph

@@ -418,7 +418,7 @@ def test_launch_runs_a_duplex_plan_json(tp_plan: Plan, tmp_path) -> None:
 def test_verify_duplex_virtual_plan_with_segment_reshards() -> None:
     """Two machines of two GPUs (virtual devices, expanded to 4 ranks), per-layer segments: activations
     re-cut between segments (reshard, started async too) with odd cuts re-cut in proportion."""
-    from hapnb.cluster import Cluster
+    from hapnb.hardware.cluster import Cluster
 
     c = Cluster.parse("2xV100+2xP100").virtual()
     plan = synthesize(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hapnb.cluster import Cluster
+from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines import PipelinePlan, PipelineStage, is_pipeline_json
 from hapnb.plan import Plan
 

@@ -18,7 +18,7 @@ import torch
 import hapnb
 from hapnb import zoo
 from hapnb.cli import main
-from hapnb.cluster import Cluster
+from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines import PipelinePlan
 from hapnb.pipelines.costs import LayerCosts, UnitCost, find_units, layer_costs, model_costs
 from hapnb.pipelines.exhaustive import exhaustive

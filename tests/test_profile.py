@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hapnb.cli import main as cli_main
-from hapnb.cluster import COLLECTIVE_KINDS, Cluster, Collective
-from hapnb.devices import DeviceModel
+from hapnb.hardware.cluster import COLLECTIVE_KINDS, Cluster, Collective
+from hapnb.hardware.devices import DeviceModel
 from hapnb.run.profile import (
     ProfileError,
     fit_collective,
@@ -165,7 +165,7 @@ def test_profile_collectives_two_gloo_ranks() -> None:
     for kind, f in fits.items():
         assert f.latency_s >= 0 and 0 < f.bandwidth_Bps < math.inf, f
         assert len(f.points) == 3 and all(t > 0 for _, _, t in f.points)
-        # byte conventions of hapnb.cluster: full = n * shard bytes, n launches for grouped kinds
+        # byte conventions of hapnb.hardware.cluster: full = n * shard bytes, n launches for grouped kinds
         assert [x for x, _, _ in f.points] == [float(s) for s in sizes]
         assert {n for _, n, _ in f.points} == ({2} if kind in ("broadcast", "reduce") else {1})
     tiny = [("mlp", {"batch": 4, "hidden": 8, "input": 8, "layers": 1})]

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from hapnb import ops as hops
 from hapnb import rules
-from hapnb.forms import G, I, R, shard_lengths
-from hapnb.graph import Graph, Op, TensorArg, TensorRef
+from hapnb.ir.forms import G, I, R, shard_lengths
+from hapnb.ir.graph import Graph, Op, TensorArg, TensorRef
 from hapnb.rules.checker import _check_strategy, _class_lengths, _single_op
 from hapnb.rules.registry import _RULES, _Cand, _Rule
 

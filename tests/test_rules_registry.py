@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hapnb import rules
-from hapnb.forms import R
+from hapnb.ir.forms import R
 from hapnb.rules import registry
 from hapnb.rules.checker import _single_op
 from hapnb.rules.registry import _Cand, _register
@@ -215,7 +215,7 @@ def _is_module(name: str) -> bool:
 
 
 def test_rules_imports_only_point_down():
-    lower = {"hapnb.forms", "hapnb.graph", "hapnb.ops"}
+    lower = {"hapnb.ir.forms", "hapnb.ir.graph", "hapnb.ops"}
     family_modules = {m.__name__ for m in rules._FAMILY_MODULES}
     for path in RULES_DIR.glob("*.py"):
         name = f"hapnb.rules.{path.stem}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hapnb import rules
-from hapnb.forms import G, I, R, shard_lengths
+from hapnb.ir.forms import G, I, R, shard_lengths
 from hapnb.rules.checker import _check_strategy, _class_lengths, _single_op
 
 f64 = torch.float64

@@ -8,9 +8,9 @@ import math
 import pytest
 import synthetic as S
 
-from hapnb.cluster import Cluster
-from hapnb.cost import Conversion, CostModel, Load, Step
-from hapnb.forms import G, I, R
+from hapnb.cost.model import Conversion, CostModel, Load, Step
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import G, I, R
 from hapnb.synth.search import PinError, Search
 from hapnb.triples import LOADABLE_ROLES, theory
 

@@ -9,8 +9,8 @@ import pytest
 import synthetic as S
 from test_search import CLUSTERS, brute_force
 
-from hapnb.cluster import Cluster
-from hapnb.forms import G, I, R
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import G, I, R
 from hapnb.rules import Strategy
 from hapnb.synth import heuristic_rejoin as rejoin
 from hapnb.synth import heuristic_side

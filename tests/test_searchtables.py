@@ -9,9 +9,9 @@ import synthetic as S
 
 import hapnb
 import hapnb.synth.search as search_module
-from hapnb.cluster import Cluster
-from hapnb.cost import CostModel
-from hapnb.forms import FullShard, G, I
+from hapnb.cost.model import CostModel
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import FullShard, G, I
 from hapnb.synth.tables import entries_for, ratio_classes, theory_tables
 from hapnb.tracing import zoo_graph
 from hapnb.triples import theory

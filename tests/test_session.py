@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import synthetic  # noqa: E402
 
-from hapnb.cluster import Cluster  # noqa: E402
-from hapnb.forms import FullShard  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
+from hapnb.ir.forms import FullShard  # noqa: E402
 from hapnb.plan import Plan  # noqa: E402
 from hapnb.session import AUTO, JobState, PlanDiff, Progress, Session, UnknownPinError  # noqa: E402
 from hapnb.synth.search import PinError, Search  # noqa: E402

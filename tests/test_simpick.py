@@ -9,11 +9,11 @@ from test_search import all_programs
 
 import hapnb as hap
 from hapnb import synthesis, zoo
-from hapnb.cluster import Cluster
-from hapnb.cost import CostModel
-from hapnb.forms import FullShard, ShardGradOp
-from hapnb.memory import fits as memory_fits
-from hapnb.memory import memory_linear
+from hapnb.cost.memory import fits as memory_fits
+from hapnb.cost.memory import memory_linear
+from hapnb.cost.model import CostModel
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import FullShard, ShardGradOp
 from hapnb.simulation import iteration_time, plan_lower_bound
 from hapnb.synth.search import Search
 from hapnb.triples import theory

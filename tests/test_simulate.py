@@ -10,7 +10,7 @@ import pytest
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.cluster import Cluster, Collective
+from hapnb.hardware.cluster import Cluster, Collective
 from hapnb.plan import CommCost, Instruction, Plan, Stage
 from hapnb.simulation import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
 from hapnb.synthesis import baselines

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hapnb import rules
-from hapnb.graph import Graph, TensorArg, TraceError
+from hapnb.ir.graph import Graph, TensorArg, TraceError
 from hapnb.tracing import trace
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import synthetic as S
 
-from hapnb.forms import G, I, R, shard_lengths
+from hapnb.ir.forms import G, I, R, shard_lengths
 from hapnb.triples import COLLECTIVES, Theory, theory
 
 

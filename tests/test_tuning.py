@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from hapnb import zoo
-from hapnb.cluster import Cluster
-from hapnb.cost import CostModel
-from hapnb.forms import ShardGradOp
+from hapnb.cost.model import CostModel
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import ShardGradOp
 from hapnb.plan import Plan, make_plan
 from hapnb.synth.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.synth.search import PinError

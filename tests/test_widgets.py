@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 from hapnb.widgets import Explorer  # noqa: E402
 
-from hapnb.cluster import Cluster  # noqa: E402
+from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.synth.search import Search  # noqa: E402
 from hapnb.synthesis import synthesize  # noqa: E402
 from hapnb.triples import theory  # noqa: E402

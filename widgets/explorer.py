@@ -58,8 +58,8 @@ from typing import Any
 import ipywidgets as W
 
 from hapnb import display
-from hapnb.cluster import PRESETS, Cluster
-from hapnb.forms import Form
+from hapnb.hardware.cluster import PRESETS, Cluster
+from hapnb.ir.forms import Form
 from hapnb.plan import Plan
 from hapnb.session import AUTO, JobState, Progress, Session
 from hapnb.synth.search import Search, SearchEvent, SearchNode

@@ -105,7 +105,7 @@ def short_target(target: str) -> str:
 def form_text(form: Any, words: bool = False) -> str:
     """A form in math notation: ``G(0)``, ``I``, ``R``; with ``words`` the paper's All-Gather(0)/...
 
-    Accepts a :class:`~hapnb.forms.Form` (anything with ``kind`` and ``dim``) or its string (``"G0"``,
+    Accepts a :class:`~hapnb.ir.forms.Form` (anything with ``kind`` and ``dim``) or its string (``"G0"``,
     ``"G(0)"``, ``"I"``, ``"R"``; a ``@segment`` suffix is ignored).
 
     >>> form_text("G1"), form_text("R", words=True), form_text("G(0)@2", words=True)

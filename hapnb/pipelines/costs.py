@@ -1,7 +1,7 @@
 """Layer costs for pipeline planning (issue 11, Ditto §5.1): the model cut into *units* at module
 boundaries of its repeated blocks, and each unit's forward and backward time per device kind, its
 parameters, the activations it keeps for the backward and the bytes that cross each cut, all read off
-hapnb's one cost model (:class:`hapnb.cost.CostModel`), never a second one.
+hapnb's one cost model (:class:`hapnb.cost.model.CostModel`), never a second one.
 
 * **Units** (:func:`find_units`): the traced ops carry their module path. The container whose indexed
   children (``blocks.0``, ``blocks.1``, ...) cover the most indices is the model's stack of repeated
@@ -25,7 +25,7 @@ identical is traced with two blocks and the block unit repeated to the requested
 (the two traced blocks must price identically, or the full model is traced), and saves materializing e.g.
 GPT-2 XL's 1.6 B weights. :data:`MODEL_PRESETS` names such configurations (``gpt2-xl``).
 
->>> from hapnb.cluster import Cluster
+>>> from hapnb.hardware.cluster import Cluster
 >>> lc = model_costs("gpt", Cluster.parse("2xV100"), micro_batch=2, layers=3, hidden=32, heads=4, seq=8,
 ...                  vocab=64)
 >>> lc.names[:2], lc.names[-1], len(lc)
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..cluster import Cluster, Device
-from ..cost import CostModel, Step
-from ..graph import Graph
+from ..cost.model import CostModel, Step
+from ..hardware.cluster import Cluster, Device
+from ..ir.graph import Graph
 from ..triples import Theory, theory
 
 __all__ = [

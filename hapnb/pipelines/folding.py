@@ -18,7 +18,7 @@ class i then counts as ``d_i`` weakest devices:
 The folded cluster has ``S = sum_i N_i d_i`` virtual devices (``N_i`` devices of class i) in nodes of the
 weakest class's ``M``.
 
->>> from hapnb.cluster import Cluster
+>>> from hapnb.hardware.cluster import Cluster
 >>> from hapnb.pipelines.costs import model_costs
 >>> c = Cluster.preset("ditto-ex1")
 >>> lc = model_costs("gpt", c, micro_batch=2, layers=4, hidden=32, heads=4, seq=8, vocab=64)
@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..cluster import Cluster
+from ..hardware.cluster import Cluster
 from .costs import LayerCosts
 from .timing import DeviceClass, device_classes
 

@@ -22,7 +22,7 @@ JSON (``"kind": "pipeline"`` tells it from an SPMD plan, which has no ``kind``):
 * ``forward_s``/``backward_s``: the predicted time of one micro-batch through the stage (its slowest
   device, communication between stages excluded); ``memory_bytes``: predicted peak per stage device.
 
->>> from hapnb.cluster import Cluster
+>>> from hapnb.hardware.cluster import Cluster
 >>> c = Cluster.parse("2xV100")
 >>> p = PipelinePlan(name="demo", model=(("name", "gpt"),), cluster=c, units=("(input)", "blocks.0", "blocks.1"),
 ...     stages=(PipelineStage(0, (0, 2), ("v100-0",)), PipelineStage(1, (2, 3), ("v100-1",))),
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cluster import Cluster
+from ..hardware.cluster import Cluster
 from ..plan import load_json, save_json
 
 __all__ = [

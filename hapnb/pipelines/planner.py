@@ -20,8 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..cluster import Cluster
-from ..graph import Graph
+from ..hardware.cluster import Cluster
+from ..ir.graph import Graph
 from .costs import LayerCosts, layer_costs, model_costs
 from .exhaustive import ExhaustiveResult, exhaustive
 from .folding import fold

@@ -8,7 +8,7 @@ schedule's steady state and tail need, stages so far), so the optimum of the non
 exact. Every device is used; a stage gets at most one node's devices (Oobleck) and at most one device per
 sample of the micro-batch.
 
->>> from hapnb.cluster import Cluster
+>>> from hapnb.hardware.cluster import Cluster
 >>> from hapnb.pipelines.costs import model_costs
 >>> from hapnb.pipelines.timing import Pricer
 >>> c = Cluster.parse("4xV100")

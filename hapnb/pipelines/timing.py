@@ -41,7 +41,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..cluster import Cluster, Device, DeviceModel
+from ..hardware.cluster import Cluster, Device, DeviceModel
 from .costs import LayerCosts, kind_keys
 
 __all__ = [

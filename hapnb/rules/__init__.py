@@ -1,6 +1,6 @@
 """Per-op sharding rules: which forms an op accepts and produces, its flops, and how it runs locally.
 
-A rule turns one traced :class:`~hapnb.graph.Op` into its :class:`Strategy` list (the op's Hoare
+A rule turns one traced :class:`~hapnb.ir.graph.Op` into its :class:`Strategy` list (the op's Hoare
 triples ``{inputs} op {outputs}``) and, for a chosen strategy, into the :class:`LocalCall` every rank
 runs on its local tensors. Ops without a hand rule get the strategies ground truth confirms
 (:mod:`.discover`; :func:`rule_source` says which) and always the replicated one (all inputs ``I``).

@@ -8,8 +8,8 @@ Flops: ``2*B*H*L*S*(E+Ev)`` for the two products plus ``5*B*H*L*S`` for scale an
 
 from __future__ import annotations
 
-from ..forms import Form, G, I
-from ..graph import Graph, Op, TensorArg
+from ..ir.forms import Form, G, I
+from ..ir.graph import Graph, Op, TensorArg
 from .registry import _arg, _Cand, _numel, _register, _tin
 
 

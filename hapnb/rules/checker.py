@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..forms import shard_lengths, shard_offsets
-from ..graph import Graph, Op, TensorArg, TensorRef
+from ..ir.forms import shard_lengths, shard_offsets
+from ..ir.graph import Graph, Op, TensorArg, TensorRef
 from . import registry
 from .discover import cached as _discovered
 from .discover import rebuild as _rebuild
@@ -124,7 +124,7 @@ def _single_op(target: str, args: tuple, kwargs: dict) -> tuple[Graph, Op, list[
     """A one-op Graph for ``target(*args, **kwargs)`` with real tensors as its inputs."""
     import torch
 
-    from ..graph import normalize_args as _normalize
+    from ..ir.graph import normalize_args as _normalize
 
     fn = _aten(target)
     args, kwargs = _normalize(fn, tuple(args), dict(kwargs))

@@ -10,8 +10,8 @@ Spatial dims are never sharded, so padding needs no halo exchange. Conv flops:
 
 from __future__ import annotations
 
-from ..forms import G, I, R
-from ..graph import Graph, Op
+from ..ir.forms import G, I, R
+from ..ir.graph import Graph, Op
 from .registry import (
     LocalCall,
     LocalContext,

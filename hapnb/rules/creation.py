@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..forms import G, I, R
-from ..graph import Graph, Op
+from ..ir.forms import G, I, R
+from ..ir.graph import Graph, Op
 from .registry import (
     LocalCall,
     LocalContext,

@@ -56,8 +56,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..forms import Form, G, I, R, parse_form
-from ..graph import Graph, Op, TensorArg, map_args
+from ..ir.forms import Form, G, I, R, parse_form
+from ..ir.graph import Graph, Op, TensorArg, map_args
 from .cachedir import cache_root
 from .registry import _RULES, LocalCall, _aten, _Cand, _set_fallback, _short
 from .truth import close, outputs_of, reassembles, split_input

@@ -19,8 +19,8 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..forms import Form, G, I, R
-from ..graph import Graph, Op
+from ..ir.forms import Form, G, I, R
+from ..ir.graph import Graph, Op
 from .registry import (
     Flops,
     LocalCall,

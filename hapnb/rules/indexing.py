@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..forms import Form, G, I, R
-from ..graph import Graph, Op, TensorArg
+from ..ir.forms import Form, G, I, R
+from ..ir.graph import Graph, Op, TensorArg
 from .registry import _Cand, _is_float, _ndim_dim, _register, _register_samples, _tin
 from .truth import sample as _t
 

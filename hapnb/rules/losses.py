@@ -9,8 +9,8 @@ single-device loss exactly (the gradient semantics of docs/architecture.md §5).
 
 from __future__ import annotations
 
-from ..forms import G, I, R
-from ..graph import Graph, Op
+from ..ir.forms import G, I, R
+from ..ir.graph import Graph, Op
 from .registry import LocalCall, LocalContext, Strategy, _arg, _Cand, _default_local, _numel, _register, _tin
 
 

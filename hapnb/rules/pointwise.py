@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..forms import G, I, R
-from ..graph import Graph, Op, TensorArg
+from ..ir.forms import G, I, R
+from ..ir.graph import Graph, Op, TensorArg
 from .registry import (
     LocalCall,
     LocalContext,

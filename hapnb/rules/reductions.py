@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..forms import G, R
-from ..graph import Graph, Op
+from ..ir.forms import G, R
+from ..ir.graph import Graph, Op
 from .registry import (
     LocalCall,
     LocalContext,

@@ -1,7 +1,7 @@
 """The rule registry: strategy types, the op-target -> rule table, flop formulas, and the lookups.
 
 This is the bottom of :mod:`hapnb.rules`; every family module registers its table here and nothing
-here imports a family. A *rule* turns one traced :class:`~hapnb.graph.Op` into its :class:`Strategy`
+here imports a family. A *rule* turns one traced :class:`~hapnb.ir.graph.Op` into its :class:`Strategy`
 list (the op's Hoare triples ``{inputs} op {outputs}``) and, for a chosen strategy, into the
 :class:`LocalCall` every rank runs on its local tensors. Ops without a hand rule run replicated, plus
 whatever the fallback provider (rule discovery, :mod:`.discover`, installed through :func:`_set_fallback`
@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..forms import Form, I, shard_offsets
-from ..graph import Graph, Op, TensorArg, TensorRef, map_args
+from ..ir.forms import Form, I, shard_offsets
+from ..ir.graph import Graph, Op, TensorArg, TensorRef, map_args
 
 __all__ = [
     "Strategy",

@@ -10,7 +10,7 @@ Layering inside :mod:`hapnb.rules`: :mod:`.registry` (bottom) <- this module <- 
   have its rank's length), ``R`` sums them, ``I`` needs every rank's part equal to the full result.
 
 >>> import torch
->>> from hapnb.forms import G
+>>> from hapnb.ir.forms import G
 >>> x = torch.arange(6.0).reshape(3, 2)
 >>> parts = split_input(x, G(0), 0, lambda t, d: (2, 0, 1), 3, torch.Generator().manual_seed(0))
 >>> [tuple(p.shape) for p in parts], reassembles(parts, x, G(0), (2, 0, 1))
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..forms import Form, shard_offsets
-from ..graph import Op
+from ..ir.forms import Form, shard_offsets
+from ..ir.graph import Op
 
 __all__ = ["close", "split_input", "outputs_of", "reassembles"]
 

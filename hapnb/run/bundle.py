@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..graph import Graph
+from ..ir.graph import Graph
 from ..plan import Plan
 
 __all__ = [

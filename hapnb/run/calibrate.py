@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cluster import Cluster
+from ..hardware.cluster import Cluster
 from ..plan import Plan
 from .launch import DEFAULT_WORKER, LaunchError, launch, step_times
 
@@ -202,7 +202,7 @@ def calibrate_launch(
 # ``step_s_median`` (seconds), optional ``peak_mem_bytes``, and the model options (``layers``, ``hidden``,
 # ``seq``, ``batch``, and optionally ``model`` = a zoo name, default ``lm``; top-level ``model.vocab`` is
 # passed on). Every run is traced once; for one device the cost model's time is a closed form of the
-# per-op features (kernels, flops, bytes, matmul-ness) that :class:`~hapnb.cost.CostModel` reads, so the
+# per-op features (kernels, flops, bytes, matmul-ness) that :class:`~hapnb.cost.model.CostModel` reads, so the
 # fit evaluates it vectorised (numpy) and a test checks it against ``hapnb.synthesize(...).cost_s``.
 
 #: The device-model parameters the fit moves (peak_flops, bandwidth_Bps and optimizer_passes stay as given).
@@ -229,12 +229,12 @@ class RunFeatures:
     param_bytes: float
     raw_memory: float  # predicted peak without allocator overhead
     params: int
-    #: per op, its GEMM's (batch, M, N, K) (:func:`hapnb.cost.gemm_dims`) or None: wave quantization
+    #: per op, its GEMM's (batch, M, N, K) (:func:`hapnb.cost.model.gemm_dims`) or None: wave quantization
     gemm: tuple[tuple[float, float, float, float] | None, ...] | None = None
 
 
 def _single_device_program(th: Any) -> list[Any]:
-    from ..cost import Load, Step
+    from ..cost.model import Load, Step
 
     g = th.graph
     loaded: set[int] = set()
@@ -255,8 +255,8 @@ def run_features(run: Mapping[str, Any], defaults: Mapping[str, Any] | None = No
     import numpy as np
 
     from .. import zoo
-    from ..cost import MATMUL_FAMILIES, CostModel, gemm_dims
-    from ..devices import DeviceModel
+    from ..cost.model import MATMUL_FAMILIES, CostModel, gemm_dims
+    from ..hardware.devices import DeviceModel
     from ..tracing import trace
     from ..triples import theory
 
@@ -494,7 +494,7 @@ class FitReport:
 
 
 def _known_kinds() -> Mapping[str, Any]:
-    from ..cluster import KINDS
+    from ..hardware.cluster import KINDS
 
     return KINDS
 
@@ -506,7 +506,7 @@ SHIPPED = "shipped"
 def shipped_runs() -> Path:
     """The runs file that ships with hapnb as package data (hapnb/data/h100-lm-steps.json, found through
     ``importlib.resources``): the 12 measured H100 steps that the shipped ``H100`` device model
-    (:data:`hapnb.cluster.H100_MODEL`) is fitted to; hapnb/data/README.md describes it."""
+    (:data:`hapnb.hardware.cluster.H100_MODEL`) is fitted to; hapnb/data/README.md describes it."""
     from importlib import resources
 
     return Path(str(resources.files("hapnb") / "data" / "h100-lm-steps.json"))
@@ -544,8 +544,8 @@ def fit_device_model(
     or a runs file's parsed JSON): the free parameters (:data:`FIT_PARAMETERS`) on the step times, the
     allocator overhead on the peak memory; with ``loo``, every run is also predicted by a fit on the
     others (leave-one-out)."""
-    from ..cluster import DEVICE_MODELS, KINDS
-    from ..devices import DeviceModel
+    from ..hardware.cluster import DEVICE_MODELS, KINDS
+    from ..hardware.devices import DeviceModel
 
     data = measured if isinstance(measured, Mapping) else load_measured(measured)
     if kind not in KINDS:

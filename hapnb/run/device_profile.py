@@ -1,4 +1,4 @@
-"""Measure the local device's roofline model (:class:`~hapnb.devices.DeviceModel`), for ``hapnb profile``.
+"""Measure the local device's roofline model (:class:`~hapnb.hardware.devices.DeviceModel`), for ``hapnb profile``.
 
 :func:`profile_device_model` times small probes on the device, in the cost model's own units: square
 ``mm``/``addmm`` for the peak, chains of Linear layers and of 3x3 convolutions for the matmul and conv
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost import FAMILY_KERNELS
-from ..devices import DeviceModel
+from ..cost.model import FAMILY_KERNELS
+from ..hardware.devices import DeviceModel
 
 __all__ = [
     "BANDWIDTH_ELEMENTS",
@@ -65,7 +65,7 @@ BANDWIDTH_ELEMENTS: Mapping[tuple[str, bool], int] = {
 
 @dataclass(frozen=True)
 class DeviceModelProfile:
-    """What :func:`profile_device_model` measured: the :class:`~hapnb.devices.DeviceModel` and the raw
+    """What :func:`profile_device_model` measured: the :class:`~hapnb.hardware.devices.DeviceModel` and the raw
     timings it was fitted from (``matmul``: (flops, seconds) per ``mm``/``addmm`` call; ``linear``:
     (forward flops, seconds / 3) of a Linear forward + backward; ``kernel_s``: per kernel of a
     fwd+bwd chain of one-element ops; ``bandwidth``: (bytes, seconds) of ``c = a + b``; ``attention``:
@@ -196,7 +196,7 @@ def profile_device_model(
     stat: str = "min",
     clock: str | None = None,
 ) -> DeviceModelProfile:
-    """Measure the local device's :class:`~hapnb.devices.DeviceModel` parameters (``device``: "cpu",
+    """Measure the local device's :class:`~hapnb.hardware.devices.DeviceModel` parameters (``device``: "cpu",
     "cuda", "cuda:1" or None = CUDA when available; ``threads``: torch threads on CPU, default unchanged).
 
     * ``peak_flops``: the best rate of ``torch.mm`` / ``torch.addmm`` of ``n x n`` matrices (``sizes``,

@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 
 from .. import collectives as C
-from ..forms import parse_form, shard_lengths, shard_offsets
-from ..graph import Graph
+from ..ir.forms import parse_form, shard_lengths, shard_offsets
+from ..ir.graph import Graph
 
 __all__ = [
     "DuplexError",

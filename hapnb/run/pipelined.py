@@ -26,7 +26,7 @@ What hapnb adds (:mod:`hapnb.run.pipestage`)
   stage reads (the targets of the loss) are given to it directly from its own copy of the batch.
 * **Data parallelism inside a stage.** The library's schedules drive one rank per stage, so a stage with
   several devices shows the library only its leader (its first device with rows). Each micro-batch's
-  samples are cut by the stage's ``shares`` into whole rows (:func:`hapnb.forms.shard_lengths`: floor,
+  samples are cut by the stage's ``shares`` into whole rows (:func:`hapnb.ir.forms.shard_lengths`: floor,
   then +1 to the largest deficit); through two autograd functions the leader sends every other device
   its rows, computes its own meanwhile and gathers their outputs in device order (backward: their
   output gradients out, their input gradients back, their backward beside the leader's); the other
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..forms import shard_lengths
+from ..ir.forms import shard_lengths
 from ..pipelines import PipelinePlan
 from .pipestage import PipelineError, Split, check_units, split_model
 from .supervisor import Outcome, run_local
@@ -93,7 +93,7 @@ class Role:
     with ``rows`` rows of every micro-batch each; the stage's ``leader`` (an index) is its first device
     with rows.
 
-    >>> from hapnb.cluster import Cluster
+    >>> from hapnb.hardware.cluster import Cluster
     >>> from hapnb.pipelines import PipelinePlan, PipelineStage
     >>> p = PipelinePlan("p", (), Cluster.parse("3xV100"), ("(input)", "a", "b"),
     ...     (PipelineStage(0, (0, 2), ("v100-0",)), PipelineStage(1, (2, 3), ("v100-1", "v100-2"), (0.7, 0.3))),
@@ -151,7 +151,7 @@ def manual_plan(
     >>> p.split_points(), p.devices, p.micro_batch_size
     (('blocks.1',), ('v100-0', 'v100-1', 'v100-2'), 4)
     """
-    from ..cluster import Cluster
+    from ..hardware.cluster import Cluster
     from ..pipelines import PipelineStage
 
     n = sum(len(sh) for _, _, sh in stages)

@@ -1,6 +1,6 @@
 """Profile this machine into a cluster JSON, and calibrate the cost model against a real run.
 
-``hapnb profile`` measures what :mod:`hapnb.cluster` needs, in the cost model's own units:
+``hapnb profile`` measures what :mod:`hapnb.hardware.cluster` needs, in the cost model's own units:
 
 * **Device throughput** (:func:`profile_devices`): a fixed benchmark (a few Linear layers, the zoo's
   ``mlp``, and a small transformer block, the zoo's ``gpt``) runs forward + backward + SGD steps; the
@@ -9,7 +9,7 @@
   model charges (backward = 2x forward; paper §3.2, hap-reference §3.2). The result is an *effective*
   throughput: the cost model's flops divided by real time, not the hardware's peak.
 * **Device model** (:func:`profile_device_model`, in :mod:`hapnb.run.device_profile`): the roofline
-  parameters of :class:`~hapnb.devices.DeviceModel` (matmul and conv efficiency curves over sizes,
+  parameters of :class:`~hapnb.hardware.devices.DeviceModel` (matmul and conv efficiency curves over sizes,
   memory bandwidth, per-kernel overhead, attention efficiency, Adam step; on a CPU the vector, pooling
   and scan rates and Adam per parameter tensor), fitted with numpy (:func:`fit_matmul_curve`); its
   ``source`` names the device, the threads and clock, the date and the torch version.
@@ -17,7 +17,7 @@
   each collective kind at several sizes (barrier before each call, median over repeats of the slowest
   rank's time) with the same torch.distributed calls the runtime makes, and :func:`fit_collective`
   fits ``launches * latency_s + nbytes / bandwidth_Bps`` by least squares, where ``nbytes`` and
-  ``launches`` follow :mod:`hapnb.cluster`'s conventions exactly (``full`` = the whole tensor, ``n``
+  ``launches`` follow :mod:`hapnb.hardware.cluster`'s conventions exactly (``full`` = the whole tensor, ``n``
   ranks, each holding a shard of ``full / n``):
 
   ==================  =======================================  ==================  ==========
@@ -35,7 +35,7 @@
   a matmul loop while an all-reduce loop runs beside it (a thread of rank 0 and rank 1, gloo on CPU,
   NCCL on GPUs), ``min time beside / min time alone - 1`` (``DeviceModel.overlap_slowdown``, read by
   :mod:`hapnb.simulation`).
-* :func:`profile_cluster` combines them into a :class:`~hapnb.cluster.Cluster` (devices ``cpu-0``, ...
+* :func:`profile_cluster` combines them into a :class:`~hapnb.hardware.cluster.Cluster` (devices ``cpu-0``, ...
   or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
 
 Calibration against a real run is :mod:`hapnb.run.calibrate`.
@@ -59,8 +59,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
-from ..devices import DeviceModel
+from ..hardware.cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+from ..hardware.devices import DeviceModel
 from .device_profile import (
     BANDWIDTH_ELEMENTS,
     CLOCKS,
@@ -151,7 +151,7 @@ def training_flops(model: Any, inputs: Sequence[Any]) -> float:
 def measure_saved_bytes(model: Any, inputs: Sequence[Any]) -> int:
     """Bytes autograd keeps for the backward of one training forward of ``model(*inputs)`` (a scalar loss):
     every tensor saved by a node of the autograd graph, each storage once, parameters, buffers and the
-    inputs left out (the memory model counts them apart) — the ground truth of :func:`hapnb.memory.saved_bytes`."""
+    inputs left out (the memory model counts them apart) — the ground truth of :func:`hapnb.cost.memory.saved_bytes`."""
     import torch
 
     if hasattr(model, "train"):
@@ -685,7 +685,7 @@ def profile_cluster(
 
     Defaults: all visible GPUs with NCCL, else 2 CPU ranks with gloo. The cluster's
     ``intra_machine_Bps`` is the measured all-reduce bandwidth. With ``device_model`` (default) every
-    device carries its measured :class:`~hapnb.devices.DeviceModel` (JSON key ``model``), so the cost
+    device carries its measured :class:`~hapnb.hardware.devices.DeviceModel` (JSON key ``model``), so the cost
     model prices it as a roofline; ``threads``: torch threads per CPU rank (default cores / nproc).
     With ``overlap_slowdown`` (and ``device_model``) the models also carry the measured γ
     (:func:`profile_overlap_slowdown`; on CUDA only with 2 or more GPUs).

@@ -30,7 +30,7 @@ import torch
 
 from ..codegen import generate, program_weights, reference_module, reference_params
 from ..expand import expand_virtual, has_virtual
-from ..graph import Graph
+from ..ir.graph import Graph
 from ..pipelines import PipelinePlan
 from ..plan import Plan
 from ..tracing import module_path

@@ -42,9 +42,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster import Cluster
-from ..cost import CostModel, Step
-from ..memory import MemoryLinear, lean_linear, memory_linear
+from ..cost.memory import MemoryLinear, lean_linear, memory_linear
+from ..cost.model import CostModel, Step
+from ..hardware.cluster import Cluster
 from .duplex import duplex_cost, duplex_stages, feature_terms, gradient_terms
 
 __all__ = [
@@ -243,7 +243,7 @@ def ratio_lp(
     """Build the ratio LP of ``program`` under the cost model ``cm`` (see the module docstring).
     ``unit`` (duplex only): the objective's units per second; default: one over the duplex time at
     throughput-proportional ratios (pass the base LP's ``unit`` to compare a perturbed LP with it).
-    ``memory`` (the program's :func:`hapnb.memory.memory_linear`): every device's memory caps the ratios,
+    ``memory`` (the program's :func:`hapnb.cost.memory.memory_linear`): every device's memory caps the ratios,
     less ``memory_slack[j]`` bytes (rows ``mem_opt_j`` and ``mem_bwd_j``, see :func:`balance_in_memory`).
     ``symmetric``: identical devices (:func:`device_classes`) share one ratio variable and one row per
     constraint (one segment, no duplex, no ratio pins): the LP is convex and symmetric in them, so some
@@ -656,7 +656,7 @@ def memory_lp(
     symmetric: bool = True,
 ) -> tuple[RatioLP, LPSolution]:
     """The ratio LP with every device's memory capped (:func:`ratio_lp` ``memory=``), solved: the two
-    phases of :mod:`hapnb.memory` (backward and optimizer step) as linear constraints on the ratios (a
+    phases of :mod:`hapnb.cost.memory` (backward and optimizer step) as linear constraints on the ratios (a
     G-form tensor's local bytes are its bytes times the device's ratio; the largest output through one
     epigraph variable per device). Integer shard lengths can round a shard up, so a device whose exact
     peak (:meth:`CostModel.memory`) still exceeds its memory gets its cap lowered by that excess and the LP
@@ -698,7 +698,7 @@ def balance_in_memory(
 
 
 def _memory_caps(prob, cm: CostModel, ml: MemoryLinear, r, slack: Sequence[float]) -> None:  # noqa: ANN001
-    """Each device's peak (both phases, :func:`hapnb.memory.peak_raw`) at most its memory, in GiB."""
+    """Each device's peak (both phases, :func:`hapnb.cost.memory.peak_raw`) at most its memory, in GiB."""
     import pulp
 
     gib = 2.0**30
@@ -735,7 +735,7 @@ def memory_start_ratios(
     start: Sequence[float] | None = None,
 ) -> tuple[float, ...] | None:
     """Ratios ``start`` (default throughput-proportional) moved so that a lean program
-    (:func:`hapnb.memory.lean_linear`) takes at most ``margin`` of every device's memory: each device's
+    (:func:`hapnb.cost.memory.lean_linear`) takes at most ``margin`` of every device's memory: each device's
     ratio is capped where its lean peak reaches that, the rest spread in proportion to ``start``
     (:func:`apply_ratio_pins`); unchanged where no cap binds. The memory-aware search starts there (a
     search at ratios where not even a lean program fits would only prove that slowly). None when even the

@@ -24,7 +24,7 @@ HiDup §3.2), and not overlapped with any computation:
 So ``duplex time = ψ_m + gradient syncs + max_j inner_j + max_j optimizer_j``. Stages: a step whose
 feature communication takes time starts a stage (a step that only syncs gradients does not: its sync is
 moved to the end). On flops-only devices the duplex time never exceeds the plain
-:meth:`~hapnb.cost.CostModel.evaluate` time of the same program: ``ψ_m <= sum_i 2 (c_i + p_i)``, the
+:meth:`~hapnb.cost.model.CostModel.evaluate` time of the same program: ``ψ_m <= sum_i 2 (c_i + p_i)``, the
 plain stage sum, and the gradient syncs cost the same; without feature communication they are equal
 when the same device is the slowest in every plain stage (e.g. on one device). With device models or
 virtual devices the duplex can cost more: the plain model lets a device's optimizer step or inner sync
@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost import CostModel, Step, Term
+from ..cost.model import CostModel, Step, Term
 
 __all__ = [
     "DuplexStage",

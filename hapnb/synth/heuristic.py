@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..cost import Conversion
-from ..forms import Form
+from ..cost.model import Conversion
+from ..ir.forms import Form
 from ..triples import LOADABLE_ROLES
 
 __all__ = ["CONVERSIONS", "spine_bound", "spine_path", "spine_value"]

@@ -1,13 +1,13 @@
 """Memory in the search (:class:`MemoryTracker`): prune partial programs that cannot fit, and decide at the
 end how each replicated-use parameter is stored: replicated, ZeRO-2 or ZeRO-3.
 
-With ``Search(..., memory=True)`` every node carries, per device, the parts of :mod:`hapnb.memory` of its
+With ``Search(..., memory=True)`` every node carries, per device, the parts of :mod:`hapnb.cost.memory` of its
 prefix (P, In, A, L, F, X as a ``(6, n)`` array), the live saved-for-backward keys (a bit mask: an activation
 saved twice in one form counts once) and its *deferred* parameters (a bit mask).
 
 * **Deferred storage.** A parameter a strategy uses replicated (``I``, not SFB) can be kept replicated (its
   gradient all-reduced), ZeRO-2 or ZeRO-3 (sharded on ``G(d*)``, the dim with the smallest largest shard;
-  see :class:`hapnb.cost.Load`). The choice changes neither the properties nor the stages (all three
+  see :class:`hapnb.cost.model.Load`). The choice changes neither the properties nor the stages (all three
   communicate), only an additive communication term and the memory, so the search appends a deferred load
   (``zero=-1``) charged at the *lean* price: the cheapest option's communication and, in every memory part,
   the least any option takes (the shard in P, nothing in A and F). Both are lower bounds of every option.
@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from ..cost import Load
-from ..forms import Form, I
-from ..memory import _PART_OF, _PARTS, load_pieces, op_pieces, saved_key, storage
+from ..cost.memory import _PART_OF, _PARTS, load_pieces, op_pieces, saved_key, storage
+from ..cost.model import Load
+from ..ir.forms import Form, I
 from .balance import _quiet_stdout, _solver
 
 __all__ = ["MemoryTracker", "MemState"]
@@ -97,7 +97,7 @@ class MemoryTracker:
         return v
 
     def pieces(self, pos: int, strategy: Any) -> list[Any]:
-        """:func:`hapnb.memory.op_pieces` of op ``pos`` under ``strategy`` (they do not depend on the ratios:
+        """:func:`hapnb.cost.memory.op_pieces` of op ``pos`` under ``strategy`` (they do not depend on the ratios:
         cached per theory, for every search over it)."""
         cache = _PIECES.setdefault(self.th, {})
         key = (pos, strategy)

@@ -22,12 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..cluster import Cluster
-from ..cost import Conversion, CostModel, Step
-from ..forms import Form, FullShard, G, I, ShardGradOp, parse_pin
-from ..graph import Graph
-from ..memory import MemoryLinear, memory_linear
-from ..memory import fits as memory_fits
+from ..cost.memory import MemoryLinear, memory_linear
+from ..cost.memory import fits as memory_fits
+from ..cost.model import Conversion, CostModel, Step
+from ..hardware.cluster import Cluster
+from ..ir.forms import Form, FullShard, G, I, ShardGradOp, parse_pin
+from ..ir.graph import Graph
 from ..triples import Theory
 from .balance import (
     MemoryCapError,
@@ -112,7 +112,7 @@ def assign_segments(graph: Graph, segments: Any) -> Graph:
 
 def parse_pins(pins: Mapping[str, Any] | None) -> dict[str, Form]:
     """Form pins from ``{"fc1.weight": Shard(1)}`` or ``{"fc1.weight": "G1"}`` (a parameter storage pin
-    such as ``FullShard(0)`` / ``"zero3(0)"`` is kept as a :class:`~hapnb.forms.Storage`)."""
+    such as ``FullShard(0)`` / ``"zero3(0)"`` is kept as a :class:`~hapnb.ir.forms.Storage`)."""
     out = {}
     for k, v in (pins or {}).items():
         out[k] = parse_pin(v) if isinstance(v, str) else v
@@ -175,7 +175,7 @@ class Memo:
         return value
 
     def cost_model(self, th: Theory, cluster: Cluster) -> CostModel:
-        """The :class:`~hapnb.cost.CostModel` of ``th`` on ``cluster``, kept for reuse (its caches: each op's
+        """The :class:`~hapnb.cost.model.CostModel` of ``th`` on ``cluster``, kept for reuse (its caches: each op's
         times, the lower bound) by the Q/B loop and the plans packaged from it."""
         return self.get("cost_model", (self.token(cluster), id(th)), lambda: CostModel(th, cluster))
 
@@ -340,10 +340,10 @@ def fsdp_pins(
     th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None, zero: int = 3
 ) -> dict[str, Any]:
     """Fully sharded data parallel (ZeRO-3 / PyTorch FSDP's FULL_SHARD): the data-parallel pins with every
-    parameter stored sharded and all-gathered before each use (:func:`~hapnb.forms.FullShard`), on the
+    parameter stored sharded and all-gathered before each use (:func:`~hapnb.ir.forms.FullShard`), on the
     dim whose largest shard at ``ratios`` (one row) is the smallest (parameters that cannot be split stay
     replicated); ``user_pins`` win. ``zero=2``: ZeRO-2 / FSDP's SHARD_GRAD_OP instead (gathered once per
-    step and kept until the backward, :func:`~hapnb.forms.ShardGradOp`).
+    step and kept until the backward, :func:`~hapnb.ir.forms.ShardGradOp`).
 
     >>> import hapnb
     >>> from hapnb.tracing import zoo_graph

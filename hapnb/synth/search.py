@@ -1,6 +1,6 @@
 """A* synthesis of the distributed program Q for fixed sharding ratios B (paper §4.3-4.5).
 
-A *partial program* is a sequence of :class:`~hapnb.cost.Step` values (a computation with the loads and
+A *partial program* is a sequence of :class:`~hapnb.cost.model.Step` values (a computation with the loads and
 collectives fused in front of it). Its properties are the (tensor, form) pairs it has established. The
 search expands the cheapest partial program by every triple whose precondition holds and whose
 postcondition adds a property, until a complete program (``loss | R``) is proven optimal.
@@ -58,10 +58,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..cluster import Cluster
-from ..cost import Conversion, CostModel, Load, Step
-from ..forms import Form, I, R, Storage
-from ..graph import Graph
+from ..cost.model import Conversion, CostModel, Load, Step
+from ..hardware.cluster import Cluster
+from ..ir.forms import Form, I, R, Storage
+from ..ir.graph import Graph
 from ..rules import Strategy
 from ..triples import Theory
 from ..triples import theory as build_theory

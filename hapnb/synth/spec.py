@@ -3,8 +3,8 @@ answers with (:class:`SearchNode`, :class:`SearchEvent`, :class:`SearchResult`).
 
 :func:`normalize_ratios` turns ``None`` (throughput-proportional), one flat list or one list per segment
 into per-segment ratio rows; :func:`resolve_pins` maps pin names (parameter FQNs, input names, op output
-names, ``<module>.out``) to tensor ids and checks each pin: a form (:class:`~hapnb.forms.Form`) the tensor
-can take, or a parameter storage (:class:`~hapnb.forms.Storage`, ZeRO-2/3) of a parameter that can be
+names, ``<module>.out``) to tensor ids and checks each pin: a form (:class:`~hapnb.ir.forms.Form`) the tensor
+can take, or a parameter storage (:class:`~hapnb.ir.forms.Storage`, ZeRO-2/3) of a parameter that can be
 sharded on that dim. Both raise :class:`PinError` / ``ValueError`` naming the pin and why.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster import Cluster
-from ..cost import Step
-from ..forms import Form, Storage, parse_pin
-from ..graph import Graph
+from ..cost.model import Step
+from ..hardware.cluster import Cluster
+from ..ir.forms import Form, Storage, parse_pin
+from ..ir.graph import Graph
 from ..triples import Theory
 
 __all__ = [

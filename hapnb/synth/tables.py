@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..cost import Conversion, CostModel
-from ..forms import Form, Storage
+from ..cost.model import Conversion, CostModel
+from ..ir.forms import Form, Storage
 from ..rules import Strategy
 from ..triples import LOADABLE_ROLES, Theory
 from .heuristic import spine_path
@@ -106,7 +106,7 @@ def theory_tables(th: Theory, segment_of: Sequence[int]) -> TheoryTables:
             dies_at[i] |= tmask[t]
             dies_comm[i] |= 1 << t
     # a collective's price depends on its tensor only through the bytes, the ratio segment and whether it
-    # has a gradient (hapnb.cost.CostModel.conversion_terms): tensors of one class share their prices
+    # has a gradient (hapnb.cost.model.CostModel.conversion_terms): tensors of one class share their prices
     classes: dict[tuple[int, int, bool], int] = {}
     price_class = tuple(
         classes.setdefault((t.nbytes, segment_of[t.id], th.requires_grad[t.id]), len(classes))

@@ -1,4 +1,4 @@
-"""Trace a PyTorch model into a :class:`~hapnb.graph.Graph`: reference tensors, ops, shapes and flops.
+"""Trace a PyTorch model into a :class:`~hapnb.ir.graph.Graph`: reference tensors, ops, shapes and flops.
 
 :func:`trace` runs ``torch.export`` (aten-level ops, shapes and dtypes from node meta) and falls back
 to ``torch.fx.symbolic_trace`` + shape propagation; it identifies parameters, buffers, user inputs and
@@ -17,7 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..graph import DeferredProgram, Graph, Op, TensorArg, TensorRef, TraceError, fingerprint, normalize_args
+from ..ir.graph import (
+    DeferredProgram,
+    Graph,
+    Op,
+    TensorArg,
+    TensorRef,
+    TraceError,
+    fingerprint,
+    normalize_args,
+)
 
 __all__ = [
     "trace",

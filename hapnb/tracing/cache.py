@@ -7,13 +7,13 @@ and op families), so a change to any of them is a miss, never a stale graph. Ent
 placeholders and the few torch values ops take: dtypes, devices, layouts, memory formats), and the
 graph fingerprint, which is recomputed on load — an entry that does not reproduce it is ignored. A
 graph read from the cache carries no traced program: the caller attaches a
-:class:`~hapnb.graph.DeferredProgram`.
+:class:`~hapnb.ir.graph.DeferredProgram`.
 
 Where: ``$HAPNB_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/hapnb``, else ``~/.cache/hapnb``; entries in
 ``traces/``. ``HAPNB_TRACE_CACHE=0`` turns the cache off. Writes are atomic (a temporary file renamed);
 a cache that cannot be written is skipped silently.
 
->>> from hapnb.graph import TensorArg
+>>> from hapnb.ir.graph import TensorArg
 >>> decode_value(encode_value((TensorArg(0), (2, 3), 1.5, None, "x")))
 (%0, (2, 3), 1.5, None, 'x')
 """
@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..graph import Graph, Op, TensorArg, TensorRef, fingerprint
+from ..ir.graph import Graph, Op, TensorArg, TensorRef, fingerprint
 from ..rules.cachedir import cache_root
 
 __all__ = ["cache_dir", "cache_key", "load", "save", "graph_to_json", "graph_from_json", "encode_value",
@@ -38,7 +38,7 @@ __all__ = ["cache_dir", "cache_key", "load", "save", "graph_to_json", "graph_fro
 FORMAT = 2
 
 #: hapnb sources a graph depends on (relative to the package): their contents are part of every key
-_SOURCES = ("graph.py", "zoo.py", "tracing", "rules")
+_SOURCES = ("ir", "zoo.py", "tracing", "rules")
 
 
 def enabled() -> bool:

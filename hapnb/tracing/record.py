@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..graph import Graph, TensorArg, TraceError, normalize_args
+from ..ir.graph import Graph, TensorArg, TraceError, normalize_args
 from . import _Builder, _input_names, _loss_of, _make_wrapper, module_path
 
 __all__ = ["Unsupported", "meta_build", "to_meta", "record", "trace_zoo_meta", "without_dynamo"]

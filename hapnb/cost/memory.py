@@ -1,7 +1,7 @@
 """Memory per device: what a program keeps on each GPU, by category, and its peak.
 
 One set of rules, the *pieces* of a step (:func:`step_pieces`), serves three users: the exact breakdown at
-integer shard lengths (:func:`memory_breakdown`, behind :meth:`hapnb.cost.CostModel.memory_breakdown` and
+integer shard lengths (:func:`memory_breakdown`, behind :meth:`hapnb.cost.model.CostModel.memory_breakdown` and
 every report), the same model as a linear function of the ratios for the ratio LP (:func:`memory_linear`),
 and the search's per-step increments (:mod:`hapnb.synth.memory_prune`). A piece is one tensor's contribution:
 
@@ -29,12 +29,12 @@ memory_const_bytes`` (per GPU) and a virtual device splits the bytes over its GP
 as a program grows (sums and maxima of non-negative pieces), so the peak of a program's prefix is a lower
 bound of the final peak: what the search prunes with.
 
-ZeRO / FSDP (a parameter stored ``G(d)`` and all-gathered to ``I`` before use, :class:`hapnb.cost.Load`
+ZeRO / FSDP (a parameter stored ``G(d)`` and all-gathered to ``I`` before use, :class:`hapnb.cost.model.Load`
 with ``zero``): its parameter, gradient and Adam states are the shard; ZeRO-2 keeps the gathered copy
 until the backward (``gathered``), ZeRO-3 frees it after the forward use and gathers it again in the
 backward (``regather`` x2).
 
->>> from hapnb.memory import peak_raw
+>>> from hapnb.cost.memory import peak_raw
 >>> peak_raw(P=10, In=1, A=30, L=5, F=0, X=0)   # backward phase: 3*10 + 1 + 30 + 2*5
 71.0
 >>> peak_raw(P=10, In=1, A=0, L=0, F=0, X=0)    # optimizer phase: 3*10 + 1 + 2*10
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .forms import Form, I
-from .graph import Graph, Op
-from .rules import Strategy
+from ..ir.forms import Form, I
+from ..ir.graph import Graph, Op
+from ..rules import Strategy
 
 __all__ = [
     "SAVED_FOR_BACKWARD",
@@ -202,7 +202,7 @@ class MemoryLinear:
 
     def upper(self, ratios: Sequence[Sequence[float]], j: int, model: Any = None, gpus: int = 1) -> float:
         """An upper bound of the predicted peak bytes per GPU (:func:`memory_breakdown`'s sum) on device j at
-        ``ratios``: the parts at the shares :func:`hapnb.forms.shard_lengths` cuts (each row normalised)
+        ``ratios``: the parts at the shares :func:`hapnb.ir.forms.shard_lengths` cuts (each row normalised)
         plus the :attr:`slack`, with the device model's overhead (``model``; ``gpus``: a virtual device's
         GPUs); infinite when a row cannot be cut."""
         rows = []
@@ -258,7 +258,7 @@ class Storage:
     """What the saved-activation rules need to know of a whole graph (:func:`storage`): ``root`` maps a
     tensor to the tensor whose storage it is (:func:`_same_storage` chains); ``grad`` holds the tensors
     autograd tracks (trainable parameters and what is computed from them); ``keep`` restricts what an op
-    lowered from a fused op (:attr:`hapnb.graph.Op.origin`) may save of its own, by op id, and ``extra``
+    lowered from a fused op (:attr:`hapnb.ir.graph.Op.origin`) may save of its own, by op id, and ``extra``
     lists the group's inputs it saves for the fused op."""
 
     root: Mapping[int, int]
@@ -390,7 +390,7 @@ def saved_tensors(
 
 
 def load_pieces(g: Graph, ld: Any) -> list[Piece]:
-    """Pieces of one load (a :class:`hapnb.cost.Load`): the stored form, and a ZeRO load's full copies."""
+    """Pieces of one load (a :class:`hapnb.cost.model.Load`): the stored form, and a ZeRO load's full copies."""
     t = g.tensors[ld.tensor]
     zero = getattr(ld, "zero", 0)
     stored = ld.stored if zero else ld.form
@@ -461,7 +461,7 @@ def saved_bytes(g: Graph) -> float:
 
 
 def step_pieces(g: Graph, step: Any, st: Storage) -> list[Piece]:
-    """Every piece of one :class:`hapnb.cost.Step` (its loads, then its computation)."""
+    """Every piece of one :class:`hapnb.cost.model.Step` (its loads, then its computation)."""
     out = []
     for ld in step.loads:
         out += load_pieces(g, ld)

@@ -831,7 +831,7 @@ class Cluster:
             raise fail(
                 "collectives",
                 "needs at least one of all_gather, reduce_scatter, all_reduce (missing kinds default "
-                "from the given ones: see hapnb.cluster.DERIVED_COLLECTIVES)",
+                "from the given ones: see hapnb.hardware.cluster.DERIVED_COLLECTIVES)",
             )
         for kind, rc in raw_colls.items():
             where = f"collectives.{kind}"

@@ -1,4 +1,4 @@
-"""The roofline device model of one GPU kind (a value; :mod:`hapnb.cost` prices it, :mod:`hapnb.cluster`
+"""The roofline device model of one GPU kind (a value; :mod:`hapnb.cost.model` prices it, :mod:`hapnb.hardware.cluster`
 holds the parameters of the known kinds)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _nonnegative(value: object, what: str) -> float:
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """Model of one GPU running eager PyTorch (fp32), priced by :mod:`hapnb.cost`.
+    """Model of one GPU running eager PyTorch (fp32), priced by :mod:`hapnb.cost.model`.
 
     Per op: a launch time ``kernels * kernel_s`` (the host's dispatch of its forward and backward
     kernels) and a GPU work time ``max(flops / (peak_flops * eff), bytes / bandwidth_Bps)`` with
@@ -50,7 +50,7 @@ class DeviceModel:
     CPU refinements, off by default (every datasheet and fitted GPU kind prices as without them):
     ``optimizer_per_tensor`` charges the ``optimizer_kernels`` launches once per local parameter tensor
     (single-tensor Adam, PyTorch's default on a CPU) instead of once per step (foreach Adam);
-    ``vector_flops`` (flop/s in the rules' units) prices the vector families of :mod:`hapnb.cost`
+    ``vector_flops`` (flop/s in the rules' units) prices the vector families of :mod:`hapnb.cost.model`
     (transcendental pointwise ops, pooling, scans, losses, ops without a rule) as
     ``max(flops / vector_flops, bytes / bandwidth)`` instead of memory bound; ``pool_flops`` and
     ``scan_flops``, when set, replace ``vector_flops`` for pooling (a CPU's max-pool with indices runs far

@@ -231,7 +231,7 @@ class Graph:
         return self.summary()
 
     def _repr_html_(self) -> str:
-        from . import display
+        from .. import display
 
         return display.safe_html(display.graph_html, self)
 

@@ -14,7 +14,7 @@ the iteration time is ``sum over stages (comm + max_j comp_j)`` (paper §3.2).
 * Virtual devices (a machine of k GPUs, data parallel inside) add the inner gradient all-reduce of the
   parameters they load: ``2 (k-1)/k * bytes / intra_machine_Bps`` to that device's computation.
 
-Device model (devices whose kind has a :class:`~hapnb.devices.DeviceModel`, e.g. the H100; every other
+Device model (devices whose kind has a :class:`~hapnb.hardware.devices.DeviceModel`, e.g. the H100; every other
 device stays flops-only as above, so the paper presets keep HAP's numbers). Per op, forward + backward:
 a launch time ``kernels * kernel_s`` (kernels from :data:`FAMILY_KERNELS`) and a GPU work time
 ``max(flops / (peak * eff), bytes / bandwidth)``, bytes = the op's input + output tensors forward and 2x
@@ -34,7 +34,7 @@ step (Adam, foreach) is memory-bound work over the device's parameters, gradient
 per local parameter tensor with ``optimizer_per_tensor``: single-tensor Adam, a CPU), charged once per
 iteration to the last stage.
 
-Memory (:meth:`CostModel.memory_breakdown`, the model in :mod:`hapnb.memory`): per device, parameters,
+Memory (:meth:`CostModel.memory_breakdown`, the model in :mod:`hapnb.cost.memory`): per device, parameters,
 gradients and Adam's two states by each parameter's *stored* form, inputs, the activations autograd saves
 for the backward (:data:`SAVED_FOR_BACKWARD`), ZeRO-2's gathered copies, a transient of twice the largest
 local activation (plus the largest re-gathered parameter) during the backward, and the device model's
@@ -53,13 +53,13 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from .cluster import Cluster
-from .forms import Form, I
-from .graph import Graph, Op
+from ..hardware.cluster import Cluster
+from ..ir.forms import Form, I
+from ..ir.graph import Graph, Op
+from ..rules import Strategy
+from ..triples import Theory
 from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
 from .memory import is_alias as _is_alias
-from .rules import Strategy
-from .triples import Theory
 
 __all__ = [
     "ddp_buckets",
@@ -102,7 +102,7 @@ FAMILY_KERNELS: Mapping[str, tuple[int, int]] = MappingProxyType(
 #: Families priced on the matmul efficiency curve; the rest are memory bound (efficiency 1).
 MATMUL_FAMILIES = frozenset({"matmul", "linear", "conv"})
 #: Families priced at the device model's vector rate (when it has one, e.g. a profiled CPU; pooling and
-#: scans at their own rates if measured, :meth:`~hapnb.devices.DeviceModel.vector_rate`): transcendental
+#: scans at their own rates if measured, :meth:`~hapnb.hardware.devices.DeviceModel.vector_rate`): transcendental
 #: pointwise ops, pooling, transcendental scans, the loss (log-softmax + nll), ops without a rule.
 VECTOR_FAMILIES = frozenset({"pointwise", "pool", "scan", "loss", "unknown"})
 
@@ -733,7 +733,7 @@ class CostModel:
         shard); activations are what autograd keeps (:data:`SAVED_FOR_BACKWARD`, each tensor once, in the
         form its consumer uses) and ZeRO-2's gathered copies; the transient is twice the largest local
         activation, the largest re-gathered parameter and the final conversions. The peak is the larger
-        phase: backward or optimizer step (:mod:`hapnb.memory` has the model); ``overhead`` is the device
+        phase: backward or optimizer step (:mod:`hapnb.cost.memory` has the model); ``overhead`` is the device
         model's allocator overhead (0 when flops-only). A virtual device's bytes are split over its GPUs."""
         return memory_breakdown(self, program, extra, ratios)
 
