@@ -58,11 +58,14 @@ _LAZY = {
     "distribute": "run.distribute",
     "full_state_dict": "run.distribute",
     "launch": "run.launch",
-    "zoo": None,
-    "rules": None,
-    "collectives": None,
-    "display": None,
+    "zoo": "zoo",
+    "rules": "rules",
+    "collectives": "runtime.collectives",
+    "display": "display",
 }
+
+#: the names in :data:`_LAZY` that are modules (the value is the module's path, not the module holding them)
+_MODULES = frozenset({"zoo", "rules", "collectives", "display"})
 
 __all__ = [
     "Cluster", "Collective", "Device", "G", "I", "R", "Partial", "Replicate", "Shard", "parse_form",
@@ -73,8 +76,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         mod = _LAZY[name]
-        if mod is None:
-            return importlib.import_module(f".{name}", __name__)
+        if name in _MODULES:
+            return importlib.import_module(f".{mod}", __name__)
         return getattr(importlib.import_module(f".{mod}", __name__), name)
     raise AttributeError(f"module 'hapnb' has no attribute {name!r}")
 

@@ -540,12 +540,12 @@ class _VerifyProgress:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from .codegen import CodegenError
     from .pipelines import PipelinePlan, is_pipeline_json
     from .plan import Plan
     from .run.bundle import BundleError
     from .run.pipelined import PipelineError
     from .run.verify import VerifyError, verify
+    from .runtime.codegen import CodegenError
 
     if ns.plan:
         pipeline = is_pipeline_json(_read_json(ns.plan))

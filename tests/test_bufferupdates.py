@@ -1,4 +1,4 @@
-"""Buffer updates in distributed runs (hapnb.bufferupdates): batch norm's running statistics and
+"""Buffer updates in distributed runs (hapnb.runtime.bufferupdates): batch norm's running statistics and
 num_batches_tracked are updated on every rank as single-device training on the global batch updates them
 (SyncBatchNorm semantics, uneven and empty shards), and verification compares buffers."""
 
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hapnb as hap
-from hapnb.codegen import generate
 from hapnb.plan import Plan
 from hapnb.run.verify import verify
+from hapnb.runtime.codegen import generate
 
 
 class BNNet(nn.Module):
@@ -117,8 +117,8 @@ def test_an_empty_shard_and_channel_sharded_statistics_update_alike() -> None:
 STALE_WORKER = textwrap.dedent(
     """
     import runpy, sys
-    import hapnb.codegen
-    hapnb.codegen.emit_buffer_updates = lambda *args, **kwargs: []
+    import hapnb.runtime.codegen
+    hapnb.runtime.codegen.emit_buffer_updates = lambda *args, **kwargs: []
     sys.argv = ["hapnb.run.worker", *sys.argv[1:]]
     runpy.run_module("hapnb.run.worker", run_name="__main__")
     """

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hapnb import zoo
-from hapnb.codegen import generate, program_weights
 from hapnb.plan import Plan
 from hapnb.run.bundle import BundleError, load_bundle, resolve_graph, write_bundle
+from hapnb.runtime.codegen import generate, program_weights
 
 
 def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:

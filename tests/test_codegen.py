@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from hapnb import zoo
-from hapnb.codegen import (
+from hapnb.hardware.cluster import Cluster
+from hapnb.ir.forms import parse_form, shard_offsets
+from hapnb.plan import Instruction, Plan
+from hapnb.runtime.codegen import (
     COLLECTIVE_FUNCTIONS,
     CodegenError,
     count_collectives,
@@ -22,9 +25,6 @@ from hapnb.codegen import (
     reference_module,
     reference_params,
 )
-from hapnb.hardware.cluster import Cluster
-from hapnb.ir.forms import parse_form, shard_offsets
-from hapnb.plan import Instruction, Plan
 from hapnb.synthesis import synthesize
 from hapnb.triples import theory
 
@@ -57,7 +57,7 @@ def test_programs_lint_and_carry_the_plans_collectives(fixture: str, request: py
         assert count_collectives(prog.module) == _communicating(plan)
         # the generated source is plain Python: it compiles, and it calls each collective the plan has
         compile(prog.code, f"rank{rank}", "exec")
-        calls = re.findall(r"= hapnb_collectives_(\w+)\(", prog.code)
+        calls = re.findall(r"= hapnb_runtime_collectives_(\w+)\(", prog.code)
         assert len(calls) >= _communicating(plan) > 0
         assert "all_gather" in calls or "reduce_scatter" in calls or "all_reduce" in calls
         assert prog.rank == rank and prog.n == plan.cluster.n
@@ -201,7 +201,7 @@ def test_clear_errors(mlp3: Plan) -> None:
 
 
 def test_collective_functions_are_the_communicating_ones() -> None:
-    from hapnb import collectives as C
+    from hapnb.runtime import collectives as C
 
     assert set(COLLECTIVE_FUNCTIONS) == {
         C.all_gather,

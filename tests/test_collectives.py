@@ -1,4 +1,4 @@
-"""Tests for hapnb.collectives: forward and backward of every collective against full-tensor references.
+"""Tests for hapnb.runtime.collectives: forward and backward of every collective against full-tensor references.
 
 Every rank builds the same seeded full tensors, so it can compute the single-process reference itself:
 for a collective ``y = f(x_r)`` with a per-rank upstream gradient ``g_r``, the expected input gradient
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import hapnb.collectives as C
+import hapnb.runtime.collectives as C
 from hapnb.ir.forms import shard_lengths, shard_offsets
 
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""Virtual devices (hapnb.expand): a machine of k GPUs planned as one device runs as its expansion, one
+"""Virtual devices (hapnb.runtime.expand): a machine of k GPUs planned as one device runs as its expansion, one
 rank per GPU; the cuts, ratios and stage estimates of the expansion against the virtual plan, and the
 expanded program against one device."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from hapnb import zoo
-from hapnb.codegen import generate
 from hapnb.plan import Plan
 from hapnb.run.verify import verify
+from hapnb.runtime.codegen import generate
 from hapnb.synthesis import synthesize
 
 VIRTUAL = "2xV100+2xP100"  # two machines of two GPUs: 2 virtual devices, 4 ranks
@@ -38,8 +38,8 @@ def virtual_plans() -> dict[str, Plan]:
 def _check_expansion(plan: Plan) -> Plan:
     """Ground truth for expand_virtual: devices, ratios and every cut, against the virtual plan."""
     from hapnb import theory
-    from hapnb.expand import expand_virtual
     from hapnb.ir.forms import parse_form
+    from hapnb.runtime.expand import expand_virtual
 
     e = expand_virtual(plan, plan.graph)
     vc, pc = plan.cluster, e.cluster
@@ -88,7 +88,7 @@ def test_expand_virtual_cuts(virtual_plans: dict[str, Plan], name: str) -> None:
     for rank in (0, 3):
         assert generate(plan, plan.graph, rank).code == generate(e, plan.graph, rank).code
     # a plan without virtual devices is left alone; the expansion is a plain plan with a JSON round trip
-    from hapnb.expand import expand_virtual
+    from hapnb.runtime.expand import expand_virtual
 
     assert expand_virtual(e) is e
     assert Plan.from_json(e.to_json()) == e

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hardware", "cost"),  # device models and clusters; the cost and memory models
     ("synth",),  # the search, its bounds and tables, memory pruning, the ratio LP, the Q/B loop, duplex
     ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
-    ("expand", "bufferupdates", "codegen", "collectives", "run"),
+    ("runtime", "run"),  # rank programs, collectives, buffer updates, virtual devices; processes
     ("session",),
     ("cli",),
     ("widgets",),

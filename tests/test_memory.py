@@ -16,13 +16,13 @@ import torch
 from test_search import all_programs
 
 import hapnb as hap
-from hapnb import collectives as C
 from hapnb import zoo
 from hapnb.cost.memory import memory_linear, overflow, peak_raw
 from hapnb.cost.model import CostModel, Load
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import FullShard, I, ShardGradOp, Storage, parse_pin
 from hapnb.plan import Plan
+from hapnb.runtime import collectives as C
 from hapnb.synth.balance import MemoryCapError, balance, balance_in_memory
 from hapnb.synth.search import NoProgramError, Search
 from hapnb.synthesis import OutOfMemoryError

@@ -14,13 +14,13 @@ import torch.fx as fx
 from synthetic import DP_PINS
 
 import hapnb as hap
-from hapnb import collectives as C
 from hapnb import zoo
-from hapnb.codegen import generate
 from hapnb.plan import Plan
 from hapnb.run.buckets import GradBuckets
 from hapnb.run.duplex import DuplexError, DuplexRunner, half_plan, loss_scale, split_batch
 from hapnb.run.verify import verify
+from hapnb.runtime import collectives as C
+from hapnb.runtime.codegen import generate
 from hapnb.synthesis import synthesize
 from hapnb.tracing import trace
 

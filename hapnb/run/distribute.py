@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..codegen import RankProgram, generate
-from ..expand import expand_virtual
 from ..plan import Plan
+from ..runtime.codegen import RankProgram, generate
+from ..runtime.expand import expand_virtual
 from .bundle import program_inputs, resolve_graph
 
 __all__ = ["DistributedModule", "distribute", "full_state_dict"]
@@ -81,7 +81,7 @@ def full_state_dict(dm: DistributedModule) -> dict[str, torch.Tensor]:
     Keys are the model's own names (``model.state_dict()`` keys; a tied parameter under each of its
     names), so ``model.load_state_dict(full_state_dict(dm))`` restores the single-device model exactly.
     """
-    from .. import collectives as C
+    from ..runtime import collectives as C
 
     state = dict(dm.module.named_parameters())
     state.update(dict(dm.module.named_buffers()))

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import collectives as C
 from ..ir.forms import parse_form, shard_lengths, shard_offsets
 from ..ir.graph import Graph
+from ..runtime import collectives as C
 
 __all__ = [
     "DuplexError",

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..codegen import DROPOUT_TARGETS, _zero_dropout, tied_groups
+from ..runtime.codegen import DROPOUT_TARGETS, _zero_dropout, tied_groups
 from .duplex import loss_reduction
 
 __all__ = [

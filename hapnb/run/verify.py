@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from ..codegen import generate, program_weights, reference_module, reference_params
-from ..expand import expand_virtual, has_virtual
 from ..ir.graph import Graph
 from ..pipelines import PipelinePlan
 from ..plan import Plan
+from ..runtime.codegen import generate, program_weights, reference_module, reference_params
+from ..runtime.expand import expand_virtual, has_virtual
 from ..tracing import module_path
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
@@ -355,7 +355,7 @@ def verify(
     """Run ``plan`` on ``nproc`` local ranks and compare with the single-device program.
 
     ``nproc`` defaults to the plan's GPUs: one rank per device, or, for a plan over virtual devices
-    (``gpus > 1``), one rank per physical GPU of its expansion (:func:`hapnb.expand.expand_virtual`).
+    (``gpus > 1``), one rank per physical GPU of its expansion (:func:`hapnb.runtime.expand.expand_virtual`).
 
     Compares the summed loss at every step, every parameter gradient after the first backward (sharded
     gradients concatenated; a replicated gradient on every rank) and every weight and buffer after
@@ -421,7 +421,7 @@ def verify(
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)
         bundle = load_bundle(bdir)
-        # a plan over virtual devices runs as its expansion over the physical GPUs (hapnb.expand); the
+        # a plan over virtual devices runs as its expansion over the physical GPUs (hapnb.runtime.expand); the
         # bundle keeps the plan as given and every worker expands it the same way
         physical = expand_virtual(bundle.plan, bundle.graph)
         for r in range(n):  # codegen errors surface here, clearly, before any process starts

@@ -227,9 +227,9 @@ def run_worker(
     import torch
     import torch.distributed as dist
 
-    from .. import collectives as C
-    from ..codegen import generate
-    from ..expand import physical_plan
+    from ..runtime import collectives as C
+    from ..runtime.codegen import generate
+    from ..runtime.expand import physical_plan
     from .buckets import GradBuckets
     from .bundle import load_bundle
 
@@ -365,8 +365,8 @@ def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True
     """Rank ``rank``'s half-batch program of the duplex ``plan`` (physical) from ``bundle``:
     ``(program, runner, loss_scale, (micro_batch0, micro_batch1))`` with the micro-batches as full
     global inputs (cut them with ``program.local_inputs``); ``gen`` goes to
-    :func:`hapnb.codegen.generate` (``dtype`` also casts the inputs)."""
-    from ..codegen import generate, program_weights
+    :func:`hapnb.runtime.codegen.generate` (``dtype`` also casts the inputs)."""
+    from ..runtime.codegen import generate, program_weights
     from .duplex import DuplexRunner, half_plan, loss_scale, split_batch
 
     if bundle.half_graph is None:

@@ -2,22 +2,22 @@
 
 :func:`generate` walks the plan's instructions in order and keeps ``env[(tensor, form)] -> fx node``:
 
-* ``load``: a user input becomes a placeholder (sliced with :func:`hapnb.collectives.shard` for ``G(d)``,
+* ``load``: a user input becomes a placeholder (sliced with :func:`hapnb.runtime.collectives.shard` for ``G(d)``,
   or already the rank's slice with ``inputs="local"``); a parameter loaded ``I`` is
   ``collectives.replicate(get_attr)`` (identity forward, gradient all-reduce backward), ``load_sfb`` a
   plain ``get_attr`` (the SFB op makes the full gradient itself), ``G(d)`` the ``get_attr`` of the rank's
   pre-sliced parameter. Buffers and constants are never replicated (they have no gradient).
-* ``collective``: the matching :mod:`hapnb.collectives` call with static Python-int shard lengths from
+* ``collective``: the matching :mod:`hapnb.runtime.collectives` call with static Python-int shard lengths from
   ``plan.lengths_of``.
 * ``compute``: :func:`hapnb.rules.localize` gives the call the rank runs on its local tensors.
 * after the walk, the buffers the traced program updates (batch norm's running statistics) are computed
-  from the plan's globally reduced statistics and written back in place (:mod:`hapnb.bufferupdates`).
+  from the plan's globally reduced statistics and written back in place (:mod:`hapnb.runtime.bufferupdates`).
 
 The output is the rank's partial loss (``R`` form): summing it over ranks gives the single-device loss,
 and back-propagating every rank's own partial loss gives correct gradients.
 
 >>> import hapnb, torch
->>> from hapnb.codegen import generate
+>>> from hapnb.runtime.codegen import generate
 >>> plan = hapnb.synthesize("mlp", "2xV100", layers=1, hidden=8, input=4, batch=4)  # doctest: +SKIP
 >>> prog = generate(plan, plan.graph, rank=0)  # doctest: +SKIP
 >>> print(prog.module.code)  # doctest: +SKIP
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ir.forms import Form, G, I, R, parse_form, shard_offsets
+from ..ir.graph import Graph, Op, map_args
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
-from .ir.forms import Form, G, I, R, parse_form, shard_offsets
-from .ir.graph import Graph, Op, map_args
 
 __all__ = [
     "CodegenError",
@@ -61,7 +61,7 @@ class CodegenError(ValueError):
     """The plan cannot be turned into a per-rank program (names the instruction and why)."""
 
 
-#: hapnb.collectives functions that communicate (what the plan's communicating instructions become)
+#: hapnb.runtime.collectives functions that communicate (what the plan's communicating instructions become)
 COLLECTIVE_FUNCTIONS = (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.reshard)
 
 DROPOUT_TARGETS = ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default")
@@ -164,7 +164,7 @@ class RankProgram:
 
 
 def count_collectives(gm: fx.GraphModule) -> int:
-    """How many ``call_function`` nodes of ``gm`` call a communicating :mod:`hapnb.collectives` function."""
+    """How many ``call_function`` nodes of ``gm`` call a communicating :mod:`hapnb.runtime.collectives` function."""
     return sum(1 for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in COLLECTIVE_FUNCTIONS)
 
 
@@ -172,7 +172,7 @@ def count_collectives(gm: fx.GraphModule) -> int:
 
 
 def _strip(path: str) -> str:
-    from .tracing import module_path as strip
+    from ..tracing import module_path as strip
 
     return strip(path)
 
@@ -328,13 +328,13 @@ def generate(
     replaces dropout by identity (exact verification). ``dtype`` (e.g. ``torch.float64``) casts floating
     weights and float32 dtype constants in op arguments. ``weights`` overrides the weights taken from
     ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
-    A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.expand.expand_virtual`):
+    A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.runtime.expand.expand_virtual`):
     ``rank`` then counts physical GPUs. ``grad_sync="sync"``: a replicated parameter is wrapped in
-    :func:`hapnb.collectives.replicate` (its gradient is all-reduced inside autograd); ``"buckets"``: it is
+    :func:`hapnb.runtime.collectives.replicate` (its gradient is all-reduced inside autograd); ``"buckets"``: it is
     used as it is and listed in :attr:`RankProgram.grad_sync` for the runtime to all-reduce (DDP-like
     async buckets, :mod:`hapnb.run.buckets`). A parameter also loaded ``load_sfb`` always syncs in-graph.
     """
-    from . import rules
+    from .. import rules
 
     g = graph if graph is not None else getattr(plan, "graph", None)
     if g is None:
@@ -665,7 +665,7 @@ def generate(
                 f"{where}: op {op.name} ({op.target}) has no strategy {ins.name!r} with inputs "
                 f"({', '.join(map(str, in_forms))}) and outputs ({', '.join(map(str, out_forms))})"
             )
-        from .rules import LocalContext
+        from ..rules import LocalContext
 
         def ctx_lengths(tid: int, dim: int, _w: str = where, _r: dict = recut) -> tuple[int, ...]:
             return _r.get((tid, dim)) or lengths(g.tensors[tid].name, dim, _w)

@@ -35,10 +35,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .hardware.cluster import Cluster, Device
-from .ir.forms import shard_lengths
-from .ir.graph import Graph
-from .plan import Plan
+from ..hardware.cluster import Cluster, Device
+from ..ir.forms import shard_lengths
+from ..ir.graph import Graph
+from ..plan import Plan
 
 __all__ = ["ExpandError", "expand_cluster", "expand_virtual", "has_virtual", "physical_plan"]
 
@@ -114,7 +114,7 @@ def expand_virtual(
                 f"plan {plan.name} has virtual devices; expanding it needs the graph it was made for "
                 "(pass graph=..., or use hapnb.run.bundle.resolve_graph(plan))"
             )
-        from .triples import theory as build_theory
+        from ..triples import theory as build_theory
 
         theory = build_theory(g, strategies)
     g = theory.graph
@@ -193,7 +193,7 @@ def expand_virtual(
 
 
 def _dim(form: str) -> int:
-    from .ir.forms import parse_form
+    from ..ir.forms import parse_form
 
     f = parse_form(form.partition("@")[0])
     if f.kind != "G":

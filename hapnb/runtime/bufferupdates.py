@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ir.forms import Form, I, R
+from ..ir.graph import Graph
 from . import collectives as C
-from .ir.forms import Form, I, R
-from .ir.graph import Graph
 
 __all__ = ["BufferUpdateError", "emit_buffer_updates", "mutated_buffers", "write_buffer"]
 
@@ -44,7 +44,7 @@ def mutated_buffers(program: Any) -> list[tuple[str, fx.Node]]:
     order; the name is the graph tensor's (the model FQN). Empty for other programs (fx fallback)."""
     from torch.export.graph_signature import OutputKind
 
-    from .tracing import module_path
+    from ..tracing import module_path
 
     if not isinstance(program, torch.export.ExportedProgram):
         return []
@@ -76,7 +76,7 @@ def emit_buffer_updates(
 
     ``emit(target, args, kwargs)`` appends a call; ``env`` holds the rank's values by ``(tensor id,
     form)``; ``lengths(name, dim)`` the plan's shard lengths; ``records`` the rank's
-    :class:`~hapnb.codegen.LocalParam` by weight name and ``attr(name)`` its attribute node. Raises
+    :class:`~hapnb.runtime.codegen.LocalParam` by weight name and ``attr(name)`` its attribute node. Raises
     :class:`BufferUpdateError` for an update that reads a user input or a value the program lacks.
     """
     if not any(graph.tensors[t].role == "buffer" for t in graph.params):
@@ -85,7 +85,7 @@ def emit_buffer_updates(
     updates = mutated_buffers(program)
     if not updates:
         return []
-    from .tracing import _live_nodes, module_path
+    from ..tracing import _live_nodes, module_path
 
     sig = program.graph_signature
     weights = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
