@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import hapnb as hap
-from hapnb.comparison import expert_groups
-from hapnb.synthesis import replan
+from hapnb.plans.comparison import expert_groups
+from hapnb.plans.synthesis import replan
 
 FIG13_CLUSTERS = ("paper-hetero-8", "paper-hetero-16", "paper-hetero-32", "paper-hetero-64")
 FIG14_CLUSTERS = ("paper-homo-32",)

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import hapnb
+from hapnb.plans.explain import faster
 from hapnb.synth.optimize import Memo
-from hapnb.tuning import faster
 
 
 def timeless(p: hapnb.Plan) -> hapnb.Plan:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
 from hapnb.run.distribute import distribute, full_state_dict
 
 
@@ -60,7 +60,7 @@ def main() -> int:
         if args.plan:
             box[0] = json.dumps(Plan.load(args.plan).to_json())
         else:
-            from hapnb.synthesis import synthesize
+            from hapnb.plans.synthesis import synthesize
 
             ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
             plan0 = synthesize(

@@ -360,7 +360,7 @@ def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
     from .hardware.cluster import Cluster
-    from .synthesis import synthesize
+    from .plans.synthesis import synthesize
 
     c = Cluster.resolve(ns.cluster)
     pins, ratios = _pins(ns) if hasattr(ns, "pin") else ({}, None)
@@ -371,7 +371,7 @@ def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from .synthesis import baselines
+    from .plans.synthesis import baselines
 
     plan, c, synth_s = _synthesize(ns)
     t_done = time.perf_counter()
@@ -380,7 +380,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         plan.save(ns.output)
     if ns.report:
         from . import display
-        from .simulation import simulate
+        from .plans.simulation import simulate
 
         timeline = simulate(plan) if plan.costed else None
         Path(ns.report).write_text(display.report_html(plan, baselines=base, timeline=timeline))
@@ -428,7 +428,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .comparison import compare
+    from .plans.comparison import compare
 
     cmp = compare(
         ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_options(ns)
@@ -487,8 +487,8 @@ def cmd_pipeline(ns: argparse.Namespace) -> int:
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    from .plan import Plan
-    from .simulation import simulate
+    from .plans.plan import Plan
+    from .plans.simulation import simulate
 
     tl = simulate(
         Plan.load(ns.plan),
@@ -541,7 +541,7 @@ class _VerifyProgress:
 
 def cmd_verify(ns: argparse.Namespace) -> int:
     from .pipelines import PipelinePlan, is_pipeline_json
-    from .plan import Plan
+    from .plans.plan import Plan
     from .run.bundle import BundleError
     from .run.pipelined import PipelineError
     from .run.verify import VerifyError, verify
@@ -810,7 +810,7 @@ def _coverage(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from . import display
     from .hardware.cluster import Cluster
-    from .synthesis import baselines, synthesize
+    from .plans.synthesis import baselines, synthesize
 
     c = Cluster.preset(DEMO_CLUSTER)
     print(
@@ -827,7 +827,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             f"  baseline {k}: {v.cost_s * 1e3:.3f} ms -> the plan is {v.cost_s / plan.cost_s:.2f}x faster; "
             f"simulated with overlap {v.simulated_s * 1e3:.3f} ms -> {v.simulated_s / plan.simulated_s:.2f}x"
         )
-    from .simulation import simulate
+    from .plans.simulation import simulate
 
     Path(ns.report).write_text(display.report_html(plan, baselines=base, timeline=simulate(plan)))
     print(f"report written to {ns.report}")

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 from . import display
 from .hardware.cluster import Cluster, Collective, Device
 from .ir.forms import Form, Storage, parse_pin
-from .plan import Plan, freeze_mapping, make_plan
+from .plans.explain import WhatIf, WhyNot, rebuild_graph, what_if
+from .plans.plan import Plan, freeze_mapping, make_plan
+from .plans.synthesis import context_of, replan, synthesize
 from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
 from .synth.spec import pin_choices
-from .synthesis import context_of, replan, synthesize
 from .triples import Theory, theory
-from .tuning import WhatIf, WhyNot, rebuild_graph, what_if
 
 if TYPE_CHECKING:  # the run layer loads torch: imported inside the methods that need it
     from .run.launch import Job, JobResult
@@ -104,7 +104,7 @@ class PlanDiff:
     def summary(self) -> str:
         """One line: cost change, then what changed.
 
-        >>> from hapnb.synthesis import synthesize
+        >>> from hapnb.plans.synthesis import synthesize
         >>> a = synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
         >>> diff_plans(a, a).summary()  # doctest: +ELLIPSIS
         'cost ... ms -> ... ms (+0 ms, +0.0%); same program'
@@ -216,7 +216,7 @@ def _step_times(metrics: Iterable[Mapping[str, Any]]) -> tuple[float, ...]:
 class Session:
     """The state of one interactive synthesis (see the module docstring).
 
-    ``model_or_plan``: a :class:`~hapnb.plan.Plan` (its graph is needed for the search; a plan loaded
+    ``model_or_plan``: a :class:`~hapnb.plans.plan.Plan` (its graph is needed for the search; a plan loaded
     from JSON is rebuilt from its recorded zoo model when possible), a Graph or Theory, an ``nn.Module``
     with ``example_inputs`` (and ``loss``), or a zoo name with zoo options (``layers=2, hidden=64``).
     ``pins``: tensor name -> form; ``ratios``: device -> locked ratio. Without a plan, one is
@@ -304,7 +304,7 @@ class Session:
 
     def _synthesize(self, cluster: Cluster, locks: Mapping[str, float] | None = None) -> Plan:
         """The plan for the pins, the locked ratios and ``cluster``: the first one synthesized, every later
-        one re-planned from the current plan (:meth:`hapnb.plan.Plan.replan` with ``exact=False``: the Q/B
+        one re-planned from the current plan (:meth:`hapnb.plans.plan.Plan.replan` with ``exact=False``: the Q/B
         loop from the current plan's ratios, reusing what did not change; a fixpoint of the loop that keeps
         every pin and lock, which may differ from a fresh synthesis)."""
         locks = self._locks if locks is None else locks
@@ -599,14 +599,14 @@ class Session:
         return diff_plans(self.previous_plan, self.plan) if self.previous_plan is not None else None
 
     def resynthesize(self) -> Plan:
-        """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plan.Plan.replan`, fast:
+        """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plans.plan.Plan.replan`, fast:
         from the current plan's ratios, reusing what did not change); the new plan becomes the current one
         (the old one is ``previous_plan``, see :attr:`diff`). On error nothing changes."""
         return self._set_plan(self._synthesize(self.cluster))
 
     # ============================================================================ tuning
     def why_not(self, pins: Mapping[str, Form | Storage | str]) -> WhyNot:
-        """Why the current plan does not use these forms (:meth:`hapnb.plan.Plan.why_not`): the best plan
+        """Why the current plan does not use these forms (:meth:`hapnb.plans.plan.Plan.why_not`): the best plan
         with them added to the session's pins and its cost, or where no program satisfies them. The
         current plan does not change."""
         for name, form in pins.items():
@@ -614,7 +614,7 @@ class Session:
         return self.plan.why_not(pins)
 
     def sensitivity(self) -> Any:
-        """What bounds the current plan's step (:meth:`hapnb.plan.Plan.sensitivity`)."""
+        """What bounds the current plan's step (:meth:`hapnb.plans.plan.Plan.sensitivity`)."""
         return self.plan.sensitivity()
 
     def what_if(
@@ -626,7 +626,7 @@ class Session:
         factor: float = 1.1,
     ) -> WhatIf:
         """The current plan re-planned with one device, collective kind or the intra-machine link
-        ``factor`` times faster, next to the LP duals' prediction (:func:`hapnb.tuning.what_if`); the
+        ``factor`` times faster, next to the LP duals' prediction (:func:`hapnb.plans.explain.what_if`); the
         session's cluster and plan do not change (edit the cluster and apply it for that)."""
         return what_if(self.plan, device=device, collective=collective, link=link, factor=factor)
 

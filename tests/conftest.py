@@ -10,8 +10,8 @@ import pytest
 from synthetic import DP_PINS
 
 from hapnb import zoo
-from hapnb.plan import Plan
-from hapnb.synthesis import synthesize
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import synthesize
 
 # the trace cache (hapnb.tracing.cache) of this test session: a fresh folder, not the user's, so tests
 # never read graphs cached by another checkout or run; subprocesses (CLI, notebooks) inherit it

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hapnb as hap
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
 from hapnb.run.verify import verify
 from hapnb.runtime.codegen import generate
 

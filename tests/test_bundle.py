@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
 from hapnb.run.bundle import BundleError, load_bundle, resolve_graph, write_bundle
 from hapnb.runtime.codegen import generate, program_weights
 

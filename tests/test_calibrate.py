@@ -11,7 +11,7 @@ import pytest
 
 from hapnb.cli import main as cli_main
 from hapnb.hardware.cluster import Cluster
-from hapnb.plan import Plan, Stage
+from hapnb.plans.plan import Plan, Stage
 from hapnb.run.calibrate import CalibrationReport, calibrate, calibrate_launch
 from hapnb.run.launch import LaunchError
 

@@ -9,7 +9,7 @@ pytest.importorskip("bokeh")
 import hapnb as hap  # noqa: E402
 from hapnb import zoo  # noqa: E402
 from hapnb.display import charts  # noqa: E402
-from hapnb.simulation import simulate  # noqa: E402
+from hapnb.plans.simulation import simulate  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from torch import nn
 from hapnb import zoo
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import parse_form, shard_offsets
-from hapnb.plan import Instruction, Plan
+from hapnb.plans.plan import Instruction, Plan
+from hapnb.plans.synthesis import synthesize
 from hapnb.runtime.codegen import (
     COLLECTIVE_FUNCTIONS,
     CodegenError,
@@ -25,7 +26,6 @@ from hapnb.runtime.codegen import (
     reference_module,
     reference_params,
 )
-from hapnb.synthesis import synthesize
 from hapnb.triples import theory
 
 

@@ -14,9 +14,9 @@ from torch import nn
 
 import hapnb as hap
 from hapnb import display
-from hapnb.comparison import STRATEGIES, expert_groups, pad_experts
 from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines import PipelinePlan, PipelineStage
+from hapnb.plans.comparison import STRATEGIES, expert_groups, pad_experts
 
 TINY_MLP = dict(layers=2, hidden=64, input=32, batch=16)
 PAPER_CLUSTERS = ["paper-hetero-8", "paper-hetero-16", "paper-hetero-32", "paper-hetero-64", "paper-homo-32",

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import hapnb as hap  # noqa: E402
 from examples import corpus  # noqa: E402
-from hapnb.plan import Plan  # noqa: E402
+from hapnb.plans.plan import Plan  # noqa: E402
 
 CLUSTER = "1xV100+1xP100"
 MODELS = list(corpus.CORPUS)

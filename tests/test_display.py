@@ -17,9 +17,9 @@ import synthetic  # noqa: E402
 
 from hapnb import display as D  # noqa: E402
 from hapnb.hardware.cluster import Cluster  # noqa: E402
-from hapnb.plan import Plan  # noqa: E402
+from hapnb.plans.plan import Plan  # noqa: E402
+from hapnb.plans.synthesis import synthesize  # noqa: E402
 from hapnb.synth.search import Search  # noqa: E402
-from hapnb.synthesis import synthesize  # noqa: E402
 from hapnb.triples import theory  # noqa: E402
 
 HAS_DOT = shutil.which("dot") is not None

@@ -34,7 +34,7 @@ def test_the_library_has_runnable_examples() -> None:
     for name in (
         "hapnb",
         "hapnb.tracing",
-        "hapnb.synthesis",
+        "hapnb.plans.synthesis",
         "hapnb.hardware.cluster",
         "hapnb.ir.forms",
         "hapnb.synth.balance",

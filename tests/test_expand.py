@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import synthesize
 from hapnb.run.verify import verify
 from hapnb.runtime.codegen import generate
-from hapnb.synthesis import synthesize
 
 VIRTUAL = "2xV100+2xP100"  # two machines of two GPUs: 2 virtual devices, 4 ranks
 

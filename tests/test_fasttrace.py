@@ -17,7 +17,7 @@ import torch
 import hapnb
 from hapnb import zoo
 from hapnb.ir.graph import DeferredProgram, TraceError
-from hapnb.simulation import iteration_time, simulate
+from hapnb.plans.simulation import iteration_time, simulate
 from hapnb.tracing import cache, deferred_program, trace, zoo_graph
 from hapnb.tracing.record import Unsupported, record
 

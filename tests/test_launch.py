@@ -273,7 +273,7 @@ def test_launch_cli(standin, capsys, tmp_path: Path) -> None:
 def test_plan_is_bundled_lazily_and_temp_bundle_removed(standin, monkeypatch) -> None:
     import hapnb.run.launch as launch_module
     from hapnb.hardware.cluster import Cluster
-    from hapnb.plan import Plan
+    from hapnb.plans.plan import Plan
 
     worker, _ = standin
     written = []

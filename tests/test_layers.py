@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triples",),
     ("hardware", "cost"),  # device models and clusters; the cost and memory models
     ("synth",),  # the search, its bounds and tables, memory pruning, the ratio LP, the Q/B loop, duplex
-    ("plan", "simulation", "synthesis", "pipelines", "tuning", "comparison"),
+    ("plans", "pipelines"),  # the Plan value, synthesize, the simulator, explanations, comparison; Ditto
     ("runtime", "run"),  # rank programs, collectives, buffer updates, virtual devices; processes
     ("session",),
     ("cli",),

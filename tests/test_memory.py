@@ -21,11 +21,11 @@ from hapnb.cost.memory import memory_linear, overflow, peak_raw
 from hapnb.cost.model import CostModel, Load
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import FullShard, I, ShardGradOp, Storage, parse_pin
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import OutOfMemoryError
 from hapnb.runtime import collectives as C
 from hapnb.synth.balance import MemoryCapError, balance, balance_in_memory
 from hapnb.synth.search import NoProgramError, Search
-from hapnb.synthesis import OutOfMemoryError
 from hapnb.tracing import resolve_model
 from hapnb.triples import theory
 

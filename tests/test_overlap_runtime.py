@@ -15,13 +15,13 @@ from synthetic import DP_PINS
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import synthesize
 from hapnb.run.buckets import GradBuckets
 from hapnb.run.duplex import DuplexError, DuplexRunner, half_plan, loss_scale, split_batch
 from hapnb.run.verify import verify
 from hapnb.runtime import collectives as C
 from hapnb.runtime.codegen import generate
-from hapnb.synthesis import synthesize
 from hapnb.tracing import trace
 
 TIED = "examples.factories:tied_lm"

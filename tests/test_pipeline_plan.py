@@ -9,7 +9,7 @@ import pytest
 
 from hapnb.hardware.cluster import Cluster
 from hapnb.pipelines import PipelinePlan, PipelineStage, is_pipeline_json
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
 
 
 def _plan(**kw):

@@ -8,7 +8,7 @@ import pytest
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
 
 
 def test_deterministic_and_json_round_trip(tmp_path):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import hapnb as hap
+from hapnb.plans.synthesis import fixed_plan
 from hapnb.synth.optimize import baseline_specs, fsdp_pins, optimize
 from hapnb.synth.search import Search
-from hapnb.synthesis import fixed_plan
 from hapnb.tracing import zoo_graph
 from hapnb.triples import theory
 

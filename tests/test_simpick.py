@@ -8,16 +8,17 @@ from test_memory import storage_variants, with_memory
 from test_search import all_programs
 
 import hapnb as hap
-from hapnb import synthesis, zoo
+from hapnb import zoo
 from hapnb.cost.memory import fits as memory_fits
 from hapnb.cost.memory import memory_linear
 from hapnb.cost.model import CostModel
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import FullShard, ShardGradOp
-from hapnb.simulation import iteration_time, plan_lower_bound
+from hapnb.plans import synthesis
+from hapnb.plans.explain import program_steps
+from hapnb.plans.simulation import iteration_time, plan_lower_bound
 from hapnb.synth.search import Search
 from hapnb.triples import theory
-from hapnb.tuning import program_steps
 
 
 def _graph(name: str, cluster: str):

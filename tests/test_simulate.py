@@ -11,9 +11,9 @@ import pytest
 import hapnb as hap
 from hapnb import zoo
 from hapnb.hardware.cluster import Cluster, Collective
-from hapnb.plan import CommCost, Instruction, Plan, Stage
-from hapnb.simulation import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
-from hapnb.synthesis import baselines
+from hapnb.plans.plan import CommCost, Instruction, Plan, Stage
+from hapnb.plans.simulation import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
+from hapnb.plans.synthesis import baselines
 
 BERT = dict(layers=2, hidden=64, heads=4, batch=8)
 CASES = [
@@ -347,8 +347,8 @@ def test_a_feature_collective_blocks_only_its_consumer():
 
 def test_hapnb_simulate_is_the_function_even_after_the_module_is_imported():
     import hapnb
-    import hapnb.simulation  # noqa: F401  (binds the submodule on the package under its own name)
+    import hapnb.plans.simulation  # noqa: F401  (binds the submodule on the package under its own name)
 
     plan = hand_plan()
-    assert hapnb.simulate is simulate and hapnb.Timeline is hapnb.simulation.Timeline
+    assert hapnb.simulate is simulate and hapnb.Timeline is hapnb.plans.simulation.Timeline
     assert hapnb.simulate(plan, slowdown=0.0) == simulate(plan, slowdown=0.0)

@@ -7,8 +7,8 @@ import torch
 
 import hapnb as hap
 from hapnb import zoo
+from hapnb.plans.synthesis import OutOfMemoryError
 from hapnb.synth.search import PinError
-from hapnb.synthesis import OutOfMemoryError
 
 CLUSTERS = ["paper-hetero-8", "a100-p100", "2xV100+2xP100"]
 
@@ -164,7 +164,7 @@ def test_pick_is_checked_and_the_simulated_pick_is_the_fastest_candidate():
 
 def test_duplex_plans_cut_the_batch_into_even_local_batches():
     """The LP's ratios would give 1xV100+1xP100 a batch of 8 as 5 + 3; a duplex plan rounds to pairs."""
-    from hapnb.synthesis import even_batch_ratios
+    from hapnb.plans.synthesis import even_batch_ratios
 
     plain = hap.synthesize("mlp", "1xV100+1xP100", layers=2, hidden=64, input=32, batch=8)
     duplex = hap.synthesize("mlp", "1xV100+1xP100", duplex=True, layers=2, hidden=64, input=32, batch=8)

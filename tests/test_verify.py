@@ -15,11 +15,11 @@ from synthetic import DP_PINS
 import hapnb as hap
 from hapnb import zoo
 from hapnb.cli import main as cli_main
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import synthesize
 from hapnb.run.launch import JobResult
 from hapnb.run.verify import TensorCheck, VerifyError, VerifyReport, verify
 from hapnb.runtime.codegen import CodegenError
-from hapnb.synthesis import synthesize
 
 TIED = "examples.factories:tied_lm"
 

@@ -15,8 +15,8 @@ import synthetic  # noqa: E402
 from hapnb.widgets import Explorer  # noqa: E402
 
 from hapnb.hardware.cluster import Cluster  # noqa: E402
+from hapnb.plans.synthesis import synthesize  # noqa: E402
 from hapnb.synth.search import Search  # noqa: E402
-from hapnb.synthesis import synthesize  # noqa: E402
 from hapnb.triples import theory  # noqa: E402
 
 CLUSTER = "2xV100+2xP100"
@@ -347,7 +347,7 @@ def test_verify_button_shows_the_real_report(tiny_ex):
 
 def test_every_control_calls_the_session_and_renders(ex, monkeypatch):
     """The panel is a view: each button, field and selector calls one Session method and re-renders."""
-    ex.controls["auto_resynth"].value = False  # one control, one call (re-planning on change: test_tuning)
+    ex.controls["auto_resynth"].value = False  # one control, one call (re-planning on change: test_explain)
     calls: list[str] = []
     for name in (
         "step", "step_n", "run_to_complete", "run", "reset", "select", "use_best", "set_pin", "set_ratio",

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from hapnb import zoo
-from hapnb.plan import Plan
+from hapnb.plans.plan import Plan
+from hapnb.plans.synthesis import synthesize
 from hapnb.run.bundle import write_bundle
 from hapnb.run.supervisor import run_local
-from hapnb.synthesis import synthesize
 
 ROOT = Path(__file__).resolve().parent.parent
 

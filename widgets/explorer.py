@@ -60,10 +60,10 @@ import ipywidgets as W
 from hapnb import display
 from hapnb.hardware.cluster import PRESETS, Cluster
 from hapnb.ir.forms import Form
-from hapnb.plan import Plan
+from hapnb.plans.explain import INTRA_MACHINE
+from hapnb.plans.plan import Plan
 from hapnb.session import AUTO, JobState, Progress, Session
 from hapnb.synth.search import Search, SearchEvent, SearchNode
-from hapnb.tuning import INTRA_MACHINE
 
 __all__ = ["Explorer"]
 
@@ -267,7 +267,7 @@ class Explorer:
 
     def why_not(self, pins: Mapping[str, Form | str] | None = None) -> Any:
         """Why the plan does not use these forms (default: the "Why not?" tensor and form fields): shows
-        and returns the session's :class:`hapnb.tuning.WhyNot`; the plan does not change."""
+        and returns the session's :class:`hapnb.plans.explain.WhyNot`; the plan does not change."""
         if pins is None:
             pins = {self.controls["why_tensor"].value: self.controls["why_form"].value}
         self.controls["progress_label"].value = "re-planning with the pins..."

@@ -22,7 +22,7 @@ HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kin
                         ``plan_diff_html(old, new)``, ``sharding_html(plan, tensor)``,
                         ``cluster_html``, ``gantt_svg`` (static timeline, no JavaScript),
                         ``report_html(plan, baselines=...)`` (a whole self-contained page),
-                        ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.tuning's values),
+                        ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.plans.explain's values),
                         ``comparison_html`` (hapnb.compare), ``pipeline_html`` (a PipelinePlan)
 graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
                         depth=2, event=None)``, ``proof_dot(plan)``, ``pipeline_dot(pipeline_plan)``

@@ -1,4 +1,4 @@
-"""Views of a strategy comparison (:class:`hapnb.comparison.Comparison`): an HTML table with bars and a
+"""Views of a strategy comparison (:class:`hapnb.plans.comparison.Comparison`): an HTML table with bars and a
 bokeh chart of grouped bars (one group per strategy, a bar per clock), strategies that do not fit marked."""
 
 from __future__ import annotations

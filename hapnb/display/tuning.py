@@ -1,4 +1,4 @@
-"""HTML views of the tuning answers (:mod:`hapnb.tuning`): what bounds the step, why not, what if."""
+"""HTML views of the tuning answers (:mod:`hapnb.plans.explain`): what bounds the step, why not, what if."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from .basics import _bar, _ms, _table, esc
 
 
 def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
-    """A :class:`~hapnb.tuning.Sensitivity`: saving per device and per link (bars), the devices whose memory
+    """A :class:`~hapnb.plans.explain.Sensitivity`: saving per device and per link (bars), the devices whose memory
     binds, tight devices per stage."""
     pct = f"+{(s.factor - 1) * 100:.3g} %"
     basis = (
@@ -76,7 +76,7 @@ def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
 
 
 def why_not_html(w: Any) -> str:
-    """A :class:`~hapnb.tuning.WhyNot`: the best plan with the pins and where it differs, or why none."""
+    """A :class:`~hapnb.plans.explain.WhyNot`: the best plan with the pins and where it differs, or why none."""
     asked = esc(", ".join(f"{t}={f}" for t, f in w.pins))
     if w.other is None:
         where = f" at <b>{esc(w.where)}</b>" if w.where else ""
@@ -117,7 +117,7 @@ def why_not_html(w: Any) -> str:
 
 
 def what_if_html(w: Any) -> str:
-    """A :class:`~hapnb.tuning.WhatIf`: the re-planned cost next to the dual's prediction."""
+    """A :class:`~hapnb.plans.explain.WhatIf`: the re-planned cost next to the dual's prediction."""
     pred = "-" if w.predicted_s is None else f"{_ms(w.predicted_s)} ms"
     return (
         f"<div><b>What if {esc(w.change)}?</b> re-planned: <b>{_ms(w.replanned.cost_s)} ms</b> "

@@ -63,7 +63,7 @@ class DeviceModel:
     output tiles run in waves over the multiprocessors and a part-full last wave wastes the rest.
 
     ``overlap_slowdown`` (Proteus' overlap factor γ, optional): a computation runs ``1 + γ`` times
-    longer while a collective runs beside it; only :mod:`hapnb.simulation` reads it (``hapnb profile``
+    longer while a collective runs beside it; only :mod:`hapnb.plans.simulation` reads it (``hapnb profile``
     measures it; None: the simulator's default)."""
 
     peak_flops: float

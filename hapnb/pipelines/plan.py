@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hardware.cluster import Cluster
-from ..plan import load_json, save_json
+from ..plans.plan import load_json, save_json
 
 __all__ = [
     "PIPELINE_FORMAT",

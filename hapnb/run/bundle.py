@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Graph
-from ..plan import Plan
+from ..plans.plan import Plan
 
 __all__ = [
     "BUNDLE_FORMAT",

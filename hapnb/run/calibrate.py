@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hardware.cluster import Cluster
-from ..plan import Plan
+from ..plans.plan import Plan
 from .launch import DEFAULT_WORKER, LaunchError, launch, step_times
 
 __all__ = ["CalibrationReport", "StageCalibration", "calibrate", "calibrate_launch"]

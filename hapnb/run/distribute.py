@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..plan import Plan
+from ..plans.plan import Plan
 from ..runtime.codegen import RankProgram, generate
 from ..runtime.expand import expand_virtual
 from .bundle import program_inputs, resolve_graph

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pipelines import PipelinePlan, is_pipeline_json
-from ..plan import Plan
+from ..plans.plan import Plan
 from .bundle import write_bundle
 from .pipelined import PIPELINE_WORKER_ARGV, prepare
 from .supervisor import Outcome, Supervisor, free_port, rank_envs
@@ -490,7 +490,7 @@ def launch(
 ) -> Job:
     """Start ``nproc`` ranks of ``plan_or_bundle`` on this node and return the running :class:`Job`.
 
-    ``plan_or_bundle``: a :class:`~hapnb.plan.Plan` (written as a bundle first, to ``bundle_dir`` or a
+    ``plan_or_bundle``: a :class:`~hapnb.plans.plan.Plan` (written as a bundle first, to ``bundle_dir`` or a
     temporary folder removed when the job ends), a bundle directory, or a plan JSON file; or a pipeline
     plan (:class:`~hapnb.pipelines.PipelinePlan` or its JSON file), whose ranks run
     :mod:`hapnb.run.pipelined` (one per plan device; the worker's metrics lines also carry ``stage``). ``nproc``

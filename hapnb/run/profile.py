@@ -34,7 +34,7 @@
 * **Overlap slowdown** (:func:`profile_overlap_slowdown`): Proteus' overlap factor γ, the slowdown of
   a matmul loop while an all-reduce loop runs beside it (a thread of rank 0 and rank 1, gloo on CPU,
   NCCL on GPUs), ``min time beside / min time alone - 1`` (``DeviceModel.overlap_slowdown``, read by
-  :mod:`hapnb.simulation`).
+  :mod:`hapnb.plans.simulation`).
 * :func:`profile_cluster` combines them into a :class:`~hapnb.hardware.cluster.Cluster` (devices ``cpu-0``, ...
   or named after the GPU, e.g. ``h100-0``) that ``hapnb plan --cluster cluster.json`` reads.
 

@@ -30,7 +30,7 @@ import torch
 
 from ..ir.graph import Graph
 from ..pipelines import PipelinePlan
-from ..plan import Plan
+from ..plans.plan import Plan
 from ..runtime.codegen import generate, program_weights, reference_module, reference_params
 from ..runtime.expand import expand_virtual, has_virtual
 from ..tracing import module_path

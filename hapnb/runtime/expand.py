@@ -38,7 +38,7 @@ from typing import Any
 from ..hardware.cluster import Cluster, Device
 from ..ir.forms import shard_lengths
 from ..ir.graph import Graph
-from ..plan import Plan
+from ..plans.plan import Plan
 
 __all__ = ["ExpandError", "expand_cluster", "expand_virtual", "has_virtual", "physical_plan"]
 

@@ -5,9 +5,9 @@
 returns the best program paired with the ratios optimised *for it* (an :class:`Optimum`). The
 data-parallel and tensor-parallel programs of :func:`baseline_specs` are also balanced by the LP and used
 as seeds, so the result is never worse than any baseline under the same cost model. Packaging the
-result as a :class:`~hapnb.plan.Plan` is :mod:`hapnb.synthesis`' job (one layer up).
+result as a :class:`~hapnb.plans.plan.Plan` is :mod:`hapnb.plans.synthesis`' job (one layer up).
 
-``memo``: a :class:`Memo` shared by several calls on one theory (what :meth:`hapnb.plan.Plan.replan`
+``memo``: a :class:`Memo` shared by several calls on one theory (what :meth:`hapnb.plans.plan.Plan.replan`
 reuses): every search and every LP is a pure function of its inputs, so a call that meets the same
 search (cluster, ratios, pins, options, budget) or the same LP (cluster, program, ratio pins) again takes
 the earlier result instead of recomputing it, and returns exactly what it would have computed.

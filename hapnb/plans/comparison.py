@@ -62,15 +62,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hardware.cluster import Cluster
-from .ir.forms import G
-from .ir.graph import Graph
+from ..hardware.cluster import Cluster
+from ..ir.forms import G
+from ..ir.graph import Graph
+from ..synth.optimize import baseline_specs, fsdp_pins
+from ..synth.search import NoProgramError
+from ..tracing import resolve_model
+from ..triples import Theory, dim_class, theory
 from .plan import Plan, freeze_mapping
-from .synth.optimize import baseline_specs, fsdp_pins
-from .synth.search import NoProgramError
 from .synthesis import OutOfMemoryError, baselines, fixed_plan, synthesize
-from .tracing import resolve_model
-from .triples import Theory, dim_class, theory
 
 __all__ = [
     "STRATEGIES",
@@ -227,14 +227,14 @@ class Comparison:
         return f"Comparison({self.model} on {self.cluster.name}: {', '.join(self.strategies)})"
 
     def _repr_html_(self) -> str:
-        from . import display
+        from .. import display
 
         return display.safe_html(display.comparison_html, self)
 
     def chart(self, **kw: Any) -> Any:
         """A bokeh chart: per strategy a bar on each clock, strategies that do not fit marked OOM (see
         :func:`hapnb.display.comparison_chart`)."""
-        from . import display
+        from .. import display
 
         return display.comparison_chart(self, **kw)
 
@@ -464,7 +464,7 @@ def _fsdp(x: _Inputs) -> StrategyResult:
 
 
 def _pipeline(x: _Inputs) -> StrategyResult:
-    from .pipelines.planner import NoPipelineError, default_micro_batches, pipeline
+    from ..pipelines.planner import NoPipelineError, default_micro_batches, pipeline
 
     c = x.cluster
     if isinstance(x.model, (Graph, Theory)):

@@ -11,7 +11,7 @@ executes code.
 True
 
 Tuning (``plan.replan(...)``, ``plan.why_not(pins)``, ``plan.sensitivity()``) is implemented above this
-module (re-planning is synthesis, which builds Plans): :mod:`hapnb.synthesis` registers the functions
+module (re-planning is synthesis, which builds Plans): :mod:`hapnb.plans.synthesis` registers the functions
 with :func:`register_tuning` when it loads (``hapnb.Plan`` loads it), so this module never imports it.
 """
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .cost.model import Conversion, CostModel, Step
-from .hardware.cluster import Cluster
-from .ir.forms import Form, parse_form
-from .synth.optimize import Round
-from .triples import Theory, coverage
+from ..cost.model import Conversion, CostModel, Step
+from ..hardware.cluster import Cluster
+from ..ir.forms import Form, parse_form
+from ..synth.optimize import Round
+from ..triples import Theory, coverage
 
 #: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)
 TIMING_STATS = ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
@@ -50,7 +50,7 @@ _TUNING: dict[str, Callable[..., Any]] = {}
 
 def register_tuning(**functions: Callable[..., Any]) -> None:
     """Install the functions behind :meth:`Plan.replan`, :meth:`Plan.why_not`, :meth:`Plan.sensitivity`
-    and the context lookup (:mod:`hapnb.synthesis` does, when it loads)."""
+    and the context lookup (:mod:`hapnb.plans.synthesis` does, when it loads)."""
     _TUNING.update(functions)
 
 
@@ -59,7 +59,7 @@ def tuning_function(name: str) -> Callable[..., Any]:
     fn = _TUNING.get(name)
     if fn is None:
         raise RuntimeError(
-            f"Plan.{name} is implemented by hapnb.synthesis, which is not loaded: import hapnb.synthesis "
+            f"Plan.{name} is implemented by hapnb.plans.synthesis, which is not loaded: import hapnb.plans.synthesis "
             "(hapnb.Plan and hapnb.synthesize load it)"
         )
     return fn
@@ -122,7 +122,7 @@ class Instruction:
     ``collective`` (``name`` from theory.COLLECTIVES, ``tensor`` from ``src`` to ``form``) or
     ``compute`` (``op`` run with strategy ``name``; ``inputs``/``outputs`` are (tensor, form) pairs).
 
-    Costs at the plan's ratios, for :mod:`hapnb.simulation` (empty in plans made before them):
+    Costs at the plan's ratios, for :mod:`hapnb.plans.simulation` (empty in plans made before them):
     ``comp_s`` (compute only) the seconds per device of forward + backward (the cost model's step
     computation, so a stage's sum is ``Stage.comp_s``); ``comm`` the communication terms the cost model
     charges to this instruction (a load: its gradient all-reduce; a collective: its forward and backward;
@@ -255,13 +255,13 @@ class Plan:
     #: simulated. ``cost_s`` stays the stage model's (or the duplex ψ) cost, the number the search optimises.
     simulated_s: float | None = None
     #: what the plan was synthesized from and the caches re-planning reuses
-    #: (:class:`hapnb.synthesis.SynthesisContext`; not compared, not in JSON; made on first use for a
+    #: (:class:`hapnb.plans.synthesis.SynthesisContext`; not compared, not in JSON; made on first use for a
     #: loaded plan)
     context: Any = field(default=None, compare=False, repr=False)
 
     @property
     def costed(self) -> bool:
-        """Whether the plan carries per-instruction costs (what :mod:`hapnb.simulation` overlaps)."""
+        """Whether the plan carries per-instruction costs (what :mod:`hapnb.plans.simulation` overlaps)."""
         return bool(self.optimizer_s) and all(i.comp_s for i in self.program if i.kind == "compute")
 
     # ------------------------------------------------------------------ views
@@ -340,26 +340,26 @@ class Plan:
     ) -> Plan:
         """This plan re-planned with these pins / ratio pins merged into its own (``None`` removes one) and
         on ``cluster`` (default: this plan's), reusing every search, LP and simulation that did not change
-        (:func:`hapnb.synthesis.replan`). ``exact=True`` (default): the plan a fresh ``hapnb.synthesize``
+        (:func:`hapnb.plans.synthesis.replan`). ``exact=True`` (default): the plan a fresh ``hapnb.synthesize``
         makes with the merged inputs. ``exact=False`` (fast): the Q/B loop from this plan's ratios without
         the baseline seeds: a fixpoint of the loop that keeps every pin, but maybe not the fresh plan
-        (``stats["replan"] == "fast"``; the contract is :func:`hapnb.synthesis.replan`'s)."""
+        (``stats["replan"] == "fast"``; the contract is :func:`hapnb.plans.synthesis.replan`'s)."""
         return tuning_function("replan")(self, pins=pins, ratio_pins=ratio_pins, cluster=cluster, exact=exact)
 
     def why_not(self, pins: Mapping[str, Any]) -> Any:
         """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the
-        difference per stage block, or where no program satisfies them (:class:`hapnb.tuning.WhyNot`)."""
+        difference per stage block, or where no program satisfies them (:class:`hapnb.plans.explain.WhyNot`)."""
         return tuning_function("why_not")(self, pins)
 
     def sensitivity(self, factor: float = 1.1) -> Any:
         """What bounds the step: binding devices per stage and what a device or collective ``factor``
         times faster (or a device whose memory caps its ratio, ``factor`` times larger) would save, from
-        the ratio LP's dual values (:class:`hapnb.tuning.Sensitivity`)."""
+        the ratio LP's dual values (:class:`hapnb.plans.explain.Sensitivity`)."""
         return tuning_function("sensitivity")(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the stages per device (needs bokeh)."""
-        from . import display
+        from .. import display
 
         return display.gantt(self, **kw)
 
@@ -429,7 +429,7 @@ class Plan:
         return self.summary() + "\n" + "\n".join(f"  [{i.stage:3d}] {i}" for i in self.program)
 
     def _repr_html_(self) -> str:
-        from . import display
+        from .. import display
 
         sens = self._known_sensitivity()
         extra = "" if sens is None else display.safe_html(display.sensitivity_html, sens)

@@ -1,4 +1,4 @@
-"""Synthesis: the public entry points that turn a model and a cluster into :class:`~hapnb.plan.Plan` values.
+"""Synthesis: the public entry points that turn a model and a cluster into :class:`~hapnb.plans.plan.Plan` values.
 
 :func:`synthesize` resolves the model (a Graph, a Theory, an nn.Module with example inputs, a zoo name or
 ``package.module:factory``), runs the Q/B loop of :mod:`hapnb.synth.optimize`, packages the best program with
@@ -27,16 +27,13 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import plan as plan_module
-from .cost.memory import largest_pieces
-from .cost.model import CostModel
-from .hardware.cluster import Cluster
-from .ir.graph import Graph
-from .plan import Plan, freeze_mapping, make_plan
-from .simulation import iteration_lower_bound, iteration_time
-from .synth.balance import solver_name
-from .synth.duplex import duplex_cost
-from .synth.optimize import (
+from ..cost.memory import largest_pieces
+from ..cost.model import CostModel
+from ..hardware.cluster import Cluster
+from ..ir.graph import Graph
+from ..synth.balance import solver_name
+from ..synth.duplex import duplex_cost
+from ..synth.optimize import (
     Candidate,
     Memo,
     assign_segments,
@@ -48,10 +45,13 @@ from .synth.optimize import (
     proven_gap,
     without_gc,
 )
-from .synth.search import NoProgramError, Search
-from .tracing import resolve_model
-from .triples import Theory, coverage, theory
-from .tuning import rebuild_graph, sensitivity, why_not
+from ..synth.search import NoProgramError, Search
+from ..tracing import resolve_model
+from ..triples import Theory, coverage, theory
+from . import plan as plan_module
+from .explain import rebuild_graph, sensitivity, why_not
+from .plan import Plan, freeze_mapping, make_plan
+from .simulation import iteration_lower_bound, iteration_time
 
 __all__ = [
     "synthesize",
@@ -118,7 +118,7 @@ def synthesize(
     ``pick``: ``"simulated"`` (default): the loop's candidates (the :data:`FINAL_CANDIDATES` cheapest
     programs it balanced, and each baseline's program at the baseline's own ratios) are simulated with
     overlap (:func:`hapnb.simulate`) and the fastest is the plan, so its ``simulated_s`` is never above a
-    baseline's (a candidate whose lower bound, :func:`hapnb.simulation.iteration_lower_bound`, is above the
+    baseline's (a candidate whose lower bound, :func:`hapnb.plans.simulation.iteration_lower_bound`, is above the
     fastest time simulated so far cannot win and is not simulated: ``stats["candidates_bounded"]``);
     ``"cost"``: the loop's optimum under the stage model (or duplex) cost, as HAP picks it (the paper
     comparisons). Either way ``plan.cost_s`` is the stage-model (or duplex) cost and
@@ -150,7 +150,7 @@ class SynthesisContext:
     (synthesize's keyword arguments: ``ratios`` (ratio pins or fixed ratios), ``options``,
     ``max_iterations``, ``max_expansions``, ``max_seconds``, ``seed_baselines``, ``check_memory``,
     ``progress``, ``duplex``, ``pick``, ``segments``) and ``memo``, the searches, LPs and simulated times
-    computed so far (:class:`~hapnb.synth.optimize.Memo`; also what :mod:`hapnb.tuning` reuses)."""
+    computed so far (:class:`~hapnb.synth.optimize.Memo`; also what :mod:`hapnb.plans.explain` reuses)."""
 
     def __init__(
         self,
@@ -304,7 +304,7 @@ def _synthesize(
 
 
 def program_lower_bound(cm: CostModel, program: Sequence[Any], ratios: Any, duplex: bool = False) -> float:
-    """:func:`hapnb.simulation.iteration_lower_bound` of the plan :func:`make_plan` would make of ``program``
+    """:func:`hapnb.plans.simulation.iteration_lower_bound` of the plan :func:`make_plan` would make of ``program``
     at ``ratios``, priced as it prices the plan's instructions (a load, a conversion, a computation each),
     without making the plan."""
     comp, feature, grads = [], [], []
@@ -420,7 +420,7 @@ def _derived(ctx: SynthesisContext, args: Mapping[str, Any]) -> SynthesisContext
 
 def context_of(plan: Plan) -> SynthesisContext:
     """The plan's :class:`SynthesisContext`; for a plan without one (loaded from JSON, or made by
-    :func:`hapnb.plan.make_plan` directly) one is made and kept on the plan: the graph is the plan's own or
+    :func:`hapnb.plans.plan.make_plan` directly) one is made and kept on the plan: the graph is the plan's own or
     its model rebuilt from the recorded spec (once), synthesize's arguments those the plan records
     (pins, ratio pins, options, segments, duplex, pick) and the defaults for the rest."""
     if plan.context is not None:

@@ -51,8 +51,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cost.model import ddp_buckets
-from .hardware.cluster import Cluster
+from ..cost.model import ddp_buckets
+from ..hardware.cluster import Cluster
 from .plan import CommCost, Plan
 
 __all__ = [
@@ -197,13 +197,13 @@ class Timeline:
 
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the spans: a lane per device with a sub-lane per stream (needs bokeh)."""
-        from .display import charts
+        from ..display import charts
 
         return charts.timeline_gantt(self, **kw)
 
     def memory_chart(self, **kw: Any) -> Any:
         """A bokeh line chart of each device's memory over the iteration (needs bokeh)."""
-        from .display import charts
+        from ..display import charts
 
         return charts.memory_chart(self, **kw)
 

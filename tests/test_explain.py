@@ -11,11 +11,11 @@ from hapnb import zoo
 from hapnb.cost.model import CostModel
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import ShardGradOp
-from hapnb.plan import Plan, make_plan
+from hapnb.plans.explain import faster, program_steps, what_if
+from hapnb.plans.plan import Plan, make_plan
+from hapnb.plans.synthesis import replan, synthesize
 from hapnb.synth.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.synth.search import PinError
-from hapnb.synthesis import replan, synthesize
-from hapnb.tuning import faster, program_steps, what_if
 
 CLUSTER = "2xV100+2xP100"
 MLP = zoo.TINY["mlp"]
@@ -68,7 +68,7 @@ def test_replan_equals_a_fresh_synthesize_and_reuses_what_did_not_change(mlp, gp
 
 
 def test_replan_of_a_loaded_plan_rebuilds_the_model_once(mlp, tmp_path, monkeypatch):
-    import hapnb.synthesis as synthesis_module
+    import hapnb.plans.synthesis as synthesis_module
 
     calls = []
     real = synthesis_module.rebuild_graph

@@ -17,7 +17,7 @@
 
 Savings are of ``plan.cost_s`` (the stage model, or the duplex time), the number the search and the LP
 optimise. The values render as text and HTML (:mod:`hapnb.display`). This module reaches synthesis only
-through the plan's own methods (:meth:`~hapnb.plan.Plan.replan` and the registered context lookup).
+through the plan's own methods (:meth:`~hapnb.plans.plan.Plan.replan` and the registered context lookup).
 
 >>> import hapnb
 >>> plan = hapnb.synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
@@ -37,13 +37,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .cost.memory import overflow
-from .cost.model import Conversion, CostModel, Load, Step
-from .hardware.cluster import Cluster, Collective
-from .ir.forms import Form, Storage, parse_form, parse_pin
-from .ir.graph import Graph
-from .plan import Plan, tuning_function
-from .synth.balance import (
+from ..cost.memory import overflow
+from ..cost.model import Conversion, CostModel, Load, Step
+from ..hardware.cluster import Cluster, Collective
+from ..ir.forms import Form, Storage, parse_form, parse_pin
+from ..ir.graph import Graph
+from ..synth.balance import (
     MemoryCapError,
     device_classes,
     lp_changes,
@@ -53,10 +52,11 @@ from .synth.balance import (
     row_role,
     solve_lp,
 )
-from .synth.duplex import duplex_cost
-from .synth.optimize import without_gc
-from .synth.search import NoProgramError, PinError, Search
-from .triples import Theory
+from ..synth.duplex import duplex_cost
+from ..synth.optimize import without_gc
+from ..synth.search import NoProgramError, PinError, Search
+from ..triples import Theory
+from .plan import Plan, tuning_function
 
 __all__ = [
     "Sensitivity",
@@ -89,8 +89,8 @@ def rebuild_graph(plan: Plan) -> Graph:
     """The plan's traced program, rebuilt from its recorded model spec (the zoo name or factory and its
     options); raises ValueError when the plan records none, or the rebuilt program is not the one the
     plan was made for (its graph fingerprint differs)."""
-    from . import zoo
-    from .tracing import trace
+    from .. import zoo
+    from ..tracing import trace
 
     missing = ValueError(
         f"plan {plan.name!r} records no model to rebuild (made from a Graph or an nn.Module): re-plan "
@@ -108,14 +108,14 @@ def rebuild_graph(plan: Plan) -> Graph:
 
 
 def _context(plan: Plan) -> Any:
-    """The plan's synthesis context (:func:`hapnb.synthesis.context_of`, registered with the plan)."""
+    """The plan's synthesis context (:func:`hapnb.plans.synthesis.context_of`, registered with the plan)."""
     return tuning_function("context")(plan)
 
 
 def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conversion, ...]]:
     """The plan's program as the search's steps (and the collectives after the last one), read back from
     its instructions: loads and collectives belong to the computation that follows them, which runs the
-    strategy of that name. Inverse of :func:`hapnb.plan.make_plan`."""
+    strategy of that name. Inverse of :func:`hapnb.plans.plan.make_plan`."""
     g = th.graph
     ops = {op.name: op for op in g.ops}
     tid = {t.name: t.id for t in g.tensors}
@@ -225,7 +225,7 @@ class _Shown(abc.ABC):
         return self.summary()
 
     def _repr_html_(self) -> str:
-        from . import display
+        from .. import display
 
         return display.safe_html(getattr(display, self._renderer), self)
 
@@ -330,7 +330,7 @@ class Sensitivity(_Shown):
         return tuple(n for s, n in sorted(items, key=lambda t: (-t[0], t[1])) if s > 1e-12 * self.cost_s)
 
     def lines(self, limit: int = 4) -> list[str]:
-        """A few lines for :meth:`hapnb.plan.Plan.summary`: what saves most per +10 %."""
+        """A few lines for :meth:`hapnb.plans.plan.Plan.summary`: what saves most per +10 %."""
         pct = f"+{(self.factor - 1) * 100:.3g} %"
         devs = sorted(self.devices, key=lambda d: (-d.saving_s, d.device))[:limit]
         links = sorted(self.links, key=lambda x: (-x.saving_s, x.name))[:limit]
@@ -725,7 +725,7 @@ def _forms(plan: Plan, tensor: str) -> set[str]:
 
 def _zero_level(load_name: str) -> int:
     """The ZeRO level of a load instruction's name (``load_zero3`` -> 3; ``load``, ``load_sfb`` -> 0), as
-    :func:`hapnb.plan.make_plan` names them."""
+    :func:`hapnb.plans.plan.make_plan` names them."""
     return int(load_name.removeprefix("load_zero")) if load_name.startswith("load_zero") else 0
 
 
