@@ -17,7 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .hardware.cluster import Cluster, Collective, Device
+from .hardware.cluster import Cluster
+from .hardware.parts import Collective, Device
 from .ir.forms import (
     FullShard,
     G,

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import display
-from .hardware.cluster import Cluster, Collective, Device
+from .hardware.cluster import Cluster
+from .hardware.parts import Collective, Device
 from .ir.forms import Form, Storage, parse_pin
 from .plans.explain import WhatIf, WhyNot, rebuild_graph, what_if
 from .plans.plan import Plan, freeze_mapping, make_plan

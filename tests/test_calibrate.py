@@ -135,7 +135,7 @@ def _synthetic_runs(truth):
 
 
 def test_fit_recovers_known_parameters_from_synthetic_runs():
-    from hapnb.hardware.cluster import H100_MODEL
+    from hapnb.hardware.catalogue import H100_MODEL
     from hapnb.run.calibrate import fit_device_model, predict_step_s
 
     truth = dataclasses.replace(
@@ -173,7 +173,7 @@ def _tiny_runs(path: Path) -> Path:
 def test_features_price_like_the_cost_model():
     """The fit's closed form equals what `hapnb plan` predicts for one device (time and peak memory)."""
     import hapnb as hap
-    from hapnb.hardware.cluster import H100_MODEL
+    from hapnb.hardware.catalogue import H100_MODEL
     from hapnb.run.calibrate import predict_step_s, run_features
 
     opts = dict(layers=2, hidden=32, seq=16, batch=8, vocab=64)
@@ -191,7 +191,7 @@ def test_features_price_like_the_cost_model():
 
 
 def test_shipped_h100_model_predicts_a_measured_run():
-    from hapnb.hardware.cluster import H100_MODEL
+    from hapnb.hardware.catalogue import H100_MODEL
     from hapnb.run.calibrate import load_measured, predict_step_s, run_features, shipped_runs
 
     data = load_measured(shipped_runs())

@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hapnb.hardware.cluster import (
-    COLLECTIVE_KINDS,
-    DITTO_RELATIVE_THROUGHPUT,
-    KINDS,
-    PRESETS,
-    TRAINING_EFFICIENCY,
-    Cluster,
-    Collective,
-    Device,
-    GiB,
-)
+from hapnb.hardware.catalogue import KINDS, TRAINING_EFFICIENCY
+from hapnb.hardware.cluster import DITTO_RELATIVE_THROUGHPUT, PRESETS, Cluster
+from hapnb.hardware.parts import COLLECTIVE_KINDS, Collective, Device, GiB
 
 V100 = 3.858755112937e12
 P100 = 2.149250936815e12
@@ -479,7 +471,7 @@ def test_documented_five_kind_json_loads_with_reduce_derived(tmp_path):
 
 @pytest.mark.parametrize("given", ["all_gather", "reduce_scatter", "all_reduce"])
 def test_every_kind_derives_from_one_base_kind(given):
-    from hapnb.hardware.cluster import DERIVED_COLLECTIVES, complete_collectives
+    from hapnb.hardware.parts import DERIVED_COLLECTIVES, complete_collectives
 
     base = Collective(1e-5, 4e9)
     out = complete_collectives({given: base})
@@ -493,7 +485,7 @@ def test_every_kind_derives_from_one_base_kind(given):
 
 
 def test_given_kinds_win_over_derived_ones():
-    from hapnb.hardware.cluster import complete_collectives
+    from hapnb.hardware.parts import complete_collectives
 
     given = {"all_gather": Collective(1e-5, 4e9), "broadcast": Collective(3e-6, 1e9)}
     out = complete_collectives(given)
@@ -504,7 +496,7 @@ def test_given_kinds_win_over_derived_ones():
 
 
 def test_h100_has_a_device_model_with_its_source_and_paper_kinds_stay_flops_only():
-    from hapnb.hardware.cluster import DEVICE_MODELS, KINDS
+    from hapnb.hardware.catalogue import DEVICE_MODELS, KINDS
 
     for spec in ("1xH100", "h100", "h100x8"):
         c = Cluster.resolve(spec)
@@ -542,7 +534,7 @@ def test_device_model_json_round_trip_and_old_json_still_loads(tmp_path):
 def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
     import dataclasses
 
-    from hapnb.hardware.cluster import DEVICE_MODELS
+    from hapnb.hardware.catalogue import DEVICE_MODELS
     from hapnb.hardware.devices import DeviceModel
 
     for m in DEVICE_MODELS.values():  # every shipped kind keeps today's pricing
@@ -576,7 +568,7 @@ def test_device_model_cpu_refinements_round_trip_and_default_off(tmp_path):
 
 
 def test_device_model_scan_conv_and_wave_fields_round_trip():
-    from hapnb.hardware.cluster import H100_MODEL
+    from hapnb.hardware.catalogue import H100_MODEL
     from hapnb.hardware.devices import DeviceModel
 
     new = dict(scan_flops=3e8, conv_eff=0.8, conv_half_flops=9e6, sm_count=132, gemm_tile=128)

@@ -10,7 +10,8 @@ import pytest
 import synthetic as S
 
 from hapnb.cost.model import Conversion, CostModel, Load, Step
-from hapnb.hardware.cluster import Cluster, Collective
+from hapnb.hardware.cluster import Cluster
+from hapnb.hardware.parts import Collective
 from hapnb.ir.forms import G, I, R
 from hapnb.triples import theory
 
@@ -438,7 +439,7 @@ def test_cpu_refinements_keep_comp_linear_equal_to_step_comp():
 
 def test_shipped_kinds_price_vector_ops_memory_bound_as_before():
     from hapnb.cost.model import VECTOR_FAMILIES
-    from hapnb.hardware.cluster import DEVICE_MODELS
+    from hapnb.hardware.catalogue import DEVICE_MODELS
 
     g, th = _tiny_gpt()
     h100 = DEVICE_MODELS["H100"]

@@ -10,7 +10,8 @@ from test_search import all_programs, brute_force
 import hapnb as hap
 from hapnb import zoo
 from hapnb.cost.model import Conversion, CostModel, Load, Step
-from hapnb.hardware.cluster import Cluster, Collective
+from hapnb.hardware.cluster import Cluster
+from hapnb.hardware.parts import Collective
 from hapnb.ir.forms import G, I
 from hapnb.synth.balance import balance
 from hapnb.synth.duplex import duplex_cost, duplex_evaluate, feature_terms, next_psi, psi_phi

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from hapnb.cli import main as cli_main
-from hapnb.hardware.cluster import COLLECTIVE_KINDS, Cluster, Collective
+from hapnb.hardware.cluster import Cluster
 from hapnb.hardware.devices import DeviceModel
+from hapnb.hardware.parts import COLLECTIVE_KINDS, Collective
 from hapnb.run.profile import (
     ProfileError,
     fit_collective,

@@ -10,7 +10,8 @@ import pytest
 
 import hapnb as hap
 from hapnb import zoo
-from hapnb.hardware.cluster import Cluster, Collective
+from hapnb.hardware.cluster import Cluster
+from hapnb.hardware.parts import Collective
 from hapnb.plans.plan import CommCost, Instruction, Plan, Stage
 from hapnb.plans.simulation import DEFAULT_OVERLAP_SLOWDOWN, FORWARD_FRACTION, STREAMS, Span, simulate
 from hapnb.plans.synthesis import baselines

@@ -1,33 +1,13 @@
-"""Devices, collectives and clusters: what the cost model knows about the hardware.
-
-Units are bytes and seconds everywhere. A :class:`Device` has an *effective training throughput*
-``flops`` in the cost model's own flop units (the same per-op formulas the cost model uses, divided by
-measured fwd+bwd time; paper §3.2, hap-reference §3.2), so ``time = flops_of_stage / device.flops``.
-A device with ``gpus > 1`` is a *virtual device*: one machine of ``gpus`` identical GPUs running data
-parallelism inside (paper §3, §6).
-
-A :class:`Collective` is the linear model ``launches * latency_s + nbytes / bandwidth_Bps``. How the
-cost model picks ``nbytes`` for each collective kind (so bandwidths mean "bytes the slowest participant
-moves per second" for that collective):
-
-==================  ==========================================================================
-kind                 call made by the cost model
-==================  ==========================================================================
-``all_gather``       padded all-gather: ``time(n * max_shard_bytes)``
-``reduce_scatter``   padded reduce-scatter: ``time(n * max_shard_bytes)``
-``broadcast``        grouped all-gather (n broadcasts): ``time(full_bytes, launches=n)``
-``reduce``           grouped reduce-scatter (n reduces): ``time(full_bytes, launches=n)``
-``all_reduce``       ``time(full_bytes)``
-``all_to_all``       ``time(max over devices of the bytes one device sends or receives)``
-==================  ==========================================================================
+"""Clusters: a :class:`Cluster` is a set of devices, how fast they compute, and how fast they
+communicate (one :class:`~hapnb.hardware.parts.Collective` per kind); read from an inline spec, a preset
+name or a cluster JSON, and written back as JSON. The values it is made of are in
+:mod:`hapnb.hardware.parts`, the GPU kinds and default links in :mod:`hapnb.hardware.catalogue`.
 
 >>> c = Cluster.parse("2xV100+6xP100")
 >>> c.n, c.names[:3], c.machines
 (8, ('v100-0', 'v100-1', 'p100-0'), ('m0', 'm1'))
 >>> Cluster.preset("paper-hetero-64").virtual().n
 8
->>> Collective(latency_s=1e-5, bandwidth_Bps=1e9).time(1e9, launches=2)
-1.00002
 """
 
 from __future__ import annotations
@@ -37,418 +17,34 @@ import html
 import json
 import math
 import os
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .devices import DeviceModel, device_model_or_none
-
-__all__ = [
-    "COLLECTIVE_KINDS",
-    "DERIVED_COLLECTIVES",
-    "complete_collectives",
-    "DITTO_RELATIVE_THROUGHPUT",
-    "KINDS",
-    "PRESETS",
-    "TRAINING_EFFICIENCY",
-    "Cluster",
-    "Collective",
-    "Device",
-    "DeviceKind",
-    "DeviceModel",
-    "DEVICE_MODELS",
-    "GiB",
-]
-
-GiB = 1 << 30
-
-#: The collective kinds every cluster describes (JSON keys of ``"collectives"``), sorted.
-COLLECTIVE_KINDS: tuple[str, ...] = (
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "reduce",
-    "reduce_scatter",
+from .catalogue import (
+    CUSTOM_MEMORY,
+    KINDS,
+    NUMBER_RE,
+    default_collectives,
+    lookup_kind,
+    spec_terms,
+)
+from .devices import device_model_or_none
+from .parts import (
+    COLLECTIVE_KINDS,
+    Collective,
+    Device,
+    GiB,
+    complete_collectives,
+    nonempty_str,
+    nonnegative_float,
+    positive_float,
+    positive_int,
 )
 
-
-# ----------------------------------------------------------------------------------------------------
-# Validation helpers
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _positive_float(value: object, what: str) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _nonnegative_float(value: object, what: str) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative finite number, got {value!r}")
-    return float(value)
-
-
-def _positive_int(value: object, what: str) -> int:
-    # JSON writers sometimes emit 17179869184.0; accept integral floats, reject 1.5, True, "4".
-    if _is_number(value) and math.isfinite(value) and float(value).is_integer() and value >= 1:
-        return int(value)
-    raise ValueError(f"{what} must be a positive integer, got {value!r}")
-
-
-def _nonempty_str(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value
-
-
-# ----------------------------------------------------------------------------------------------------
-# Values
-
-
-@dataclass(frozen=True)
-class Device:
-    """One device the program is sharded over: a GPU, or a virtual device (a machine of ``gpus`` GPUs).
-
-    ``flops`` is the effective training throughput in the cost model's flop units (for a virtual device:
-    the sum over its GPUs); ``memory_bytes`` likewise (sum for a virtual device).
-
-    >>> d = Device("v100-0", "V100", 3.86e12, 16 * GiB, "m0")
-    >>> str(d)
-    'v100-0 (V100, 3.86 TFLOP/s, 16 GiB, m0)'
-    """
-
-    name: str
-    kind: str
-    flops: float
-    memory_bytes: int
-    machine: str
-    gpus: int = 1
-    model: DeviceModel | None = None  # None: flops-only (time = flops / self.flops)
-
-    def __post_init__(self) -> None:
-        who = f"device {self.name!r}"
-        if self.model is not None and not isinstance(self.model, DeviceModel):
-            raise ValueError(f"{who}: model must be a DeviceModel or None, got {self.model!r:.80}")
-        _nonempty_str(self.name, "device name")
-        _nonempty_str(self.kind, f"{who}: kind")
-        _nonempty_str(self.machine, f"{who}: machine")
-        object.__setattr__(self, "flops", _positive_float(self.flops, f"{who}: flops"))
-        object.__setattr__(self, "memory_bytes", _positive_int(self.memory_bytes, f"{who}: memory_bytes"))
-        object.__setattr__(self, "gpus", _positive_int(self.gpus, f"{who}: gpus"))
-
-    @property
-    def flops_per_gpu(self) -> float:
-        """Throughput of one of its GPUs (``flops / gpus``)."""
-        return self.flops / self.gpus
-
-    def __str__(self) -> str:
-        gpus = f", {self.gpus} GPUs" if self.gpus > 1 else ""
-        return (
-            f"{self.name} ({self.kind}{gpus}, {self.flops / 1e12:.3g} TFLOP/s, "
-            f"{self.memory_bytes / GiB:.3g} GiB, {self.machine})"
-        )
-
-
-@dataclass(frozen=True)
-class Collective:
-    """Linear time model of one collective kind: ``launches * latency_s + nbytes / bandwidth_Bps``.
-
-    >>> Collective(2e-5, 1e9).time(5e8)
-    0.50002
-    """
-
-    latency_s: float
-    bandwidth_Bps: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_s", _nonnegative_float(self.latency_s, "latency_s"))
-        object.__setattr__(self, "bandwidth_Bps", _positive_float(self.bandwidth_Bps, "bandwidth_Bps"))
-
-    def time(self, nbytes: float, launches: int = 1) -> float:
-        """Seconds to move ``nbytes`` (see the module docstring for what ``nbytes`` is per kind)."""
-        if nbytes < 0 or launches < 0:
-            raise ValueError(f"Collective.time needs nbytes >= 0 and launches >= 0, got {nbytes}, {launches}")
-        return launches * self.latency_s + nbytes / self.bandwidth_Bps
-
-    def __str__(self) -> str:
-        return f"{self.latency_s * 1e6:.3g} us + bytes / {self.bandwidth_Bps / 1e9:.4g} GB/s"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Device kinds
-#
-# Effective throughput. V100 and P100 are HAP's profiled values (hap-reference §7, 2023-07-01 run):
-# 3.858755112937e12 and 2.149250936815e12 "flops"/s, i.e. 3 x (sum of HAP's per-op formulas) divided by
-# the measured time of one fwd+bwd+step. Every other kind is derived as
-#     effective = peak * (V100 effective / V100 peak) = peak * 3.858755e12 / 15.7e12  (= 0.2458 * peak)
-# i.e. we assume the same fraction of peak is reached in training as on the V100 (a rough but
-# documented assumption; replace with a profiled cluster JSON for real work). Sanity check: the P100's
-# profiled value is 0.231 x its 9.3 TFLOP/s PCIe peak, close to the V100's 0.246.
-#
-# Precision: default kinds use the *fp32* (non-tensor-core) peak, because the cost model's clusters are
-# fp32 (dtype_bytes = 4) and PyTorch leaves TF32 off for matmuls by default
-# (torch.backends.cuda.matmul.allow_tf32 = False since 1.12). Ampere and newer GPUs also get a "-TF32"
-# kind using the dense (no sparsity) TF32 tensor-core peak, for users who enable TF32.
-#
-# Peak numbers (TFLOP/s, dense, NVIDIA datasheets; H100 measured on this project's H100 instead):
-#   kind       fp32    tf32    memory  intra-machine link       notes
-#   V100       15.7    -       16 GiB  NVLink (SXM2)            paper testbed's V100 machines have NVLink
-#   P100        9.3    -       16 GiB  PCIe                     (SXM2 peak 10.6); testbed lists no NVLink
-#   A100       19.5    156     40 GiB  NVLink (SXM4)
-#   A100-80G   19.5    156     80 GiB  NVLink (SXM4; the PCIe card has the same peaks)
-#   H100       51.6    406     80 GiB  NVLink4/NVSwitch         measured raw matmul rates here (bf16 788);
-#                                                               datasheet SXM: fp32 67, tf32 494.7
-#   T4          8.1    -       16 GiB  PCIe                     Turing: no TF32
-#   A10        31.2    62.5    24 GiB  PCIe
-#   RTX3090    35.6    35.6    24 GiB  PCIe                     GeForce: TF32 dense = fp32 rate
-#   RTX4090    82.6    82.6    24 GiB  PCIe
-#   A6000      38.7    77.4    48 GiB  PCIe                     RTX A6000
-# GeForce/workstation fp32 peaks count dual-issue FP32, which training rarely reaches, so their
-# derived values are optimistic.
-
-_V100_EFFECTIVE = 3.858755112937e12
-_P100_EFFECTIVE = 2.149250936815e12
-_V100_PEAK_FP32 = 15.7e12
-#: Fraction of fp32 peak reached in training on the V100 (HAP profile / datasheet).
-TRAINING_EFFICIENCY = _V100_EFFECTIVE / _V100_PEAK_FP32
-
-
-@dataclass(frozen=True)
-class DeviceKind:
-    """A known GPU model: effective flops, memory, its peak (TFLOP/s) and intra-machine link class."""
-
-    name: str
-    flops: float
-    memory_bytes: int
-    peak_tflops: float
-    link: str  # "nvlink-h100" | "nvlink" | "pcie": default intra-machine collectives
-    source: str
-    model: DeviceModel | None = None  # the roofline model (None: flops-only, as the paper's HAP)
-
-
-H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
-    peak_flops=51.6e12,  # fp32 matmul rate measured on an H100 (docs/fidelity.md); datasheet SXM 67
-    bandwidth_Bps=2.8e12,  # ~0.84 x the 3.35 TB/s HBM3 datasheet figure (not fitted)
-    kernel_s=7.052e-05,
-    matmul_eff=1.0,  # the fit's bound: GEMMs at the measured peak, less their wave quantization
-    matmul_half_flops=2.353e09,
-    attention_eff=0.2203,
-    optimizer_passes=16.0,  # foreach Adam's passes over the parameter bytes (not fitted)
-    optimizer_kernels=5.627,
-    memory_overhead=0.03949,  # refit when the saved-activation rules learned views and fused groups
-    memory_const_bytes=7.079e07,
-    source="fit to 12 measured H100 runs (hapnb/data/h100-lm-steps.json, hapnb calibrate --measured)",
-    sm_count=132,  # H100 SXM5 datasheet; gemm_tile: cuBLAS's fp32 SGEMM tile, assumed (docs/fidelity.md)
-    gemm_tile=128,
-)
-DEVICE_MODELS: Mapping[str, DeviceModel] = MappingProxyType({"H100": H100_MODEL})
-
-
-def _derived(name: str, peak_tflops: float, mem_gib: int, link: str, source: str) -> DeviceKind:
-    return DeviceKind(
-        name, peak_tflops * 1e12 * TRAINING_EFFICIENCY, mem_gib * GiB, peak_tflops, link, source
-    )
-
-
-def _build_kinds() -> dict[str, DeviceKind]:
-    kinds = [
-        DeviceKind("V100", _V100_EFFECTIVE, 16 * GiB, 15.7, "nvlink", "HAP profile (hap-reference §7)"),
-        DeviceKind("P100", _P100_EFFECTIVE, 16 * GiB, 9.3, "pcie", "HAP profile (hap-reference §7)"),
-        _derived("T4", 8.1, 16, "pcie", "datasheet fp32 x V100 efficiency"),
-    ]
-    # (name, fp32 peak, tf32 dense peak, memory GiB, link, source)
-    ampere_plus = [
-        ("A100", 19.5, 156.0, 40, "nvlink", "datasheet"),
-        ("A100-80G", 19.5, 156.0, 80, "nvlink", "datasheet"),
-        ("H100", 51.6, 406.0, 80, "nvlink-h100", "measured matmul rate on this project's H100"),
-        ("A10", 31.2, 62.5, 24, "pcie", "datasheet"),
-        ("RTX3090", 35.6, 35.6, 24, "pcie", "datasheet"),
-        ("RTX4090", 82.6, 82.6, 24, "pcie", "datasheet"),
-        ("A6000", 38.7, 77.4, 48, "pcie", "datasheet"),
-    ]
-    for name, fp32, tf32, mem, link, src in ampere_plus:
-        k = _derived(name, fp32, mem, link, f"{src} fp32 x V100 efficiency")
-        kinds.append(dataclasses.replace(k, model=DEVICE_MODELS.get(name)))
-        kinds.append(_derived(f"{name}-TF32", tf32, mem, link, f"{src} tf32 (dense) x V100 efficiency"))
-    return {k.name: k for k in kinds}
-
-
-#: Known device kinds by canonical name (only those with a :class:`DeviceModel` leave flops-only mode).
-KINDS: Mapping[str, DeviceKind] = MappingProxyType(_build_kinds())
-
-
-def _kind_key(text: str) -> str:
-    return re.sub(r"[^0-9A-Z]", "", text.upper())
-
-
-_KIND_ALIASES = {_kind_key(k): k for k in KINDS}
-_KIND_ALIASES.update(
-    {
-        _kind_key("A100-40G"): "A100",
-        _kind_key("A100-40GB"): "A100",
-        _kind_key("A100-80GB"): "A100-80G",
-        _kind_key("RTX-A6000"): "A6000",
-        _kind_key("V100-16GB"): "V100",
-        _kind_key("RTX3090-24GB"): "RTX3090",
-        _kind_key("RTX4090-24GB"): "RTX4090",
-    }
-)
-
-
-def _lookup_kind(text: str) -> DeviceKind:
-    name = _KIND_ALIASES.get(_kind_key(text))
-    if name is None:
-        raise ValueError(
-            f"unknown device kind {text!r}; known kinds: {', '.join(KINDS)} "
-            f"(or give the effective flops/s directly, e.g. '2x5e12')"
-        )
-    return KINDS[name]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Default collectives
-#
-# Network (between machines, ~10.4 Gbps Ethernet as in the paper's testbed, §7.1). Bandwidths come from
-# HAP's 2023-07-01 heterogeneous profile (hap-reference §7: 8 machines, 29 GPUs), in bytes/s:
-#   AG 815,418,707   AG grouped 549,828,906   AR 476,774,816   RS 876,490,907   RS grouped 512,358,434
-#   A2A 7,504,501,871
-# HAP's profiler divides a *volume* by the measured time, with volume = n * shard bytes for
-# all-gather / reduce-scatter / all-to-all and the full tensor for all-reduce (hap-reference §2, §3.3).
-# Conversion to our conventions:
-# * all_gather, reduce_scatter: ours is time(n * max_shard_bytes), the same volume -> used as is.
-#   (A ring all-gather makes each machine's NIC send ~(n-1)/n of that volume whatever the GPUs per
-#   machine, so the figure is ~independent of n: 815 MB/s ~ 63 % of the 1.3 GB/s link.)
-# * all_reduce: ours is time(full_bytes), the same volume -> used as is.
-# * broadcast / reduce (grouped all-gather / reduce-scatter, n launches): ours is
-#   time(full_bytes, launches=n); for HAP's even-shard measurement n * shard = full bytes, so the
-#   grouped figures are used as is (broadcast <- AG grouped, reduce <- RS grouped).
-# * all_to_all: ours is time(bytes one device sends), i.e. ~shard bytes, which is 1/n of HAP's volume.
-#   With M machines of k GPUs, every machine's NIC carries k * shard * (M-1)/M bytes, so HAP's volume
-#   rate is n * NIC * M / (k (M-1)) = NIC * M^2 / (M-1). Solving with M = 8 gives an effective NIC rate
-#   of 7.5045e9 * 7/64 = 821 MB/s (agreeing with the all-gather's 815 MB/s), and our per-device
-#   bandwidth for M machines with at most k GPUs each is NIC * M / ((M-1) * k); for the paper's
-#   8 x (N/8) testbed that is exactly 7.5045e9 / N.
-# Latencies: HAP has none (hap-reference §7). We use typical NCCL small-message times between nodes
-# over TCP: 40 us for ring all-gather/reduce-scatter, 50 us for all-reduce and all-to-all, and 10 us per
-# launch of the grouped broadcast/reduce (one NCCL group of n calls).
-
-_HAP_AG = 815_418_707.0
-_HAP_AG_GROUPED = 549_828_906.0
-_HAP_AR = 476_774_816.0
-_HAP_RS = 876_490_907.0
-_HAP_RS_GROUPED = 512_358_434.0
-_HAP_A2A = 7_504_501_871.0
-_NIC_A2A_Bps = _HAP_A2A * 7 / 64  # effective NIC rate seen by all-to-all (see above)
-
-# Intra-machine classes (one machine; bandwidths in our conventions, bytes/s). Round, conservative
-# figures of NCCL on such machines (nccl-tests order of magnitude): NVLink4 + NVSwitch (H100 HGX: ~360
-# GB/s all-gather bus bandwidth), NVLink 2/3 (DGX-1 V100 / DGX A100), PCIe 3/4 without NVLink.
-# "intra" is the machine-internal all-reduce rate used for the data parallelism inside a virtual device.
-_LINKS: dict[str, dict[str, float]] = {
-    "nvlink-h100": dict(
-        ag=350e9, rs=350e9, ar=200e9, a2a=300e9, bc=150e9, lat=15e-6, launch=5e-6, intra=2e11
-    ),
-    "nvlink": dict(ag=130e9, rs=130e9, ar=80e9, a2a=100e9, bc=60e9, lat=20e-6, launch=5e-6, intra=1e11),
-    "pcie": dict(ag=12e9, rs=12e9, ar=6e9, a2a=10e9, bc=5e9, lat=25e-6, launch=8e-6, intra=1e10),
-}
-_LINK_ORDER = ("pcie", "nvlink", "nvlink-h100")  # slowest first
-
-
-def _slowest_link(kinds: Iterable[DeviceKind | None]) -> str:
-    links = [k.link if k is not None else "pcie" for k in kinds]
-    return min(links, key=_LINK_ORDER.index) if links else "pcie"
-
-
-def _intra_collectives(link: str) -> dict[str, Collective]:
-    p = _LINKS[link]
-    return {
-        "all_gather": Collective(p["lat"], p["ag"]),
-        "reduce_scatter": Collective(p["lat"], p["rs"]),
-        "all_reduce": Collective(p["lat"], p["ar"]),
-        "all_to_all": Collective(p["lat"], p["a2a"]),
-        "broadcast": Collective(p["launch"], p["bc"]),
-        "reduce": Collective(p["launch"], p["bc"]),
-    }
-
-
-def _network_collectives(machines: int, max_gpus_per_machine: int) -> dict[str, Collective]:
-    """The ~10.4 Gbps network defaults (HAP's profile) for ``machines`` machines (>= 2)."""
-    m, k = machines, max_gpus_per_machine
-    return {
-        "all_gather": Collective(40e-6, _HAP_AG),
-        "reduce_scatter": Collective(40e-6, _HAP_RS),
-        "all_reduce": Collective(50e-6, _HAP_AR),
-        "all_to_all": Collective(50e-6, _NIC_A2A_Bps * m / ((m - 1) * k)),
-        "broadcast": Collective(10e-6, _HAP_AG_GROUPED),
-        "reduce": Collective(10e-6, _HAP_RS_GROUPED),
-    }
-
-
-def _default_collectives(devices: tuple[Device, ...]) -> tuple[dict[str, Collective], float]:
-    """Collectives and intra-machine rate for a cluster, from its machines and device kinds."""
-    per_machine: dict[str, int] = {}
-    for d in devices:
-        per_machine[d.machine] = per_machine.get(d.machine, 0) + 1
-    kinds = [KINDS.get(d.kind) for d in devices]
-    link = _slowest_link(kinds)
-    if len(per_machine) == 1:
-        colls = _intra_collectives(link)
-    else:
-        colls = _network_collectives(len(per_machine), max(per_machine.values()))
-    return colls, _LINKS[link]["intra"]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Inline specs
-
-_NUMBER_RE = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-_GROUP_RE = re.compile(r"^(\d+)\s*[xX*]\s*\((.*)\)$")
-_TERM_RE = re.compile(r"^(\d+)\s*[xX*]\s*(\S.*)$")
-_CUSTOM_MEMORY = 16 * GiB
-
-
-def _parse_machine(term: str, spec: str) -> tuple[int, str]:
-    """``'2xV100'`` -> (2, 'V100'); ``'V100'`` -> (1, 'V100')."""
-    m = _TERM_RE.match(term)
-    count, kind = (int(m.group(1)), m.group(2).strip()) if m else (1, term)
-    if count < 1:
-        raise ValueError(f"cluster spec {spec!r}: term {term!r} has {count} GPUs; a machine needs at least 1")
-    return count, kind
-
-
-def _spec_terms(spec: str) -> list[tuple[int, str]]:
-    """Split a spec into (gpus, kind-or-flops) per machine, expanding ``Mx(KxKIND)`` groups."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty cluster spec {spec!r}; write e.g. '2xV100+6xP100' or a preset name")
-    machines: list[tuple[int, str]] = []
-    for raw in spec.split("+"):
-        term = raw.strip()
-        if not term:
-            raise ValueError(f"cluster spec {spec!r} has an empty term (two '+' in a row or a trailing '+')")
-        group = _GROUP_RE.match(term)
-        if group:
-            repeat, inner = int(group.group(1)), group.group(2).strip()
-            if repeat < 1:
-                raise ValueError(f"cluster spec {spec!r}: {term!r} repeats a machine {repeat} times")
-            if "(" in inner or ")" in inner or "+" in inner:
-                raise ValueError(f"cluster spec {spec!r}: {term!r} must be Mx(KxKIND), e.g. 2x(8xV100)")
-            machines.extend([_parse_machine(inner, spec)] * repeat)
-        elif "(" in term or ")" in term:
-            raise ValueError(
-                f"cluster spec {spec!r}: cannot read {term!r}; write Mx(KxKIND), e.g. 2x(8xV100)"
-            )
-        else:
-            machines.append(_parse_machine(term, spec))
-    return machines
-
+__all__ = ["DITTO_RELATIVE_THROUGHPUT", "PRESETS", "Cluster"]
 
 # ----------------------------------------------------------------------------------------------------
 # Cluster
@@ -469,51 +65,6 @@ def _collectives_tuple(collectives: object) -> tuple[tuple[str, Collective], ...
             raise ValueError(f"collective {kind!r} given twice")
         out[kind] = coll
     return tuple(sorted(complete_collectives(out).items()))
-
-
-#: How a collective kind missing from a cluster description is derived from the kinds given: the first
-#: rule whose source kind is known wins, as ``(source, latency factor, bandwidth factor)``; rules are
-#: applied until nothing changes, so one of all_gather / reduce_scatter / all_reduce is enough.
-#: all_gather ⇄ reduce_scatter are duals (same bytes, same links); a ring all-reduce is a
-#: reduce-scatter followed by an all-gather (twice the latency, half the bandwidth); all-to-all moves
-#: about what an all-gather does; the grouped broadcast ⇄ grouped reduce are duals, and without them
-#: each takes its padded counterpart's numbers.
-DERIVED_COLLECTIVES: Mapping[str, tuple[tuple[str, float, float], ...]] = {
-    "all_gather": (("reduce_scatter", 1.0, 1.0), ("all_reduce", 0.5, 2.0)),
-    "reduce_scatter": (("all_gather", 1.0, 1.0), ("all_reduce", 0.5, 2.0)),
-    "all_reduce": (("reduce_scatter", 2.0, 0.5), ("all_gather", 2.0, 0.5)),
-    "all_to_all": (("all_gather", 1.0, 1.0), ("reduce_scatter", 1.0, 1.0)),
-    "broadcast": (("reduce", 1.0, 1.0), ("all_gather", 1.0, 1.0)),
-    "reduce": (("broadcast", 1.0, 1.0), ("reduce_scatter", 1.0, 1.0)),
-}
-
-
-def complete_collectives(given: Mapping[str, Collective]) -> dict[str, Collective]:
-    """Every kind of :data:`COLLECTIVE_KINDS`: the ones given, the rest by :data:`DERIVED_COLLECTIVES`.
-
-    >>> c = complete_collectives({"all_reduce": Collective(2e-5, 1e9)})
-    >>> c["all_gather"].bandwidth_Bps, c["reduce"].latency_s
-    (2000000000.0, 1e-05)
-    """
-    out = dict(given)
-    changed = True
-    while changed:
-        changed = False
-        for kind, rules in DERIVED_COLLECTIVES.items():
-            if kind in out:
-                continue
-            for src, lat, bw in rules:
-                if src in out:
-                    out[kind] = Collective(out[src].latency_s * lat, out[src].bandwidth_Bps * bw)
-                    changed = True
-                    break
-    missing = [k for k in COLLECTIVE_KINDS if k not in out]
-    if missing:
-        raise ValueError(
-            f"missing collective kinds: {', '.join(missing)}: give at least one of all_gather, "
-            "reduce_scatter or all_reduce (the others default from it; see DERIVED_COLLECTIVES)"
-        )
-    return out
 
 
 _DEVICE_KEYS = ("name", "kind", "flops", "memory_bytes", "machine", "gpus", "model")
@@ -549,7 +100,7 @@ class Cluster:
     dtype_bytes: int = 4
 
     def __post_init__(self) -> None:
-        _nonempty_str(self.name, "cluster name")
+        nonempty_str(self.name, "cluster name")
         devices = tuple(self.devices)
         if not devices:
             raise ValueError(f"cluster {self.name!r} has no devices; it needs at least one")
@@ -566,9 +117,9 @@ class Cluster:
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "collectives", _collectives_tuple(self.collectives))
         object.__setattr__(
-            self, "intra_machine_Bps", _positive_float(self.intra_machine_Bps, "intra_machine_Bps")
+            self, "intra_machine_Bps", positive_float(self.intra_machine_Bps, "intra_machine_Bps")
         )
-        object.__setattr__(self, "dtype_bytes", _positive_int(self.dtype_bytes, "dtype_bytes"))
+        object.__setattr__(self, "dtype_bytes", positive_int(self.dtype_bytes, "dtype_bytes"))
 
     # -- views ---------------------------------------------------------------------------------------
 
@@ -695,20 +246,20 @@ class Cluster:
         >>> Cluster.parse("2x(2xV100)+RTX3090").names
         ('v100-0', 'v100-1', 'v100-2', 'v100-3', 'rtx3090-0')
         """
-        machines = _spec_terms(spec)
+        machines = spec_terms(spec)
         devices: list[Device] = []
         counters: dict[str, int] = {}
         for mi, (count, kind_text) in enumerate(machines):
-            if _NUMBER_RE.match(kind_text):
+            if NUMBER_RE.match(kind_text):
                 flops = float(kind_text)
                 if flops <= 0:
                     raise ValueError(
                         f"cluster spec {spec!r}: custom flops must be positive, got {kind_text!r}"
                     )
-                kind, memory, model = "custom", _CUSTOM_MEMORY, None
+                kind, memory, model = "custom", CUSTOM_MEMORY, None
             else:
                 try:
-                    k = _lookup_kind(kind_text)
+                    k = lookup_kind(kind_text)
                 except ValueError as e:
                     raise ValueError(f"cluster spec {spec!r}: {e}") from None
                 kind, flops, memory, model = k.name, k.flops, k.memory_bytes, k.model
@@ -717,7 +268,7 @@ class Cluster:
                 idx = counters.get(prefix, 0)
                 counters[prefix] = idx + 1
                 devices.append(Device(f"{prefix}-{idx}", kind, flops, memory, f"m{mi}", model=model))
-        colls, intra = _default_collectives(tuple(devices))
+        colls, intra = default_collectives(tuple(devices))
         return cls(name or spec.strip(), tuple(devices), colls, intra_machine_Bps=intra)
 
     @classmethod
@@ -792,7 +343,7 @@ class Cluster:
         for key in ("name", "devices", "collectives"):
             if key not in data:
                 raise fail(key, "missing (required keys: name, devices, collectives)")
-        name = check("name", _nonempty_str, data["name"])
+        name = check("name", nonempty_str, data["name"])
         raw_devices = data["devices"]
         if not isinstance(raw_devices, list) or not raw_devices:
             raise fail("devices", f"must be a non-empty list of device objects, got {raw_devices!r:.80}")
@@ -808,18 +359,18 @@ class Cluster:
             for key in _DEVICE_KEYS[:-2]:
                 if key not in rd:
                     raise fail(f"{where}.{key}", "missing")
-            dname = check(f"{where}.name", _nonempty_str, rd["name"])
+            dname = check(f"{where}.name", nonempty_str, rd["name"])
             if dname in seen:
                 raise fail(f"{where}.name", f"duplicate device name {dname!r} (also devices[{seen[dname]}])")
             seen[dname] = i
             devices.append(
                 Device(
                     name=dname,
-                    kind=check(f"{where}.kind", _nonempty_str, rd["kind"]),
-                    flops=check(f"{where}.flops", _positive_float, rd["flops"]),
-                    memory_bytes=check(f"{where}.memory_bytes", _positive_int, rd["memory_bytes"]),
-                    machine=check(f"{where}.machine", _nonempty_str, rd["machine"]),
-                    gpus=check(f"{where}.gpus", _positive_int, rd.get("gpus", 1)),
+                    kind=check(f"{where}.kind", nonempty_str, rd["kind"]),
+                    flops=check(f"{where}.flops", positive_float, rd["flops"]),
+                    memory_bytes=check(f"{where}.memory_bytes", positive_int, rd["memory_bytes"]),
+                    machine=check(f"{where}.machine", nonempty_str, rd["machine"]),
+                    gpus=check(f"{where}.gpus", positive_int, rd.get("gpus", 1)),
                     model=check(f"{where}.model", device_model_or_none, rd.get("model")),
                 )
             )
@@ -831,7 +382,7 @@ class Cluster:
             raise fail(
                 "collectives",
                 "needs at least one of all_gather, reduce_scatter, all_reduce (missing kinds default "
-                "from the given ones: see hapnb.hardware.cluster.DERIVED_COLLECTIVES)",
+                "from the given ones: see hapnb.hardware.parts.DERIVED_COLLECTIVES)",
             )
         for kind, rc in raw_colls.items():
             where = f"collectives.{kind}"
@@ -846,11 +397,11 @@ class Cluster:
                 if key not in rc:
                     raise fail(f"{where}.{key}", "missing")
             colls[kind] = Collective(
-                check(f"{where}.latency_s", _nonnegative_float, rc["latency_s"]),
-                check(f"{where}.bandwidth_Bps", _positive_float, rc["bandwidth_Bps"]),
+                check(f"{where}.latency_s", nonnegative_float, rc["latency_s"]),
+                check(f"{where}.bandwidth_Bps", positive_float, rc["bandwidth_Bps"]),
             )
-        intra = check("intra_machine_Bps", _positive_float, data.get("intra_machine_Bps", 1e11))
-        dtype_bytes = check("dtype_bytes", _positive_int, data.get("dtype_bytes", 4))
+        intra = check("intra_machine_Bps", positive_float, data.get("intra_machine_Bps", 1e11))
+        dtype_bytes = check("dtype_bytes", positive_int, data.get("dtype_bytes", 4))
         return cls(name, tuple(devices), colls, intra_machine_Bps=intra, dtype_bytes=dtype_bytes)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -957,7 +508,7 @@ def _ditto(ex: int) -> Cluster:
     spec = "+".join(f"{nodes}x({gpus}x{kind})" for kind, nodes, gpus in mixes)
     base = Cluster.parse(spec, name=f"ditto-ex{ex}")
     devices = tuple(
-        dataclasses.replace(d, flops=DITTO_RELATIVE_THROUGHPUT[d.kind] * _V100_EFFECTIVE)
+        dataclasses.replace(d, flops=DITTO_RELATIVE_THROUGHPUT[d.kind] * KINDS["V100"].flops)
         for d in base.devices
     )
     return base.replace(devices=devices)

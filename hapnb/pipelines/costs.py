@@ -41,7 +41,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ..cost.model import CostModel, Step
-from ..hardware.cluster import Cluster, Device
+from ..hardware.cluster import Cluster
+from ..hardware.parts import Device
 from ..ir.graph import Graph
 from ..triples import Theory, theory
 

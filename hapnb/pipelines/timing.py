@@ -41,7 +41,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..hardware.cluster import Cluster, Device, DeviceModel
+from ..hardware.cluster import Cluster
+from ..hardware.devices import DeviceModel
+from ..hardware.parts import Device
 from .costs import LayerCosts, kind_keys
 
 __all__ = [

@@ -39,7 +39,8 @@ from typing import Any, ClassVar
 
 from ..cost.memory import overflow
 from ..cost.model import Conversion, CostModel, Load, Step
-from ..hardware.cluster import Cluster, Collective
+from ..hardware.cluster import Cluster
+from ..hardware.parts import Collective
 from ..ir.forms import Form, Storage, parse_form, parse_pin
 from ..ir.graph import Graph
 from ..synth.balance import (

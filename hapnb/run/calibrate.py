@@ -494,7 +494,7 @@ class FitReport:
 
 
 def _known_kinds() -> Mapping[str, Any]:
-    from ..hardware.cluster import KINDS
+    from ..hardware.catalogue import KINDS
 
     return KINDS
 
@@ -506,7 +506,7 @@ SHIPPED = "shipped"
 def shipped_runs() -> Path:
     """The runs file that ships with hapnb as package data (hapnb/data/h100-lm-steps.json, found through
     ``importlib.resources``): the 12 measured H100 steps that the shipped ``H100`` device model
-    (:data:`hapnb.hardware.cluster.H100_MODEL`) is fitted to; hapnb/data/README.md describes it."""
+    (:data:`hapnb.hardware.catalogue.H100_MODEL`) is fitted to; hapnb/data/README.md describes it."""
     from importlib import resources
 
     return Path(str(resources.files("hapnb") / "data" / "h100-lm-steps.json"))
@@ -544,7 +544,7 @@ def fit_device_model(
     or a runs file's parsed JSON): the free parameters (:data:`FIT_PARAMETERS`) on the step times, the
     allocator overhead on the peak memory; with ``loo``, every run is also predicted by a fit on the
     others (leave-one-out)."""
-    from ..hardware.cluster import DEVICE_MODELS, KINDS
+    from ..hardware.catalogue import DEVICE_MODELS, KINDS
     from ..hardware.devices import DeviceModel
 
     data = measured if isinstance(measured, Mapping) else load_measured(measured)

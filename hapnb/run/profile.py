@@ -59,8 +59,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..hardware.cluster import COLLECTIVE_KINDS, KINDS, Cluster, Collective, Device
+from ..hardware.catalogue import KINDS
+from ..hardware.cluster import Cluster
 from ..hardware.devices import DeviceModel
+from ..hardware.parts import COLLECTIVE_KINDS, Collective, Device
 from .device_profile import (
     BANDWIDTH_ELEMENTS,
     CLOCKS,

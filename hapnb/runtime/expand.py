@@ -1,6 +1,6 @@
 """Run plans made for virtual devices on the physical GPUs: :func:`expand_virtual`.
 
-A virtual device (:class:`hapnb.hardware.cluster.Device` with ``gpus = k > 1``, see ``Cluster.virtual()``) stands
+A virtual device (:class:`hapnb.hardware.parts.Device` with ``gpus = k > 1``, see ``Cluster.virtual()``) stands
 for one machine of ``k`` identical GPUs running data parallelism inside (paper §3, §6). The synthesized
 program is the same SPMD program on every rank, so a plan over virtual devices becomes an *equivalent*
 plan over the physical GPUs by cutting each virtual device's share of every sharded dim into ``k`` equal
@@ -35,7 +35,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..hardware.cluster import Cluster, Device
+from ..hardware.cluster import Cluster
+from ..hardware.parts import Device
 from ..ir.forms import shard_lengths
 from ..ir.graph import Graph
 from ..plans.plan import Plan
