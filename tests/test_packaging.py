@@ -109,7 +109,7 @@ import json, sys
 from importlib import util
 from pathlib import Path
 import hapnb
-from hapnb.hardware.cluster import H100_MODEL
+from hapnb.hardware.catalogue import H100_MODEL
 from hapnb.run.calibrate import load_measured, predict_step_s, run_features, shipped_runs
 
 site = Path(sys.argv[1]).resolve()

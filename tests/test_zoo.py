@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hapnb import zoo
-from hapnb.zoo import TINY, ZOO_NAMES, FactoryError, ModelSpec, build, build_spec, load_factory
+from hapnb.zoo import TINY, ZOO_NAMES, FactoryError, ModelSpec, build, build_spec, load_factory, opslist
 
 
 def _tiny(name: str, **kw):
@@ -46,7 +46,7 @@ def test_builds_loss_backward_export(name):
 
 
 def _doc_ops(name: str) -> set[str]:
-    m = re.search(rf"^\* ``{re.escape(name)}``: (.*?)(?=^\* ``|^\s*$)", zoo.__doc__, re.M | re.S)
+    m = re.search(rf"^\* ``{re.escape(name)}``: (.*?)(?=^\* ``|^\s*$)", opslist.__doc__, re.M | re.S)
     assert m, f"module docstring lists no ops for {name}"
     return {o.strip() for o in m.group(1).replace("\n", " ").split(",")}
 

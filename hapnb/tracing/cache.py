@@ -38,7 +38,7 @@ __all__ = ["cache_dir", "cache_key", "load", "save", "graph_to_json", "graph_fro
 FORMAT = 2
 
 #: hapnb sources a graph depends on (relative to the package): their contents are part of every key
-_SOURCES = ("ir", "zoo.py", "tracing", "rules")
+_SOURCES = ("ir", "zoo", "tracing", "rules")
 
 
 def enabled() -> bool:
