@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .ir.collective_table import COLLECTIVES as COLLECTIVE_TABLE
+from .ir.collective_table import conversions
 from .ir.forms import Form, G, I, R, shard_lengths
 from .ir.graph import Graph, Op, TensorRef
 from .rules import RULE_SOURCES, Strategy
@@ -45,15 +47,10 @@ Prop = tuple[int, Form]
 LOADABLE_ROLES = ("input", "param", "buffer", "const")
 
 #: collective name -> (source form kind, destination form kind, description)
-COLLECTIVES: dict[str, tuple[str, str, str]] = {
-    "all_gather": ("G", "I", "padded all-gather: pad shards to the largest, gather, trim"),
-    "grouped_all_gather": ("G", "I", "grouped broadcast: one exact-size broadcast per device"),
-    "all_reduce": ("R", "I", "sum the partial tensors on every device"),
-    "reduce_scatter": ("R", "G", "padded reduce-scatter: sum and keep the own slice"),
-    "grouped_reduce_scatter": ("R", "G", "grouped reduce: one exact-size reduce per device"),
-    "all_to_all": ("G", "G", "switch the sharded dim"),
-    "slice": ("I", "G", "keep the own slice (no communication)"),
-    "to_partial": ("I", "R", "rank 0 keeps the value, others hold zero (no communication)"),
+#: the collectives of the theory, name -> (source kind, destination kind, what it does): the table of
+#: :mod:`hapnb.ir.collective_table` less ``reshard`` (inserted at segment edges, not a triple)
+COLLECTIVES: Mapping[str, tuple[str, str, str]] = {
+    c.name: (c.src, c.dst, c.note) for c in COLLECTIVE_TABLE.values() if not c.resegments
 }
 
 
@@ -350,11 +347,11 @@ def _all_triples(
         fs = forms[t.id]
         gs = [f for f in fs if f.kind == "G"]
         for f in gs:
-            for name in ("all_gather", "grouped_all_gather"):
+            for name in conversions("G", "I"):
                 add(((t.id, f),), Instr("collective", name, tensor=t.id, src=f, form=I), ((t.id, I),))
             add(((t.id, I),), Instr("collective", "slice", tensor=t.id, src=I, form=f), ((t.id, f),))
             if R in fs:
-                for name in ("reduce_scatter", "grouped_reduce_scatter"):
+                for name in conversions("R", "G"):
                     add(((t.id, R),), Instr("collective", name, tensor=t.id, src=R, form=f), ((t.id, f),))
             for f2 in gs:
                 if f2 != f:

@@ -54,6 +54,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..hardware.cluster import Cluster
+from ..ir.collective_table import COLLECTIVES
 from ..ir.forms import Form, I
 from ..ir.graph import Graph, Op
 from ..rules import Strategy
@@ -108,7 +109,6 @@ VECTOR_FAMILIES = frozenset({"pointwise", "pool", "scan", "loss", "unknown"})
 
 
 # collectives that move no data and so do not start a stage
-FREE = frozenset({"slice", "to_partial"})
 
 
 @dataclass(frozen=True)
@@ -498,53 +498,44 @@ class CostModel:
         return launches * c.latency_s + nbytes / c.bandwidth_Bps
 
     def conversion_terms(self, cv: Conversion) -> tuple[Term, ...]:
-        """Forward + backward communication of a collective on a tensor."""
+        """Forward + backward communication of a collective on a tensor, priced as its entry of
+        :data:`hapnb.ir.collective_table.COLLECTIVES` says (the backward part only when the tensor needs a
+        gradient)."""
+        spec = COLLECTIVES.get(cv.name)
+        if spec is None:
+            raise ValueError(f"unknown collective {cv.name!r}; known: {', '.join(COLLECTIVES)}")
+        if spec.pricing == "free":
+            return ()
         t = self.graph.tensors[cv.tensor]
         seg = self.segment_of[cv.tensor]
         nbytes = float(t.nbytes)
         n = self.n
         bwd = self.theory.requires_grad[cv.tensor]
-        name = cv.name
-        what = f"{name} {t.name}"
-        if name in FREE:
-            return ()
-        c = self._coll
-        if name in ("all_gather", "reduce_scatter"):
-            fwd_k, bwd_k = (
-                ("all_gather", "reduce_scatter") if name == "all_gather" else ("reduce_scatter", "all_gather")
-            )
-            bc = c[bwd_k].latency_s if bwd else 0.0
-            bs = n * nbytes / c[bwd_k].bandwidth_Bps if bwd else 0.0
-            const = c[fwd_k].latency_s + bc
-            slope = n * nbytes / c[fwd_k].bandwidth_Bps + bs
-            return (Term(name, const, slope, seg, what, bwd_const=bc, bwd_slope=bs),)
-        if name in ("grouped_all_gather", "grouped_reduce_scatter"):
-            fwd_k, bwd_k = (
-                ("broadcast", "reduce") if name == "grouped_all_gather" else ("reduce", "broadcast")
-            )
-            bc = self._t(bwd_k, nbytes, n) if bwd else 0.0
-            const = self._t(fwd_k, nbytes, n) + bc
-            return (Term(name, const, 0.0, seg, what, bwd_const=bc),)
-        if name == "all_reduce":
-            t1 = self._t("all_reduce", nbytes)
-            return (Term(name, t1 * (2 if bwd else 1), 0.0, seg, what, bwd_const=t1 if bwd else 0.0),)
-        if name in ("reshard", "all_to_all"):
-            k = 2 if bwd else 1
-            c2 = c["all_to_all"]
-            lat, per = c2.latency_s, nbytes / c2.bandwidth_Bps
-            return (
-                Term(
-                    name,
-                    k * lat,
-                    k * per,
-                    seg,
-                    what,
-                    cv.segment if name == "reshard" else -1,
-                    bwd_const=(k - 1) * lat,
-                    bwd_slope=(k - 1) * per,
-                ),
-            )
-        raise ValueError(f"unknown collective {name!r}")
+        what = f"{cv.name} {t.name}"
+        fwd_c = self._coll[spec.forward]
+        bwd_c = self._coll[spec.backward] if bwd else None
+        if spec.pricing == "grouped":  # n exact-size calls of the whole tensor: all latency-like
+            bc = self._t(spec.backward, nbytes, n) if bwd else 0.0
+            return (Term(cv.name, self._t(spec.forward, nbytes, n) + bc, 0.0, seg, what, bwd_const=bc),)
+        if spec.pricing == "full":
+            bc = self._t(spec.backward, nbytes) if bwd else 0.0
+            return (Term(cv.name, self._t(spec.forward, nbytes) + bc, 0.0, seg, what, bwd_const=bc),)
+        # padded (n * the largest shard) and exchange (the bytes one device sends): slopes in the ratios
+        volume = n * nbytes if spec.pricing == "padded" else nbytes
+        bc = bwd_c.latency_s if bwd_c is not None else 0.0
+        bs = volume / bwd_c.bandwidth_Bps if bwd_c is not None else 0.0
+        return (
+            Term(
+                cv.name,
+                fwd_c.latency_s + bc,
+                volume / fwd_c.bandwidth_Bps + bs,
+                seg,
+                what,
+                cv.segment if spec.resegments else -1,
+                bwd_const=bc,
+                bwd_slope=bs,
+            ),
+        )
 
     def load_terms(self, ld: Load) -> tuple[Term, ...]:
         """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it); a ZeRO load

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..cost.model import Conversion, CostModel, Step
 from ..hardware.cluster import Cluster
+from ..ir.collective_table import FREE
 from ..ir.forms import Form, parse_form
 from ..synth.optimize import Round
 from ..triples import Theory, coverage
@@ -191,7 +192,7 @@ class Instruction:
 
     @property
     def communicates(self) -> bool:
-        return self.kind == "collective" and self.name not in ("slice", "to_partial")
+        return self.kind == "collective" and self.name not in FREE
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from typing import Any
 
 from ..cost.model import ddp_buckets
 from ..hardware.cluster import Cluster
+from ..ir.collective_table import COLLECTIVES
 from .plan import CommCost, Plan
 
 __all__ = [
@@ -226,14 +227,11 @@ def _kinds(kind: str, n: int, on_compute: bool) -> tuple[tuple[str, int], tuple[
     """The collective kinds and launches of a term's forward and backward part (cost/model.py's pricing)."""
     if on_compute:  # SFB: all-gathers of the input and the output gradient
         return ("all_gather", 1), ("all_gather", 1)
-    pair = {
-        "all_gather": (("all_gather", 1), ("reduce_scatter", 1)),
-        "reduce_scatter": (("reduce_scatter", 1), ("all_gather", 1)),
-        "grouped_all_gather": (("broadcast", n), ("reduce", n)),
-        "grouped_reduce_scatter": (("reduce", n), ("broadcast", n)),
-        "reshard": (("all_to_all", 1), ("all_to_all", 1)),
-    }
-    return pair.get(kind, ((kind, 1), (kind, 1)))
+    spec = COLLECTIVES.get(kind)
+    if spec is None or spec.forward is None:  # a gradient all-reduce, a ZeRO gather: one kind both ways
+        return (kind, 1), (kind, 1)
+    launches = n if spec.launches_per_device else 1
+    return (spec.forward, launches), (spec.backward or spec.forward, launches)
 
 
 def _reprice_time(t: float, kind: str, launches: int, old: Cluster, new: Cluster) -> float:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ir.collective_table import COLLECTIVES as COLLECTIVE_TABLE
+from ..ir.collective_table import CollectiveDef
 from ..ir.forms import Form, G, I, R, parse_form, shard_offsets
 from ..ir.graph import Graph, Op, map_args
 from . import collectives as C
@@ -303,6 +305,31 @@ def _find_strategy(
         if s.name == name:
             return s
     return same[0] if same else None
+
+
+def _collective_call(
+    spec: CollectiveDef,
+    x: fx.Node,
+    src: Form,
+    dst: Form,
+    src_lengths: Callable[[], tuple[int, ...]],
+    dst_lengths: Callable[[], tuple[int, ...]],
+    new_lengths: tuple[int, ...] | None,
+) -> tuple[Callable[..., Any], tuple, dict]:
+    """The :mod:`hapnb.runtime.collectives` call that runs collective ``spec`` on ``x`` (``src`` -> ``dst``):
+    the function its table entry names and the arguments that function takes."""
+    fn = getattr(C, spec.runtime)
+    if spec.runtime == "all_gather":
+        return fn, (x, src.dim, src_lengths()), {"padded": spec.padded}
+    if spec.runtime == "reduce_scatter":
+        return fn, (x, dst.dim, dst_lengths()), {"padded": spec.padded}
+    if spec.runtime == "all_to_all":
+        return fn, (x, src.dim, dst.dim, src_lengths(), dst_lengths()), {}
+    if spec.runtime == "reshard":
+        return fn, (x, src.dim, src_lengths(), new_lengths), {}
+    if spec.runtime == "shard":
+        return fn, (x, dst.dim, dst_lengths()), {}
+    return fn, (x,), {}  # all_reduce, to_partial
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -595,36 +622,25 @@ def generate(
             nm = tname(t.name, dst)
             name = ins.name
             new_lens: tuple[int, ...] | None = None
-            if name in ("all_gather", "grouped_all_gather"):
-                _expect(where, src.kind == "G" and dst == I, name)
-                ls = cut(src, src_lens)
-                nd = emit(C.all_gather, (x, src.dim, ls), {"padded": name == "all_gather"}, nm)
-            elif name in ("reduce_scatter", "grouped_reduce_scatter"):
-                _expect(where, src == R and dst.kind == "G", name)
-                ls = lengths(t.name, dst.dim, where)
-                nd = emit(C.reduce_scatter, (x, dst.dim, ls), {"padded": name == "reduce_scatter"}, nm)
-            elif name == "all_reduce":
-                _expect(where, src == R and dst == I, name)
-                nd = emit(C.all_reduce, (x,), name=nm)
-            elif name == "all_to_all":
-                _expect(where, src.kind == "G" and dst.kind == "G" and src.dim != dst.dim, name)
-                cl = cut(src, src_lens)
-                sl = lengths(t.name, dst.dim, where)
-                nd = emit(C.all_to_all, (x, src.dim, dst.dim, cl, sl), name=nm)
-            elif name == "reshard":
-                _expect(where, src.kind == "G" and dst == src, name)
+            spec = COLLECTIVE_TABLE.get(name)
+            if spec is None:
+                raise CodegenError(f"{where}: unknown collective {name!r}")
+            same_dim = src.kind == dst.kind == "G" and src.dim == dst.dim
+            _expect(where, (src.kind, dst.kind) == (spec.src, spec.dst) and same_dim == spec.resegments, name)
+            if spec.resegments:
                 new_lens = tuple(int(v) for v in getattr(ins, "lengths", ()) or ())
                 if len(new_lens) != n:
                     raise CodegenError(f"{where}: a reshard needs the {n} new shard lengths, got {new_lens}")
-                nd = emit(C.reshard, (x, src.dim, cut(src, src_lens), new_lens), name=nm)
-            elif name == "slice":
-                _expect(where, src == I and dst.kind == "G", name)
-                nd = emit(C.shard, (x, dst.dim, lengths(t.name, dst.dim, where)), name=nm)
-            elif name == "to_partial":
-                _expect(where, src == I and dst == R, name)
-                nd = emit(C.to_partial, (x,), name=nm)
-            else:
-                raise CodegenError(f"{where}: unknown collective {name!r}")
+            fn, args, kwargs = _collective_call(
+                spec,
+                x,
+                src,
+                dst,
+                lambda _f=src, _l=src_lens: cut(_f, _l),
+                lambda _f=dst, _t=t.name, _w=where: lengths(_t, _f.dim, _w),
+                new_lens,
+            )
+            nd = emit(fn, args, kwargs, nm)
             if dst_tag:
                 tagged[(t.id, dst, dst_tag)] = (nd, new_lens if new_lens is not None else ())
             else:

@@ -10,18 +10,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cost.model import Conversion
+from ..ir.collective_table import conversions
 from ..ir.forms import Form
 from ..triples import LOADABLE_ROLES
 
 __all__ = ["CONVERSIONS", "spine_bound", "spine_path", "spine_value"]
 
 #: Which collectives turn a form kind into another: (src kind, dst kind) -> names.
+#: (source kind, destination kind) -> the collectives the search may insert between them
+#: (:func:`hapnb.ir.collective_table.conversions`)
 CONVERSIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("G", "I"): ("all_gather", "grouped_all_gather"),
-    ("R", "I"): ("all_reduce",),
-    ("R", "G"): ("reduce_scatter", "grouped_reduce_scatter"),
-    ("G", "G"): ("all_to_all",),
-    ("I", "G"): ("slice",),
+    (a, b): conversions(a, b) for a in "GIR" for b in "GIR" if conversions(a, b)
 }
 
 
