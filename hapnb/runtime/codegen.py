@@ -382,274 +382,305 @@ def generate(
 
     if has_virtual(plan):  # virtual devices: rank = one physical GPU of the expanded plan
         plan = expand_virtual(plan, g, strategies=strategies)
-    n = plan.cluster.n
-    if not 0 <= rank < n:
-        raise ValueError(f"rank {rank} is out of range for a plan on {n} devices")
+    if not 0 <= rank < plan.cluster.n:
+        raise ValueError(f"rank {rank} is out of range for a plan on {plan.cluster.n} devices")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    strat_fn = strategies or rules.strategies
-    local_fn = localize or rules.localize
     if weights is None:
         weights = program_weights(g) if g.params else {}
-    ops_by_name = {op.name: op for op in g.ops}
+    b = _RankBuilder(
+        plan,
+        g,
+        rank,
+        inputs,
+        dropout,
+        dtype,
+        grad_sync,
+        strategies or rules.strategies,
+        localize or rules.localize,
+    )
+    b.place_inputs()
+    b.make_weights(weights)
+    for k, ins in enumerate(plan.program):
+        where = f"instruction {k} ({ins})"
+        if ins.kind == "load":
+            b.load(ins, where)
+        elif ins.kind == "collective":
+            b.collective(ins, where)
+        elif ins.kind == "compute":
+            b.compute(ins, where)
+        else:
+            raise CodegenError(f"{where}: unknown instruction kind {ins.kind!r}")
+    return b.finish()
 
-    def lengths(name: str, dim: int, where: str) -> tuple[int, ...]:
+
+class _RankBuilder:
+    """The state of one rank program while :func:`generate` walks the plan: the fx graph, the node of every
+    ``(tensor, form)`` made so far (``env``; ``tagged`` for forms re-cut at a segment edge), the local
+    weights (``records``) and what the runtime must do besides (``bucketed`` gradients, ``notes``)."""
+
+    def __init__(
+        self, plan: Any, g: Graph, rank: int, inputs: str, dropout: bool, dtype: torch.dtype | None,
+        grad_sync: str, strat_fn: Callable[..., Any], local_fn: Callable[..., Any],
+    ) -> None:  # fmt: skip
+        self.plan, self.g, self.rank, self.n = plan, g, rank, plan.cluster.n
+        self.inputs, self.dropout, self.dtype, self.grad_sync = inputs, dropout, dtype, grad_sync
+        self.strat_fn, self.local_fn = strat_fn, local_fn
+        self.ops_by_name = {op.name: op for op in g.ops}
+        self.fxg = fx.Graph()
+        self.root = torch.nn.Module()
+        self.used: set[str] = set()
+        self.env: dict[tuple[int, Form], fx.Node] = {}
+        self.tagged: dict[tuple[int, Form, str], tuple[fx.Node, tuple[int, ...]]] = {}
+        self.notes: list[str] = []
+        self.in_nodes: dict[int, fx.Node] = {}
+        self.input_slices: list[tuple[int, int, int]] = []
+        self.records: dict[str, LocalParam] = {}
+        self.attr_nodes: dict[str, fx.Node] = {}
+        self.repl_nodes: dict[str, fx.Node] = {}
+        self.bucketed: list[str] = []
+        self.device_node: fx.Node | None = None
+        # what is loaded in which forms (ZeRO: the stored shard), and whether any load is ZeRO-3
+        self.load_forms: dict[str, list[tuple[Form, bool]]] = {}
+        self.zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
+        for ins in plan.program:
+            if ins.kind == "load":
+                f = parse_form(ins.src if ins.name.startswith("load_zero") else ins.form)
+                forms = self.load_forms.setdefault(ins.tensor, [])
+                if (f, ins.name == "load_sfb") not in forms:
+                    forms.append((f, ins.name == "load_sfb"))
+        # tied names share one local parameter: it syncs in-graph if any of its names is loaded load_sfb
+        self.sfb_loaded: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def lengths(self, name: str, dim: int, where: str) -> tuple[int, ...]:
         try:
-            ls = tuple(int(x) for x in plan.lengths_of(name, dim))
+            ls = tuple(int(x) for x in self.plan.lengths_of(name, dim))
         except KeyError:
             raise CodegenError(
                 f"{where}: the plan has no shard lengths for {name} dim {dim}; the plan is incomplete"
             ) from None
-        if len(ls) != n:
-            raise CodegenError(f"{where}: shard lengths of {name} dim {dim} have {len(ls)} entries, not {n}")
+        if len(ls) != self.n:
+            raise CodegenError(
+                f"{where}: shard lengths of {name} dim {dim} have {len(ls)} entries, not {self.n}"
+            )
         return ls
 
-    # ------------------------------------------------------------- what is loaded in which forms
-    load_forms: dict[str, list[tuple[Form, bool]]] = {}
-    zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
-    for ins in plan.program:
-        if ins.kind == "load":
-            f = parse_form(
-                ins.src if ins.name.startswith("load_zero") else ins.form
-            )  # ZeRO: the stored shard
-            load_forms.setdefault(ins.tensor, [])
-            if (f, ins.name == "load_sfb") not in load_forms[ins.tensor]:
-                load_forms[ins.tensor].append((f, ins.name == "load_sfb"))
+    def emit(self, target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
+        return self.fxg.create_node("call_function", target, args, kwargs or {}, name=name)
 
-    fxg = fx.Graph()
-    root = torch.nn.Module()
-    used: set[str] = set()
-    env: dict[tuple[int, Form], fx.Node] = {}
-    tagged: dict[tuple[int, Form, str], tuple[fx.Node, tuple[int, ...]]] = {}  # re-cut at a segment edge
-    notes: list[str] = []
-
-    # ------------------------------------------------------------------ placeholders (user inputs)
-    in_nodes: dict[int, fx.Node] = {}
-    input_slices: list[tuple[int, int, int]] = []
-    for tid in g.inputs:
-        t = g.tensors[tid]
-        in_nodes[tid] = fxg.placeholder(_ident(t.name, used))
-        forms = load_forms.get(t.name, [])
-        gforms = [f for f, _ in forms if f.kind == "G"]
-        if inputs == "local" and gforms:
-            if len(forms) != 1:
-                raise CodegenError(
-                    f"input {t.name} is loaded as {', '.join(str(f) for f, _ in forms)}; "
-                    "inputs='local' needs one form per input (use inputs='full')"
-                )
-            d = gforms[0].dim
-            ls = lengths(t.name, d, f"load {t.name}")
-            input_slices.append((d, shard_offsets(ls)[rank], ls[rank]))
-        else:
-            input_slices.append((-1, 0, t.shape[0] if t.shape else 0))
-
-    # ------------------------------------------------------------------ weights (params, buffers, consts)
-    records: dict[str, LocalParam] = {}
-    attr_nodes: dict[str, fx.Node] = {}
-    repl_nodes: dict[str, fx.Node] = {}
-    missing = [g.tensors[t].name for t in g.params if g.tensors[t].name not in weights]
-    if missing:
-        raise CodegenError(f"no weight given for {', '.join(missing)}")
-    # tied parameters (one tensor under several names) become one local parameter: autograd sums the
-    # gradients of all its uses and the optimizer updates one copy
-    tied = tied_groups(weights, [g.tensors[t].name for t in g.params if g.tensors[t].role == "param"])
-    for tid in g.params:
-        t = g.tensors[tid]
-        members = tied.get(t.name, [t.name])
-        if members[0] != t.name:  # a later name of a tied parameter: the first name's local parameter
-            records[t.name] = dataclasses.replace(records[members[0]], name=t.name)
-            continue
-        full = weights[t.name].detach()
-        if dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
-        loaded = [m for m in members if m in load_forms]
-        forms = [f for m in loaded for f in load_forms[m]]
-        forms = [f for k, f in enumerate(forms) if f not in forms[:k]]
-        trainable = t.role == "param" and t.requires_grad
-        only_g = len(forms) == 1 and forms[0][0].kind == "G" and not forms[0][1]
-        if only_g:  # tied names cut differently (other segments' ratios) share the full tensor instead
-            d = forms[0][0].dim
-            only_g = len({lengths(m, d, f"load {m}") for m in loaded}) == 1
-        lname = _ident(loaded[0] if loaded else t.name, used)
-        if only_g:
-            ls = lengths(loaded[0], d, f"load {loaded[0]}")
-            start = shard_offsets(ls)[rank]
-            local = full.narrow(d, start, ls[rank]).clone().contiguous()
-            rec = LocalParam(lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[rank], ls, trainable)
-        else:
-            local = full.clone()
-            rec = LocalParam(lname, t.name, t.role, "I", t.shape, requires_grad=trainable)
-        if t.role == "param":
-            root.register_parameter(lname, torch.nn.Parameter(local, requires_grad=trainable))
-        else:
-            root.register_buffer(lname, local)
-        records[t.name] = rec
-
-    def attr(name: str) -> fx.Node:
-        nd = attr_nodes.get(name)
+    def attr(self, name: str) -> fx.Node:
+        nd = self.attr_nodes.get(name)
         if nd is None:
-            nd = attr_nodes[name] = fxg.get_attr(records[name].local_name)
+            nd = self.attr_nodes[name] = self.fxg.get_attr(self.records[name].local_name)
         return nd
 
-    # tied names share one local parameter: it syncs in-graph if any of its names is loaded load_sfb
-    sfb_loaded = {
-        records[m].local_name for m, fs in load_forms.items() if m in records and any(b for _, b in fs)
-    }
-    bucketed: list[str] = []
-
-    def replicated(name: str) -> fx.Node:
-        nd = repl_nodes.get(name)
+    def replicated(self, name: str) -> fx.Node:
+        nd = self.repl_nodes.get(name)
         if nd is None:
-            local = records[name].local_name
-            if grad_sync == "buckets" and local not in sfb_loaded:
-                nd = repl_nodes[name] = attr(name)
-                if local not in bucketed:
-                    bucketed.append(local)
+            local = self.records[name].local_name
+            if self.grad_sync == "buckets" and local not in self.sfb_loaded:
+                nd = self.repl_nodes[name] = self.attr(name)
+                if local not in self.bucketed:
+                    self.bucketed.append(local)
             else:
-                nd = repl_nodes[name] = emit(C.replicate, (attr(name),), name=f"{local}_I")
+                nd = self.repl_nodes[name] = self.emit(C.replicate, (self.attr(name),), name=f"{local}_I")
         return nd
 
-    def emit(target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
-        return fxg.create_node("call_function", target, args, kwargs or {}, name=name)
+    def runtime_device(self) -> fx.Node:
+        if self.device_node is None:
+            self.root.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
+            anchor = self.fxg.get_attr(DEVICE_ANCHOR)
+            self.device_node = self.emit(getattr, (anchor, "device"), name="device")
+        return self.device_node
 
-    device_node: list[fx.Node] = []
+    def fixed(self, value: Any) -> Any:
+        """An op's traced constants as this program runs them (dtype, device)."""
+        return _redevice(_retype(value, self.dtype), self.runtime_device)
 
-    def runtime_device() -> fx.Node:
-        if not device_node:
-            root.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
-            device_node.append(emit(getattr, (fxg.get_attr(DEVICE_ANCHOR), "device"), name="device"))
-        return device_node[0]
-
-    def fixed(value: Any) -> Any:  # an op's traced constants as this program runs them
-        return _redevice(_retype(value, dtype), runtime_device)
-
-    def tname(t: str, f: Form) -> str:
-        return re.sub(r"\W", "_", f"{t}_{f}")
-
-    def need(tid: int, f: Form, where: str) -> fx.Node:
-        nd = env.get((tid, f))
+    def need(self, tid: int, f: Form, where: str) -> fx.Node:
+        nd = self.env.get((tid, f))
         if nd is None:
-            have = sorted(str(ff) for (tt, ff) in env if tt == tid)
+            have = sorted(str(ff) for (tt, ff) in self.env if tt == tid)
             raise CodegenError(
-                f"{where}: needs {g.tensors[tid].name}:{f}, which no earlier instruction produced "
+                f"{where}: needs {self.g.tensors[tid].name}:{f}, which no earlier instruction produced "
                 f"(available forms: {', '.join(have) or 'none'}); "
                 "the plan's program is out of order or corrupt"
             )
         return nd
 
-    def fetch(tid: int, text: str, where: str) -> tuple[fx.Node, tuple[int, ...] | None]:
+    def fetch(self, tid: int, text: str, where: str) -> tuple[fx.Node, tuple[int, ...] | None]:
         """The node of ``tensor:text`` and, for a segment-tagged form (``G1@2``), its re-cut lengths."""
         f, tag = _split_form(text)
         if not tag:
-            return need(tid, f, where), None
-        ent = tagged.get((tid, f, tag))
+            return self.need(tid, f, where), None
+        ent = self.tagged.get((tid, f, tag))
         if ent is None:
             raise CodegenError(
-                f"{where}: needs {g.tensors[tid].name}:{text}, which no earlier reshard produced; "
+                f"{where}: needs {self.g.tensors[tid].name}:{text}, which no earlier reshard produced; "
                 "the plan's program is out of order or corrupt"
             )
         return ent
 
-    # ------------------------------------------------------------------ walk the program
-    for k, ins in enumerate(plan.program):
-        where = f"instruction {k} ({ins})"
-        if ins.kind == "load":
-            try:
-                t = g.tensor(ins.tensor)
-            except KeyError as e:
-                raise CodegenError(f"{where}: {e}") from None
-            f = parse_form(ins.form)
-            key = (t.id, f)
-            if key in env:
-                continue
-            if t.role == "input":
-                ph = in_nodes[t.id]
-                if f.kind == "I" or (inputs == "local"):
-                    if inputs == "local" and f.kind == "I" and load_forms[t.name] != [(I, False)]:
-                        raise CodegenError(f"{where}: inputs='local' cannot also load {t.name} replicated")
-                    env[key] = ph
-                elif f.kind == "G":
-                    ls = lengths(t.name, f.dim, where)
-                    env[key] = emit(C.shard, (ph, f.dim, ls), name=tname(t.name, f))
-                else:
-                    raise CodegenError(f"{where}: an input cannot be loaded in form {f}")
-                continue
-            if t.name not in records:
-                raise CodegenError(f"{where}: {t.name} is not an input, parameter, buffer or constant")
-            rec = records[t.name]
-            sfb = ins.name == "load_sfb"
-            if ins.name in ("load_zero2", "load_zero3"):  # stored sharded, all-gathered before use
-                stored = parse_form(ins.src)
-                if f != I or stored.kind != "G" or not rec.sharded or rec.dim != stored.dim:
+    def tensor(self, name: str, where: str) -> Any:
+        try:
+            return self.g.tensor(name)
+        except KeyError as e:
+            raise CodegenError(f"{where}: {e}") from None
+
+    # ------------------------------------------------------------------ placeholders and weights
+    def place_inputs(self) -> None:
+        """One placeholder per user input, and how the rank cuts it (``inputs="local"``: its own slice)."""
+        for tid in self.g.inputs:
+            t = self.g.tensors[tid]
+            self.in_nodes[tid] = self.fxg.placeholder(_ident(t.name, self.used))
+            forms = self.load_forms.get(t.name, [])
+            gforms = [f for f, _ in forms if f.kind == "G"]
+            if self.inputs == "local" and gforms:
+                if len(forms) != 1:
                     raise CodegenError(
-                        f"{where}: {ins.name} needs {t.name} stored as one shard {stored} and used as I; "
-                        f"the program also loads it as {rec.form}"
+                        f"input {t.name} is loaded as {', '.join(str(f) for f, _ in forms)}; "
+                        "inputs='local' needs one form per input (use inputs='full')"
                     )
-                ls = lengths(t.name, stored.dim, where)
-                fn = C.gather_param if ins.name == "load_zero3" else C.all_gather
-                env[key] = emit(fn, (attr(t.name), stored.dim, ls), name=tname(t.name, f))
+                d = gforms[0].dim
+                ls = self.lengths(t.name, d, f"load {t.name}")
+                self.input_slices.append((d, shard_offsets(ls)[self.rank], ls[self.rank]))
+            else:
+                self.input_slices.append((-1, 0, t.shape[0] if t.shape else 0))
+
+    def make_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The rank's parameters, buffers and constants: its shard where every use loads one ``G`` form,
+        else the whole tensor. Tied parameters (one tensor under several names) become one local
+        parameter: autograd sums the gradients of all its uses and the optimizer updates one copy."""
+        g = self.g
+        missing = [g.tensors[t].name for t in g.params if g.tensors[t].name not in weights]
+        if missing:
+            raise CodegenError(f"no weight given for {', '.join(missing)}")
+        tied = tied_groups(weights, [g.tensors[t].name for t in g.params if g.tensors[t].role == "param"])
+        for tid in g.params:
+            t = g.tensors[tid]
+            members = tied.get(t.name, [t.name])
+            if members[0] != t.name:  # a later name of a tied parameter: the first name's local parameter
+                self.records[t.name] = dataclasses.replace(self.records[members[0]], name=t.name)
                 continue
-            if f.kind == "G" and rec.sharded:
-                env[key] = attr(t.name)
+            full = weights[t.name].detach()
+            if self.dtype is not None and full.is_floating_point():
+                full = full.to(self.dtype)
+            loaded = [m for m in members if m in self.load_forms]
+            forms = [f for m in loaded for f in self.load_forms[m]]
+            forms = [f for k, f in enumerate(forms) if f not in forms[:k]]
+            trainable = t.role == "param" and t.requires_grad
+            only_g = len(forms) == 1 and forms[0][0].kind == "G" and not forms[0][1]
+            if only_g:  # tied names cut differently (other segments' ratios) share the full tensor instead
+                d = forms[0][0].dim
+                only_g = len({self.lengths(m, d, f"load {m}") for m in loaded}) == 1
+            lname = _ident(loaded[0] if loaded else t.name, self.used)
+            if only_g:
+                ls = self.lengths(loaded[0], d, f"load {loaded[0]}")
+                start = shard_offsets(ls)[self.rank]
+                local = full.narrow(d, start, ls[self.rank]).clone().contiguous()
+                rec = LocalParam(
+                    lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[self.rank], ls, trainable
+                )
+            else:
+                local = full.clone()
+                rec = LocalParam(lname, t.name, t.role, "I", t.shape, requires_grad=trainable)
+            if t.role == "param":
+                self.root.register_parameter(lname, torch.nn.Parameter(local, requires_grad=trainable))
+            else:
+                self.root.register_buffer(lname, local)
+            self.records[t.name] = rec
+        self.sfb_loaded = {
+            self.records[m].local_name
+            for m, fs in self.load_forms.items()
+            if m in self.records and any(b for _, b in fs)
+        }
+
+    # ------------------------------------------------------------------ instructions
+    def load(self, ins: Any, where: str) -> None:
+        """A load: an input (whole, or cut to the rank's slice), or a weight in the form the program uses
+        (its local shard, replicated with its gradient synced, or gathered from a ZeRO shard)."""
+        t = self.tensor(ins.tensor, where)
+        f = parse_form(ins.form)
+        key = (t.id, f)
+        if key in self.env:
+            return
+        if t.role == "input":
+            ph = self.in_nodes[t.id]
+            if f.kind == "I" or self.inputs == "local":
+                if self.inputs == "local" and f.kind == "I" and self.load_forms[t.name] != [(I, False)]:
+                    raise CodegenError(f"{where}: inputs='local' cannot also load {t.name} replicated")
+                self.env[key] = ph
             elif f.kind == "G":
-                src = replicated(t.name) if rec.requires_grad else attr(t.name)
-                ls = lengths(t.name, f.dim, where)
-                env[key] = emit(C.shard, (src, f.dim, ls), name=tname(t.name, f))
-            elif f.kind == "I":
-                if sfb or not rec.requires_grad:
-                    env[key] = attr(t.name)
-                else:
-                    env[key] = replicated(t.name)
+                ls = self.lengths(t.name, f.dim, where)
+                self.env[key] = self.emit(C.shard, (ph, f.dim, ls), name=_tname(t.name, f))
             else:
-                raise CodegenError(f"{where}: a weight cannot be loaded in form {f}")
-            if sfb and (t.id, I) not in env:
-                env[(t.id, I)] = env[key]
-            continue
+                raise CodegenError(f"{where}: an input cannot be loaded in form {f}")
+            return
+        if t.name not in self.records:
+            raise CodegenError(f"{where}: {t.name} is not an input, parameter, buffer or constant")
+        rec = self.records[t.name]
+        sfb = ins.name == "load_sfb"
+        if ins.name in ("load_zero2", "load_zero3"):  # stored sharded, all-gathered before use
+            stored = parse_form(ins.src)
+            if f != I or stored.kind != "G" or not rec.sharded or rec.dim != stored.dim:
+                raise CodegenError(
+                    f"{where}: {ins.name} needs {t.name} stored as one shard {stored} and used as I; "
+                    f"the program also loads it as {rec.form}"
+                )
+            ls = self.lengths(t.name, stored.dim, where)
+            fn = C.gather_param if ins.name == "load_zero3" else C.all_gather
+            self.env[key] = self.emit(fn, (self.attr(t.name), stored.dim, ls), name=_tname(t.name, f))
+            return
+        if f.kind == "G" and rec.sharded:
+            self.env[key] = self.attr(t.name)
+        elif f.kind == "G":
+            src = self.replicated(t.name) if rec.requires_grad else self.attr(t.name)
+            ls = self.lengths(t.name, f.dim, where)
+            self.env[key] = self.emit(C.shard, (src, f.dim, ls), name=_tname(t.name, f))
+        elif f.kind == "I":
+            self.env[key] = self.attr(t.name) if sfb or not rec.requires_grad else self.replicated(t.name)
+        else:
+            raise CodegenError(f"{where}: a weight cannot be loaded in form {f}")
+        if sfb and (t.id, I) not in self.env:
+            self.env[(t.id, I)] = self.env[key]
 
-        if ins.kind == "collective":
-            try:
-                t = g.tensor(ins.tensor)
-            except KeyError as e:
-                raise CodegenError(f"{where}: {e}") from None
-            (src, _), (dst, dst_tag) = _split_form(ins.src), _split_form(ins.form)
-            x, src_lens = fetch(t.id, ins.src, where)
+    def collective(self, ins: Any, where: str) -> None:
+        """A collective: the :mod:`hapnb.runtime.collectives` call its table entry names."""
+        t = self.tensor(ins.tensor, where)
+        (src, _), (dst, dst_tag) = _split_form(ins.src), _split_form(ins.form)
+        x, src_lens = self.fetch(t.id, ins.src, where)
+        spec = COLLECTIVE_TABLE.get(ins.name)
+        if spec is None:
+            raise CodegenError(f"{where}: unknown collective {ins.name!r}")
+        same_dim = src.kind == dst.kind == "G" and src.dim == dst.dim
+        _expect(where, (src.kind, dst.kind) == (spec.src, spec.dst) and same_dim == spec.resegments, ins.name)
+        new_lens: tuple[int, ...] | None = None
+        if spec.resegments:
+            new_lens = tuple(int(v) for v in getattr(ins, "lengths", ()) or ())
+            if len(new_lens) != self.n:
+                raise CodegenError(f"{where}: a reshard needs the {self.n} new shard lengths, got {new_lens}")
+        fn, args, kwargs = _collective_call(
+            spec,
+            x,
+            src,
+            dst,
+            lambda: src_lens if src_lens is not None else self.lengths(t.name, src.dim, where),
+            lambda: self.lengths(t.name, dst.dim, where),
+            new_lens,
+        )
+        nd = self.emit(fn, args, kwargs, _tname(t.name, dst))
+        if dst_tag:
+            self.tagged[(t.id, dst, dst_tag)] = (nd, new_lens if new_lens is not None else ())
+        else:
+            self.env[(t.id, dst)] = nd
 
-            def cut(
-                f: Form, given: tuple[int, ...] | None, _t: str = t.name, _w: str = where
-            ) -> tuple[int, ...]:
-                return given if given is not None else lengths(_t, f.dim, _w)
+    def compute(self, ins: Any, where: str) -> None:
+        """A computation: the op localized for its strategy on this rank (:func:`hapnb.rules.localize`)."""
+        from ..rules import LocalContext
 
-            nm = tname(t.name, dst)
-            name = ins.name
-            new_lens: tuple[int, ...] | None = None
-            spec = COLLECTIVE_TABLE.get(name)
-            if spec is None:
-                raise CodegenError(f"{where}: unknown collective {name!r}")
-            same_dim = src.kind == dst.kind == "G" and src.dim == dst.dim
-            _expect(where, (src.kind, dst.kind) == (spec.src, spec.dst) and same_dim == spec.resegments, name)
-            if spec.resegments:
-                new_lens = tuple(int(v) for v in getattr(ins, "lengths", ()) or ())
-                if len(new_lens) != n:
-                    raise CodegenError(f"{where}: a reshard needs the {n} new shard lengths, got {new_lens}")
-            fn, args, kwargs = _collective_call(
-                spec,
-                x,
-                src,
-                dst,
-                lambda _f=src, _l=src_lens: cut(_f, _l),
-                lambda _f=dst, _t=t.name, _w=where: lengths(_t, _f.dim, _w),
-                new_lens,
-            )
-            nd = emit(fn, args, kwargs, nm)
-            if dst_tag:
-                tagged[(t.id, dst, dst_tag)] = (nd, new_lens if new_lens is not None else ())
-            else:
-                env[(t.id, dst)] = nd
-            continue
-
-        if ins.kind != "compute":
-            raise CodegenError(f"{where}: unknown instruction kind {ins.kind!r}")
-        op = ops_by_name.get(ins.op)
+        g = self.g
+        op = self.ops_by_name.get(ins.op)
         if op is None:
             raise CodegenError(f"{where}: the graph has no op named {ins.op!r}")
         in_forms = tuple(_split_form(f)[0] for _, f in ins.inputs)
@@ -662,33 +693,32 @@ def generate(
         args_nodes = []
         recut: dict[tuple[int, int], tuple[int, ...]] = {}  # inputs re-cut for this op's segment
         for tid, (_, text) in zip(op.inputs, ins.inputs):
-            node, lens = fetch(tid, text, where)
+            node, lens = self.fetch(tid, text, where)
             args_nodes.append(node)
             f0 = _split_form(text)[0]
             if lens is not None and f0.kind == "G":
                 recut[(tid, f0.dim)] = lens
-        if not dropout and op.target in DROPOUT_TARGETS + (_NATIVE_DROPOUT,):
+        if not self.dropout and op.target in DROPOUT_TARGETS + (_NATIVE_DROPOUT,):
             if out_forms[0] != in_forms[0]:
                 raise CodegenError(f"{where}: dropout changes the form {in_forms[0]} -> {out_forms[0]}")
-            env[(op.outputs[0], out_forms[0])] = args_nodes[0]
+            self.env[(op.outputs[0], out_forms[0])] = args_nodes[0]
             if len(op.outputs) > 1:  # native_dropout's mask: all kept
-                mask = emit(torch.ops.aten.ones_like.default, (args_nodes[0],), {"dtype": torch.bool})
-                env[(op.outputs[1], out_forms[1])] = mask
-            continue
-        strat = _find_strategy(strat_fn(g, op), ins.name, in_forms, out_forms)
+                mask = self.emit(torch.ops.aten.ones_like.default, (args_nodes[0],), {"dtype": torch.bool})
+                self.env[(op.outputs[1], out_forms[1])] = mask
+            return
+        strat = _find_strategy(self.strat_fn(g, op), ins.name, in_forms, out_forms)
         if strat is None:
             raise CodegenError(
                 f"{where}: op {op.name} ({op.target}) has no strategy {ins.name!r} with inputs "
                 f"({', '.join(map(str, in_forms))}) and outputs ({', '.join(map(str, out_forms))})"
             )
-        from ..rules import LocalContext
 
-        def ctx_lengths(tid: int, dim: int, _w: str = where, _r: dict = recut) -> tuple[int, ...]:
-            return _r.get((tid, dim)) or lengths(g.tensors[tid].name, dim, _w)
+        def ctx_lengths(tid: int, dim: int) -> tuple[int, ...]:
+            return recut.get((tid, dim)) or self.lengths(g.tensors[tid].name, dim, where)
 
         _check_cuts(g, op, strat, ctx_lengths, where)
         try:
-            call = local_fn(g, op, strat, LocalContext(rank, n, ctx_lengths))
+            call = self.local_fn(g, op, strat, LocalContext(self.rank, self.n, ctx_lengths))
         except CodegenError:
             raise
         except Exception as e:
@@ -697,68 +727,74 @@ def generate(
                 f"{type(e).__name__}: {e}"
             ) from e
         cargs, ckw = call.bind(args_nodes)
-        cargs, ckw = fixed(cargs), fixed(ckw)
-        if not dropout:
+        cargs, ckw = self.fixed(cargs), self.fixed(ckw)
+        if not self.dropout:
             cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
-        out_name = tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
+        out_name = _tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
         fn = _STRIDE_FREE.get(call.fn, call.fn)
-        if zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
-            nd = emit(C.regathered(fn), cargs, ckw, out_name)
-        else:
-            nd = emit(fn, cargs, ckw, out_name)
+        if self.zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
+            fn = C.regathered(fn)
+        nd = self.emit(fn, cargs, ckw, out_name)
         if op.output_items:
             for tid, item, f in zip(op.outputs, op.output_items, out_forms):
-                env[(tid, f)] = emit(operator.getitem, (nd, item), name=tname(g.tensors[tid].name, f))
+                self.env[(tid, f)] = self.emit(
+                    operator.getitem, (nd, item), name=_tname(g.tensors[tid].name, f)
+                )
         else:
-            env[(op.outputs[0], out_forms[0])] = nd
+            self.env[(op.outputs[0], out_forms[0])] = nd
 
-    # ------------------------------------------------------ buffer updates (batch norm's running statistics)
-    try:
-        notes += emit_buffer_updates(
-            g, lambda fn, a, kw: emit(fn, fixed(a), fixed(kw)), env,
-            lambda name, dim: lengths(name, dim, "buffer update"), records, attr,
-        )  # fmt: skip
-    except BufferUpdateError as e:
-        raise CodegenError(str(e)) from None
-
-    # ------------------------------------------------------------------ output: the partial loss
-    loss = g.tensors[g.loss]
-    out = env.get((loss.id, R))
-    if out is None and (loss.id, I) in env:
-        out = emit(C.to_partial, (env[(loss.id, I)],), name=tname(loss.name, R))
-        notes.append("the loss was replicated; rank 0 keeps it (to_partial)")
-    if out is None:
-        raise CodegenError(
-            f"the plan never produces the loss {loss.name} (as R or I); the program is incomplete"
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> RankProgram:
+        """Batch norm's running-statistics updates, the partial loss as the output, the GraphModule."""
+        g = self.g
+        try:
+            self.notes += emit_buffer_updates(
+                g, lambda fn, a, kw: self.emit(fn, self.fixed(a), self.fixed(kw)), self.env,
+                lambda name, dim: self.lengths(name, dim, "buffer update"), self.records, self.attr,
+            )  # fmt: skip
+        except BufferUpdateError as e:
+            raise CodegenError(str(e)) from None
+        loss = g.tensors[g.loss]
+        out = self.env.get((loss.id, R))
+        if out is None and (loss.id, I) in self.env:
+            out = self.emit(C.to_partial, (self.env[(loss.id, I)],), name=_tname(loss.name, R))
+            self.notes.append("the loss was replicated; rank 0 keeps it (to_partial)")
+        if out is None:
+            raise CodegenError(
+                f"the plan never produces the loss {loss.name} (as R or I); the program is incomplete"
+            )
+        self.fxg.output(out)
+        self.fxg.lint()
+        gm = fx.GraphModule(self.root, self.fxg, class_name=f"Rank{self.rank}Program")
+        gm.graph.lint()
+        # GraphModule copies only the attributes its graph reads: keep weights the program never uses (a
+        # tied name, a parameter the loss does not depend on), so every record names a real attribute
+        present = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
+        for rec in self.records.values():
+            if rec.local_name not in present:
+                present.add(rec.local_name)
+                if rec.local_name in self.root._parameters:
+                    gm.register_parameter(rec.local_name, self.root._parameters[rec.local_name])
+                else:
+                    gm.register_buffer(rec.local_name, self.root._buffers[rec.local_name])
+        return RankProgram(
+            module=gm,
+            rank=self.rank,
+            n=self.n,
+            params=tuple(self.records[g.tensors[t].name] for t in g.params),
+            input_names=tuple(g.tensors[t].name for t in g.inputs),
+            input_slices=tuple(self.input_slices),
+            inputs=self.inputs,
+            loss=loss.name,
+            fingerprint=g.fingerprint,
+            notes=tuple(self.notes),
+            grad_sync=tuple(self.bucketed),
         )
-    fxg.output(out)
-    fxg.lint()
-    gm = fx.GraphModule(root, fxg, class_name=f"Rank{rank}Program")
-    gm.graph.lint()
-    # GraphModule copies only the attributes its graph reads: keep weights the program never uses (a
-    # tied name, a parameter the loss does not depend on), so every record names a real attribute
-    present = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
-    for rec in records.values():
-        if rec.local_name not in present:
-            present.add(rec.local_name)
-            if rec.local_name in root._parameters:
-                gm.register_parameter(rec.local_name, root._parameters[rec.local_name])
-            else:
-                gm.register_buffer(rec.local_name, root._buffers[rec.local_name])
-    params = tuple(records[g.tensors[t].name] for t in g.params)
-    return RankProgram(
-        module=gm,
-        rank=rank,
-        n=n,
-        params=params,
-        input_names=tuple(g.tensors[t].name for t in g.inputs),
-        input_slices=tuple(input_slices),
-        inputs=inputs,
-        loss=loss.name,
-        fingerprint=g.fingerprint,
-        notes=tuple(notes),
-        grad_sync=tuple(bucketed),
-    )
+
+
+def _tname(t: str, f: Form) -> str:
+    """The fx node name of tensor ``t`` in form ``f``."""
+    return re.sub(r"\W", "_", f"{t}_{f}")
 
 
 def _check_cuts(
