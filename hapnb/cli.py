@@ -545,7 +545,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     from .run.bundle import BundleError
     from .run.pipelined import PipelineError
     from .run.verify import VerifyError, verify
-    from .runtime.codegen import CodegenError
+    from .runtime.program import CodegenError
 
     if ns.plan:
         pipeline = is_pipeline_json(_read_json(ns.plan))

@@ -11,7 +11,8 @@ import torch
 from hapnb import zoo
 from hapnb.plans.plan import Plan
 from hapnb.run.bundle import BundleError, load_bundle, resolve_graph, write_bundle
-from hapnb.runtime.codegen import generate, program_weights
+from hapnb.runtime.codegen import generate
+from hapnb.runtime.program import program_weights
 
 
 def test_bundle_round_trip(dp_plan: Plan, tmp_path: Path) -> None:

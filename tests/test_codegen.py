@@ -17,15 +17,9 @@ from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import parse_form, shard_offsets
 from hapnb.plans.plan import Instruction, Plan
 from hapnb.plans.synthesis import synthesize
-from hapnb.runtime.codegen import (
-    COLLECTIVE_FUNCTIONS,
-    CodegenError,
-    count_collectives,
-    generate,
-    program_weights,
-    reference_module,
-    reference_params,
-)
+from hapnb.runtime.codegen import generate
+from hapnb.runtime.program import COLLECTIVE_FUNCTIONS, CodegenError, count_collectives, program_weights
+from hapnb.runtime.reference import reference_module, reference_params
 from hapnb.triples import theory
 
 

@@ -147,7 +147,8 @@ def test_programs_traced_on_the_cpu_run_on_another_device(name: str) -> None:
     """A one-device plan's program and the single-device program traced on the CPU run on a device whose kernels lay
     their results out otherwise (the meta device, as a GPU: SDPA's output strides differ, so a traced
     ``view`` after its transpose fails there) and make every tensor there (traced device arguments)."""
-    from hapnb.runtime.codegen import generate, reference_module
+    from hapnb.runtime.codegen import generate
+    from hapnb.runtime.reference import reference_module
 
     _, inputs = corpus.CORPUS[name](size="tiny")
     plan = hap.synthesize(f"examples.corpus:{name}", "1xV100", size="tiny", check_memory=False)

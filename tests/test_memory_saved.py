@@ -102,7 +102,7 @@ def test_the_lowered_batch_norm_program_keeps_what_the_fused_kernel_keeps(channe
     """The program hapnb runs (batch norm lowered to sums, :mod:`hapnb.tracing.lower`) keeps one
     input-sized tensor per batch norm, as PyTorch's fused kernel does (it kept three more before the
     per-channel scale was formed first: 2x a ResNet-50's activation memory on the H100)."""
-    from hapnb.runtime.codegen import reference_module
+    from hapnb.runtime.reference import reference_module
 
     torch.manual_seed(0)
     model, x = _BatchNormNet(), torch.randn(4, 3, 8, 8)

@@ -19,7 +19,7 @@ from hapnb.plans.plan import Plan
 from hapnb.plans.synthesis import synthesize
 from hapnb.run.launch import JobResult
 from hapnb.run.verify import TensorCheck, VerifyError, VerifyReport, verify
-from hapnb.runtime.codegen import CodegenError
+from hapnb.runtime.program import CodegenError
 
 TIED = "examples.factories:tied_lm"
 

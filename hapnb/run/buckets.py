@@ -1,7 +1,7 @@
 """DDP-style gradient buckets: replicated gradients all-reduced asynchronously during the backward.
 
 A generated rank program (``generate(..., grad_sync="buckets")``) leaves the gradients of its replicated
-(``I``) parameters partial and lists them in :attr:`~hapnb.runtime.codegen.RankProgram.grad_sync` in order of
+(``I``) parameters partial and lists them in :attr:`~hapnb.runtime.program.RankProgram.grad_sync` in order of
 first use. :class:`GradBuckets` groups them as PyTorch's DDP does (:func:`hapnb.cost.model.ddp_buckets`: the
 gradients in the order they become ready, i.e. reverse order of first use, 25 MiB buckets after a first
 1 MiB one), registers a post-accumulate-grad hook on each parameter and, as soon as every gradient of a

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from ..plans.plan import Plan
-from ..runtime.codegen import RankProgram, generate
+from ..runtime.codegen import generate
 from ..runtime.expand import expand_virtual
+from ..runtime.program import RankProgram
 from .bundle import program_inputs, resolve_graph
 
 __all__ = ["DistributedModule", "distribute", "full_state_dict"]

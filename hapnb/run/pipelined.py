@@ -333,7 +333,7 @@ def _train(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..runtime.codegen import tied_groups
+    from ..runtime.program import tied_groups
     from .pipestage import Peers, ShardedStage, Sharding, StageProgram, remote_keys, serve
     from .worker import _peak_memory, make_optimizer
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..runtime.codegen import DROPOUT_TARGETS, _zero_dropout, tied_groups
+from ..runtime.program import DROPOUT_TARGETS, tied_groups
+from ..runtime.program import zero_dropout as _zero_dropout
 from .duplex import loss_reduction
 
 __all__ = [

@@ -31,8 +31,10 @@ import torch
 from ..ir.graph import Graph
 from ..pipelines import PipelinePlan
 from ..plans.plan import Plan
-from ..runtime.codegen import generate, program_weights, reference_module, reference_params
+from ..runtime.codegen import generate
 from ..runtime.expand import expand_virtual, has_virtual
+from ..runtime.program import program_weights
+from ..runtime.reference import reference_module, reference_params
 from ..tracing import module_path
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local

@@ -366,7 +366,8 @@ def duplex_program(plan: Any, bundle: Any, rank: int, *, interleave: bool = True
     ``(program, runner, loss_scale, (micro_batch0, micro_batch1))`` with the micro-batches as full
     global inputs (cut them with ``program.local_inputs``); ``gen`` goes to
     :func:`hapnb.runtime.codegen.generate` (``dtype`` also casts the inputs)."""
-    from ..runtime.codegen import generate, program_weights
+    from ..runtime.codegen import generate
+    from ..runtime.program import program_weights
     from .duplex import DuplexRunner, half_plan, loss_scale, split_batch
 
     if bundle.half_graph is None:

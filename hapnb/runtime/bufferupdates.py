@@ -76,7 +76,7 @@ def emit_buffer_updates(
 
     ``emit(target, args, kwargs)`` appends a call; ``env`` holds the rank's values by ``(tensor id,
     form)``; ``lengths(name, dim)`` the plan's shard lengths; ``records`` the rank's
-    :class:`~hapnb.runtime.codegen.LocalParam` by weight name and ``attr(name)`` its attribute node. Raises
+    :class:`~hapnb.runtime.program.LocalParam` by weight name and ``attr(name)`` its attribute node. Raises
     :class:`BufferUpdateError` for an update that reads a user input or a value the program lacks.
     """
     if not any(graph.tensors[t].role == "buffer" for t in graph.params):

@@ -25,14 +25,10 @@ and back-propagating every rank's own partial loss gives correct gradients.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import keyword
 import operator
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,260 +37,26 @@ import torch.fx as fx
 from ..ir.collective_table import COLLECTIVES as COLLECTIVE_TABLE
 from ..ir.collective_table import CollectiveDef
 from ..ir.forms import Form, G, I, R, parse_form, shard_offsets
-from ..ir.graph import Graph, Op, map_args
+from ..ir.graph import Graph, Op
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
+from .program import (
+    DEVICE_ANCHOR,
+    DROPOUT_TARGETS,
+    NATIVE_DROPOUT,
+    STRIDE_FREE,
+    CodegenError,
+    LocalParam,
+    RankProgram,
+    ident,
+    program_weights,
+    redevice,
+    retype,
+    tied_groups,
+    zero_dropout,
+)
 
-__all__ = [
-    "CodegenError",
-    "LocalParam",
-    "RankProgram",
-    "generate",
-    "reference_module",
-    "program_weights",
-    "COLLECTIVE_FUNCTIONS",
-    "DROPOUT_TARGETS",
-    "count_collectives",
-    "tied_groups",
-]
-
-
-class CodegenError(ValueError):
-    """The plan cannot be turned into a per-rank program (names the instruction and why)."""
-
-
-#: hapnb.runtime.collectives functions that communicate (what the plan's communicating instructions become)
-COLLECTIVE_FUNCTIONS = (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.reshard)
-
-DROPOUT_TARGETS = ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default")
-_NATIVE_DROPOUT = "aten.native_dropout.default"
-
-
-@dataclass(frozen=True)
-class LocalParam:
-    """How one parameter/buffer/constant of the model lives on a rank.
-
-    ``local_name`` is the attribute in the rank's GraphModule, ``name`` the model's FQN (graph tensor
-    name), ``kind`` ``param``/``buffer``/``const``. ``form`` is ``"I"`` when the rank holds the full tensor
-    and ``"G<d>"`` when it holds the slice ``[start, start + length)`` of dim ``dim``; ``lengths`` are
-    every rank's slice lengths on that dim (empty for full tensors).
-    """
-
-    local_name: str
-    name: str
-    kind: str
-    form: str
-    full_shape: tuple[int, ...]
-    dim: int = -1
-    start: int = 0
-    length: int = 0
-    lengths: tuple[int, ...] = ()
-    requires_grad: bool = False
-
-    @property
-    def sharded(self) -> bool:
-        return self.dim >= 0
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full tensor ``full``."""
-        if not self.sharded:
-            return full
-        return full.narrow(self.dim, self.start, self.length)
-
-
-@dataclass(frozen=True, eq=False)
-class RankProgram:
-    """The program one rank runs: ``module(*inputs)`` returns the rank's partial loss (R form).
-
-    ``params`` maps every local weight to its model FQN and slice (see :class:`LocalParam`);
-    ``input_names`` are the placeholders in order; ``input_slices`` gives, per input, ``(dim, start,
-    length)`` of the slice the program expects when ``inputs == "local"`` (``dim == -1``: the full input).
-    """
-
-    module: fx.GraphModule
-    rank: int
-    n: int
-    params: tuple[LocalParam, ...]
-    input_names: tuple[str, ...]
-    input_slices: tuple[tuple[int, int, int], ...]
-    inputs: str
-    loss: str
-    fingerprint: str = ""
-    notes: tuple[str, ...] = field(default=())
-    #: local names of the replicated parameters whose gradients stay partial in the program and must be
-    #: all-reduced by the runtime (``grad_sync="buckets"``, :class:`hapnb.run.buckets.GradBuckets`), in
-    #: order of first use in the forward; empty with ``grad_sync="sync"`` (the program all-reduces them)
-    grad_sync: tuple[str, ...] = ()
-
-    @property
-    def code(self) -> str:
-        """The generated Python source of the rank's forward."""
-        return self.module.code
-
-    def param(self, name: str) -> LocalParam:
-        """The local parameter record of model tensor ``name`` (FQN) or of local attribute ``name``."""
-        for p in self.params:
-            if p.name == name or p.local_name == name:
-                return p
-        raise KeyError(f"rank {self.rank} program has no parameter {name!r}")
-
-    def local_inputs(self, *full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Cut the full global inputs to what this program expects (identity when ``inputs='full'``)."""
-        if len(full) != len(self.input_names):
-            raise TypeError(
-                f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
-                f"got {len(full)}"
-            )
-        if self.inputs == "full":
-            return tuple(full)
-        out = []
-        for x, (d, start, length) in zip(full, self.input_slices):
-            out.append(x if d < 0 else x.narrow(d, start, length))
-        return tuple(out)
-
-    def collective_count(self) -> int:
-        """Number of communicating collective calls in the module's graph."""
-        return count_collectives(self.module)
-
-    def __repr__(self) -> str:
-        nshard = sum(1 for p in self.params if p.sharded)
-        return (
-            f"RankProgram(rank {self.rank}/{self.n}, {len(self.module.graph.nodes)} nodes, "
-            f"{self.collective_count()} collectives, {len(self.params)} weights ({nshard} sharded), "
-            f"inputs={self.inputs!r})"
-        )
-
-
-def count_collectives(gm: fx.GraphModule) -> int:
-    """How many ``call_function`` nodes of ``gm`` call a communicating :mod:`hapnb.runtime.collectives` function."""
-    return sum(1 for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in COLLECTIVE_FUNCTIONS)
-
-
-# ------------------------------------------------------------------------------------------- weights
-
-
-def _strip(path: str) -> str:
-    from ..tracing import module_path as strip
-
-    return strip(path)
-
-
-def program_weights(graph: Graph) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and constant of the traced program by graph tensor name (model FQN)."""
-    prog = graph.traced_program()
-    if prog is None:
-        raise CodegenError(
-            f"graph {graph.name} has no traced program to take weights from; pass weights={{name: tensor}}"
-        )
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(prog, torch.export.ExportedProgram):
-        sig = prog.graph_signature
-        src: dict[str, str] = {}
-        src.update(sig.inputs_to_parameters)
-        src.update(sig.inputs_to_buffers)
-        src.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-        state = dict(prog.state_dict)
-        consts = dict(prog.constants)
-        holders = [
-            nd
-            for nd in prog.graph.nodes
-            if nd.op == "placeholder" and nd.name in src and isinstance(nd.meta.get("val"), torch.Tensor)
-        ]
-        if len(holders) != len(graph.params):
-            raise CodegenError(
-                f"graph {graph.name} lists {len(graph.params)} weights but its exported program has "
-                f"{len(holders)}; the graph was not traced from this program"
-            )
-        for nd, tid in zip(holders, graph.params):
-            fqn = src[nd.name]
-            t = state[fqn] if fqn in state else consts.get(fqn)
-            if t is None:
-                raise CodegenError(f"the exported program has no tensor for {fqn}")
-            out[graph.tensors[tid].name] = t
-        return out
-    if isinstance(prog, torch.nn.Module):
-        named = {_strip(k): v for k, v in prog.named_buffers()}
-        named.update({_strip(k): v for k, v in prog.named_parameters(remove_duplicate=False)})
-        for tid in graph.params:
-            nm = graph.tensors[tid].name
-            if nm not in named:
-                raise CodegenError(f"the traced module has no parameter or buffer {nm}")
-            out[nm] = named[nm]
-        return out
-    raise CodegenError(f"cannot read weights from a program of type {type(prog).__name__}")
-
-
-def tied_groups(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, list[str]]:
-    """Names of ``names`` whose weights are one tensor (tied parameters: the same memory, shape and
-    strides), each mapped to its group in ``names`` order; names that share with no other are left out.
-
-    >>> w = torch.zeros(3, 2)
-    >>> tied_groups({"a": w, "b": torch.ones(2), "c": w}, ["a", "b", "c"])
-    {'a': ['a', 'c'], 'c': ['a', 'c']}
-    """
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for nm in names:
-        t = weights[nm]
-        if t.numel() == 0:
-            continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        groups.setdefault(key, []).append(nm)
-    return {nm: members for members in groups.values() if len(members) > 1 for nm in members}
-
-
-# ------------------------------------------------------------------------------------------- helpers
-
-
-def _ident(name: str, used: set[str]) -> str:
-    base = re.sub(r"\W", "_", name) or "t"
-    if base[0].isdigit() or keyword.iskeyword(base) or hasattr(torch.nn.Module, base):
-        base = "w_" + base
-    nm, k = base, 1
-    while nm in used:
-        nm = f"{base}_{k}"
-        k += 1
-    used.add(nm)
-    return nm
-
-
-def _retype(value: Any, dtype: torch.dtype | None) -> Any:
-    """Replace float32 dtype constants in an argument tree by ``dtype`` (for float64 verification)."""
-    if dtype is None:
-        return value
-    return map_args(value, lambda v: dtype if isinstance(v, torch.dtype) and v == torch.float32 else v)
-
-
-#: ops whose traced form depends on the strides the tracing device gave (a ``view`` after a
-#: transpose is valid where the kernel before it left the data in that order, and fails where another
-#: device's kernel did not): the program runs them as ``reshape``, a view where one is possible
-_STRIDE_FREE: Mapping[Any, Any] = {
-    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default,
-}
-
-#: a zero-size, non-persistent buffer of every program that makes tensors: its device is where the
-#: program runs (``module.to(device)`` moves it), read by the ops the trace gave a fixed device
-DEVICE_ANCHOR = "_hapnb_device"
-
-
-def _redevice(value: Any, device: Callable[[], Any]) -> Any:
-    """Replace ``torch.device`` constants in an argument tree (a traced ``arange(..., device=cpu)``, a
-    ``.to(cpu)``) by ``device()``, the node of the device the program runs on."""
-    return map_args(value, lambda v: device() if isinstance(v, torch.device) else v)
-
-
-def _zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Set an op's ``dropout_p`` argument (scaled_dot_product_attention and friends) to 0."""
-    schema = getattr(fn, "_schema", None)
-    if schema is None:
-        return args, kwargs
-    for k, a in enumerate(schema.arguments):
-        if a.name == "dropout_p":
-            if a.name in kwargs:
-                kwargs = {**kwargs, a.name: 0.0}
-            elif k < len(args) and not a.kwarg_only:
-                args = (*args[:k], 0.0, *args[k + 1 :])
-    return args, kwargs
+__all__ = ["generate"]
 
 
 def _find_strategy(
@@ -496,7 +258,7 @@ class _RankBuilder:
 
     def fixed(self, value: Any) -> Any:
         """An op's traced constants as this program runs them (dtype, device)."""
-        return _redevice(_retype(value, self.dtype), self.runtime_device)
+        return redevice(retype(value, self.dtype), self.runtime_device)
 
     def need(self, tid: int, f: Form, where: str) -> fx.Node:
         nd = self.env.get((tid, f))
@@ -533,7 +295,7 @@ class _RankBuilder:
         """One placeholder per user input, and how the rank cuts it (``inputs="local"``: its own slice)."""
         for tid in self.g.inputs:
             t = self.g.tensors[tid]
-            self.in_nodes[tid] = self.fxg.placeholder(_ident(t.name, self.used))
+            self.in_nodes[tid] = self.fxg.placeholder(ident(t.name, self.used))
             forms = self.load_forms.get(t.name, [])
             gforms = [f for f, _ in forms if f.kind == "G"]
             if self.inputs == "local" and gforms:
@@ -574,7 +336,7 @@ class _RankBuilder:
             if only_g:  # tied names cut differently (other segments' ratios) share the full tensor instead
                 d = forms[0][0].dim
                 only_g = len({self.lengths(m, d, f"load {m}") for m in loaded}) == 1
-            lname = _ident(loaded[0] if loaded else t.name, self.used)
+            lname = ident(loaded[0] if loaded else t.name, self.used)
             if only_g:
                 ls = self.lengths(loaded[0], d, f"load {loaded[0]}")
                 start = shard_offsets(ls)[self.rank]
@@ -698,7 +460,7 @@ class _RankBuilder:
             f0 = _split_form(text)[0]
             if lens is not None and f0.kind == "G":
                 recut[(tid, f0.dim)] = lens
-        if not self.dropout and op.target in DROPOUT_TARGETS + (_NATIVE_DROPOUT,):
+        if not self.dropout and op.target in DROPOUT_TARGETS + (NATIVE_DROPOUT,):
             if out_forms[0] != in_forms[0]:
                 raise CodegenError(f"{where}: dropout changes the form {in_forms[0]} -> {out_forms[0]}")
             self.env[(op.outputs[0], out_forms[0])] = args_nodes[0]
@@ -729,9 +491,9 @@ class _RankBuilder:
         cargs, ckw = call.bind(args_nodes)
         cargs, ckw = self.fixed(cargs), self.fixed(ckw)
         if not self.dropout:
-            cargs, ckw = _zero_dropout(call.fn, cargs, ckw)
+            cargs, ckw = zero_dropout(call.fn, cargs, ckw)
         out_name = _tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
-        fn = _STRIDE_FREE.get(call.fn, call.fn)
+        fn = STRIDE_FREE.get(call.fn, call.fn)
         if self.zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
             fn = C.regathered(fn)
         nd = self.emit(fn, cargs, ckw, out_name)
@@ -827,109 +589,3 @@ def _split_form(text: str) -> tuple[Form, str]:
 def _expect(where: str, ok: bool, name: str) -> None:
     if not ok:
         raise CodegenError(f"{where}: the forms do not fit the collective {name}")
-
-
-# --------------------------------------------------------------------------------- reference module
-
-
-def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | str | None = None) -> Any:
-    """The single-device program as an fx GraphModule: ``module(*inputs)`` is the loss.
-
-    Parameters live under their model FQNs (``module.get_parameter(fqn)`` with the traced wrapper's
-    ``model.`` prefix; use :func:`reference_params` for a name -> parameter map). ``dropout=False``
-    replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 dtype
-    constants (float64 verification).
-    """
-    prog = graph.traced_program()
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if isinstance(prog, torch.export.ExportedProgram):
-        with warnings.catch_warnings():  # torch's own deprecation noise from copying pytree specs
-            warnings.simplefilter("ignore")
-            gm = prog.module()
-            _tie(gm)  # before the copy: deepcopy clones each Parameter, so shared memory must be one object
-            gm = copy.deepcopy(gm)  # never train the traced program's own weights
-    elif isinstance(prog, torch.nn.Module):
-        gm = copy.deepcopy(prog)
-        _tie(gm)
-    else:
-        raise CodegenError(f"graph {graph.name} has no traced program to run on one device")
-    if not isinstance(gm, fx.GraphModule):
-        raise CodegenError(f"the traced program of {graph.name} is not an fx GraphModule")
-    changed = False
-    drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
-    device_node: list[fx.Node] = []
-
-    def runtime_device() -> fx.Node:  # read from an anchor buffer, as in generate()
-        if not device_node:
-            gm.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
-            first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-            with gm.graph.inserting_before(first):
-                anchor = gm.graph.get_attr(DEVICE_ANCHOR)
-                device_node.append(gm.graph.call_function(getattr, (anchor, "device")))
-        return device_node[0]
-
-    for nd in list(gm.graph.nodes):
-        if nd.op != "call_function":
-            continue
-        if not dropout and nd.target in drop:
-            nd.replace_all_uses_with(nd.args[0])
-            gm.graph.erase_node(nd)
-            changed = True
-            continue
-        a, kw = tuple(nd.args), dict(nd.kwargs)
-        if not dropout:
-            a, kw = _zero_dropout(nd.target, a, kw)
-        if dtype is not None:
-            a, kw = _retype(a, dtype), _retype(kw, dtype)
-        a, kw = _redevice(a, runtime_device), _redevice(kw, runtime_device)
-        if a != tuple(nd.args) or kw != dict(nd.kwargs):
-            nd.args, nd.kwargs = a, kw
-            changed = True
-        if nd.target in _STRIDE_FREE:
-            nd.target = _STRIDE_FREE[nd.target]
-            changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    if dtype is not None:
-        for p in gm.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for name, b in list(gm.named_buffers()):
-            if b.is_floating_point():
-                mod, _, leaf = name.rpartition(".")
-                owner = gm.get_submodule(mod) if mod else gm
-                owner._buffers[leaf] = b.to(dtype)
-    # lifted constants are plain tensor attributes: make them non-persistent buffers, so that
-    # ``module.to(device)`` moves them and the state dict does not list them
-    for mod in gm.modules():
-        for name, v in [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
-            if dtype is not None and v.is_floating_point():
-                v = v.to(dtype)
-            delattr(mod, name)
-            mod.register_buffer(name, v, persistent=False)
-    return gm
-
-
-def _tie(module: torch.nn.Module) -> None:
-    """Make tied parameters one ``Parameter`` again: a loaded exported program gives each name its own
-    Parameter over shared memory, so each would get only part of the gradient and its own update."""
-    named = dict(module.named_parameters(remove_duplicate=False))
-    for members in tied_groups(named, list(named)).values():
-        first = named[members[0]]
-        for name in members[1:]:
-            if named[name] is not first:
-                owner, _, leaf = name.rpartition(".")
-                (module.get_submodule(owner) if owner else module)._parameters[leaf] = first
-
-
-def reference_params(graph: Graph, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Graph tensor name (model FQN) -> parameter of a :func:`reference_module`."""
-    out = {}
-    named = {_strip(k): p for k, p in module.named_parameters(remove_duplicate=False)}
-    for tid in graph.params:
-        t = graph.tensors[tid]
-        if t.role == "param" and t.name in named:
-            out[t.name] = named[t.name]
-    return out

@@ -1,0 +1,130 @@
+"""The single-device program as a module hapnb can run: the traced program with its weights (tied
+parameters one Parameter again), dropout optionally off, cast for float64 verification, and runnable on any
+device (:func:`reference_module`); :func:`reference_params` maps its parameters to the model's names."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..ir.graph import Graph
+from .program import (
+    DEVICE_ANCHOR,
+    DROPOUT_TARGETS,
+    STRIDE_FREE,
+    CodegenError,
+    redevice,
+    retype,
+    strip_prefix,
+    tied_groups,
+    zero_dropout,
+)
+
+__all__ = ["reference_module", "reference_params"]
+
+
+def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | str | None = None) -> Any:
+    """The single-device program as an fx GraphModule: ``module(*inputs)`` is the loss.
+
+    Parameters live under their model FQNs (``module.get_parameter(fqn)`` with the traced wrapper's
+    ``model.`` prefix; use :func:`reference_params` for a name -> parameter map). ``dropout=False``
+    replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 dtype
+    constants (float64 verification).
+    """
+    prog = graph.traced_program()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(prog, torch.export.ExportedProgram):
+        with warnings.catch_warnings():  # torch's own deprecation noise from copying pytree specs
+            warnings.simplefilter("ignore")
+            gm = prog.module()
+            _tie(gm)  # before the copy: deepcopy clones each Parameter, so shared memory must be one object
+            gm = copy.deepcopy(gm)  # never train the traced program's own weights
+    elif isinstance(prog, torch.nn.Module):
+        gm = copy.deepcopy(prog)
+        _tie(gm)
+    else:
+        raise CodegenError(f"graph {graph.name} has no traced program to run on one device")
+    if not isinstance(gm, fx.GraphModule):
+        raise CodegenError(f"the traced program of {graph.name} is not an fx GraphModule")
+    changed = False
+    drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
+    device_node: list[fx.Node] = []
+
+    def runtime_device() -> fx.Node:  # read from an anchor buffer, as in generate()
+        if not device_node:
+            gm.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
+            first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+            with gm.graph.inserting_before(first):
+                anchor = gm.graph.get_attr(DEVICE_ANCHOR)
+                device_node.append(gm.graph.call_function(getattr, (anchor, "device")))
+        return device_node[0]
+
+    for nd in list(gm.graph.nodes):
+        if nd.op != "call_function":
+            continue
+        if not dropout and nd.target in drop:
+            nd.replace_all_uses_with(nd.args[0])
+            gm.graph.erase_node(nd)
+            changed = True
+            continue
+        a, kw = tuple(nd.args), dict(nd.kwargs)
+        if not dropout:
+            a, kw = zero_dropout(nd.target, a, kw)
+        if dtype is not None:
+            a, kw = retype(a, dtype), retype(kw, dtype)
+        a, kw = redevice(a, runtime_device), redevice(kw, runtime_device)
+        if a != tuple(nd.args) or kw != dict(nd.kwargs):
+            nd.args, nd.kwargs = a, kw
+            changed = True
+        if nd.target in STRIDE_FREE:
+            nd.target = STRIDE_FREE[nd.target]
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    if dtype is not None:
+        for p in gm.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in list(gm.named_buffers()):
+            if b.is_floating_point():
+                mod, _, leaf = name.rpartition(".")
+                owner = gm.get_submodule(mod) if mod else gm
+                owner._buffers[leaf] = b.to(dtype)
+    # lifted constants are plain tensor attributes: make them non-persistent buffers, so that
+    # ``module.to(device)`` moves them and the state dict does not list them
+    for mod in gm.modules():
+        for name, v in [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            delattr(mod, name)
+            mod.register_buffer(name, v, persistent=False)
+    return gm
+
+
+def _tie(module: torch.nn.Module) -> None:
+    """Make tied parameters one ``Parameter`` again: a loaded exported program gives each name its own
+    Parameter over shared memory, so each would get only part of the gradient and its own update."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    for members in tied_groups(named, list(named)).values():
+        first = named[members[0]]
+        for name in members[1:]:
+            if named[name] is not first:
+                owner, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner) if owner else module)._parameters[leaf] = first
+
+
+def reference_params(graph: Graph, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Graph tensor name (model FQN) -> parameter of a :func:`reference_module`."""
+    out = {}
+    named = {strip_prefix(k): p for k, p in module.named_parameters(remove_duplicate=False)}
+    for tid in graph.params:
+        t = graph.tensors[tid]
+        if t.role == "param" and t.name in named:
+            out[t.name] = named[t.name]
+    return out
