@@ -37,7 +37,7 @@ from .hardware.parts import Collective, Device
 from .ir.forms import Form, Storage, parse_pin
 from .plans.explain import WhatIf, WhyNot, rebuild_graph, what_if
 from .plans.plan import Plan, freeze_mapping, make_plan
-from .plans.synthesis import context_of, replan, synthesize
+from .plans.synthesis import OutOfMemoryError, context_of, replan, synthesize
 from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
 from .synth.spec import pin_choices
 from .triples import Theory, theory
@@ -237,6 +237,8 @@ class Session:
         **zoo_options: Any,
     ) -> None:
         self.max_iterations = max_iterations
+        #: why the current plan ignores memory (no program fits every device), else ""
+        self.memory_note = ""
         self._model_spec: tuple[tuple[str, Any], ...] = ()
         plan = self._resolve(model_or_plan, cluster, example_inputs, loss, zoo_options)
         self._draft: Cluster = self.cluster
@@ -307,35 +309,47 @@ class Session:
         """The plan for the pins, the locked ratios and ``cluster``: the first one synthesized, every later
         one re-planned from the current plan (:meth:`hapnb.plans.plan.Plan.replan` with ``exact=False``: the Q/B
         loop from the current plan's ratios, reusing what did not change; a fixpoint of the loop that keeps
-        every pin and lock, which may differ from a fresh synthesis)."""
+        every pin and lock, which may differ from a fresh synthesis).
+
+        Memory is checked as ``hapnb plan`` checks it, so the session's plan is the command line's: the
+        search keeps to each device's memory. Where no program fits, the plan ignoring memory is kept (a
+        view marks the devices over their memory) and :attr:`memory_note` says why."""
         locks = self._locks if locks is None else locks
         plan = getattr(self, "plan", None)
-        if plan is None:
-            plan = synthesize(
-                self.theory,
-                cluster,
-                pins=self._form_pins(),
-                ratios=dict(locks) or None,
-                max_iterations=self.max_iterations,
-                check_memory=False,  # a view marks devices over their memory instead
-            )
-        else:
+
+        def make(check_memory: bool) -> Plan:
+            if plan is None:
+                return synthesize(
+                    self.theory,
+                    cluster,
+                    pins=self._form_pins(),
+                    ratios=dict(locks) or None,
+                    max_iterations=self.max_iterations,
+                    check_memory=check_memory,
+                )
             pins: dict[str, Any] = {k: None for k, _ in plan.pins if k not in self._pins}
             pins.update(self._pins)
             ratio_pins: dict[str, Any] = {d: None for d, _, _ in plan.ratio_pins if d not in locks}
             ratio_pins.update(locks)
-            plan = replan(
+            return replan(
                 plan,
                 pins,
                 ratio_pins,
                 cluster,
                 exact=False,
-                check_memory=False,
+                check_memory=check_memory,
                 max_iterations=self.max_iterations,
             )
+
+        try:
+            new = make(True)
+            self.memory_note = ""
+        except OutOfMemoryError as e:
+            new = make(False)
+            self.memory_note = str(e)
         if self._model_spec:
-            plan = dataclasses.replace(plan, model=self._model_spec)
-        return plan
+            new = dataclasses.replace(new, model=self._model_spec)
+        return new
 
     def _new_search(self) -> Search:
         ratios = self.plan.ratios if self.plan.cluster == self.cluster else None

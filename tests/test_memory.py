@@ -223,3 +223,21 @@ def test_zero_plans_verify_on_three_ranks_with_uneven_ratios_and_an_empty_shard(
     report = hap.verify(plan, nproc=3, steps=3, optimizer="adam", timeout=120)
     assert report.ok, report.text()
     assert {c.kind for c in report.checks} == {"loss", "grad", "weight"} and report.max_rel < 1e-10
+
+
+def test_a_session_plans_as_the_command_line_does_where_memory_binds():
+    """The Explorer's session keeps to memory like ``hapnb plan``: where the plan ignoring memory does not
+    fit, its plan is the memory-bound one; where no program fits, it keeps the plan ignoring memory and
+    says why (``memory_note``) instead of failing."""
+    from hapnb.session import Session
+
+    c = Cluster.parse("2xV100+2xP100")
+    kw = dict(layers=2, hidden=256, input=256, batch=512)
+    free = hap.synthesize("mlp", c, check_memory=False, **kw)
+    tight = with_memory(c, [0.6 * max(free.memory_bytes)] * 4)
+    cli = hap.synthesize("mlp", tight, **kw)
+    s = Session("mlp", tight, **kw)
+    assert (s.plan.program, s.plan.ratios, s.plan.cost_s) == (cli.program, cli.ratios, cli.cost_s)
+    assert s.memory_note == "" and s.plan.stats["memory_bound"]
+    none_fits = Session("mlp", with_memory(c, [1 << 12] * 4), **zoo.TINY["mlp"])
+    assert "no program fits" in none_fits.memory_note and none_fits.plan.program

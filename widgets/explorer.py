@@ -897,7 +897,9 @@ class Explorer:
     def _refresh_plan(self) -> None:
         p, prev = self.plan, self.previous_plan
         self._refresh_header()
-        self.outputs["plan"].value = _scroll(display.safe_html(display.plan_html, p))
+        note = self.session.memory_note
+        warn = f"<div style='color:#b00'>{html.escape(note)}</div>" if note else ""
+        self.outputs["plan"].value = warn + _scroll(display.safe_html(display.plan_html, p))
         self.outputs["history"].value = _scroll(display.safe_html(display.history_html, p))
         if prev is not None:
             self.outputs["diff"].value = _scroll(display.safe_html(display.plan_diff_html, prev, p))
