@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True)
 
+    _plan_commands(sub)
+    _run_commands(sub)
+    _tool_commands(sub)
+    return ap
+
+
+def _plan_commands(sub: Any) -> None:
+    """The subcommands plan, compare, pipeline, simulate: making and reading plans."""
     p = sub.add_parser("plan", help="synthesize a plan")
     _model_args(p)
     _cluster_args(p)
@@ -206,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gantt", metavar="HTML", help="write the simulated Gantt chart (bokeh) here")
 
+
+def _run_commands(sub: Any) -> None:
+    """The subcommands verify, launch, profile, calibrate: running plans on ranks and measuring devices."""
     p = sub.add_parser("verify", help="run the plan on local ranks and compare with one device")
     p.add_argument("--plan", help="a plan JSON, SPMD or pipeline (the plan records how to rebuild its model)")
     _model_args(p, required=False)
@@ -287,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     p.add_argument("--json", action="store_true")
 
+
+def _tool_commands(sub: Any) -> None:
+    """The subcommands theory (the rules), demo (the main job)."""
     p = sub.add_parser(
         "theory",
         help="list or check the rules; --coverage: a model's ops by rule source",
@@ -307,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: plan BERT on a heterogeneous preset, report, verify")
     p.add_argument("--report", default="hapnb-demo-report.html")
     p.add_argument("--no-verify", action="store_true")
-    return ap
 
 
 def _options(ns: argparse.Namespace) -> dict[str, Any]:
