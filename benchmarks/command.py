@@ -21,7 +21,7 @@ Targets (issue 10): BERT-12 on 2xV100+6xP100 ``--no-baselines`` whole command <=
 is also timed on 80 GB devices); ViT-24 on 2xV100+6xP100 ``synthesis_s`` <= 0.35 s; BERT-MoE at the
 paper's scale proves optimality (``stats.optimal``) within the default budget.
 
-    python benchmarks/command.py [--quick] [--out docs/benchmarks-command.json] [--md docs/benchmarks.md]
+    python benchmarks/command.py [--quick] [--out docs/benchmarks/benchmarks-command.json] [--md docs/benchmarks/index.md]
 
 ``--md`` rewrites the table between the ``command-table`` markers of that file.
 """
@@ -153,7 +153,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one run per case, BERT and ViT only")
-    ap.add_argument("--out", default="docs/benchmarks-command.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-command.json")
     ap.add_argument("--md", default=None, help="rewrite the command-table section of this markdown file")
     ns = ap.parse_args()
     cases = [c for c in CASES if not ns.quick or c[0].startswith(("bert-12", "vit-24"))]

@@ -1,4 +1,4 @@
-"""Every strategy on the HAP paper's clusters, under one cost model (docs/comparison.md): the shape of the
+"""Every strategy on the HAP paper's clusters, under one cost model (docs/benchmarks/comparison.md): the shape of the
 paper's Fig. 13 (VGG19, ViT, BERT, BERT-MoE on paper-hetero-8/16/32/64), Fig. 14 (the same models on
 paper-homo-32) and Fig. 17 (BERT-MoE on a100-p100 with a varying number of experts, tokens proportional
 to the experts: HAP's uneven experts against DeepSpeed's even, padded expert parallelism).
@@ -9,13 +9,13 @@ both clocks can be checked: the stage model with ``pick="cost"`` and the simulat
 pick. Paper configurations (the zoo's defaults: hidden 768, 12 heads, 12 layers, seq 128; BERT-MoE with
 2 experts per device) and the paper's weak scaling: 64 samples per device (32 for BERT-MoE).
 
-    python benchmarks/comparison.py                       # everything (minutes: see docs/comparison.md)
+    python benchmarks/comparison.py                       # everything (minutes: see docs/benchmarks/comparison.md)
     python benchmarks/comparison.py --figures 17 --budget 600
     python benchmarks/comparison.py --figures 13 --clusters paper-hetero-8 --models vgg19,bert
 
-Rows are appended to ``--out`` (default docs/comparison.json) as they finish, each with the load average;
+Rows are appended to ``--out`` (default docs/benchmarks/comparison.json) as they finish, each with the load average;
 ``--budget`` seconds (default 5400) stops starting new rows once spent (the skipped rows are listed).
-``--tables`` prints the markdown tables of docs/comparison.md from an existing JSON without running.
+``--tables`` prints the markdown tables of docs/benchmarks/comparison.md from an existing JSON without running.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--clusters", default="", help="only these clusters (Fig. 13/14)")
     ap.add_argument("--budget", type=float, default=5400.0, help="seconds; no new row starts after")
-    ap.add_argument("--out", default="docs/comparison.json")
+    ap.add_argument("--out", default="docs/benchmarks/comparison.json")
     ap.add_argument("--append", action="store_true", help="keep the rows already in --out (others replaced)")
     ap.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     ns = ap.parse_args()
@@ -225,7 +225,7 @@ def _figure_table(rows: list[dict[str, Any]], clock: str, title: str) -> list[st
 
 
 def tables(doc: dict[str, Any]) -> str:
-    """The markdown tables of docs/comparison.md."""
+    """The markdown tables of docs/benchmarks/comparison.md."""
     lines = []
     for fig in ("13", "14"):
         rows = [r for r in doc["rows"] if r["figure"] == fig]

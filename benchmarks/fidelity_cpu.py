@@ -26,9 +26,9 @@ peak memory of >= 10 models (zoo models at small sizes and the example factories
 4. Variants: "before" is the same profile without the CPU refinements (Adam per tensor; vector, pool and
    scan rates; the conv curve), i.e. the roofline as it was before them; ``--calibrate`` adds
    leave-one-out predictions of the device model fitted to the other runs (``hapnb calibrate``'s fit,
-   started from the profile; see docs/fidelity-cpu.md).
+   started from the profile; see docs/benchmarks/fidelity-cpu.md).
 
-Writes ``--out`` (default docs/fidelity-cpu.json) and prints the tables of docs/fidelity-cpu.md, ready to
+Writes ``--out`` (default docs/benchmarks/fidelity-cpu.json) and prints the tables of docs/benchmarks/fidelity-cpu.md, ready to
 paste, with the load average before and after.
 """
 
@@ -213,7 +213,7 @@ def _load() -> float:
 
 
 def table(rows: list[dict[str, Any]], summary: dict[str, dict[str, float]], dm: DeviceModel) -> str:
-    """The per-model and summary tables of docs/fidelity-cpu.md (Markdown)."""
+    """The per-model and summary tables of docs/benchmarks/fidelity-cpu.md (Markdown)."""
 
     def pct(p: float, m: float) -> str:
         return f"{100 * (p / m - 1):+.1f} %" if math.isfinite(p) else "-"

@@ -21,7 +21,7 @@ per-iteration time of >= 6 synthesized plans (small zoo models) on K local CPU r
 5. ``--also 3,4``: the same at other rank counts (more ranks than cores: oversubscribed), each with its
    own profile, kept under ``other_nproc``.
 
-Writes ``--out`` (default docs/fidelity-gloo.json) and prints a table. The machine is shared and has 2
+Writes ``--out`` (default docs/benchmarks/fidelity-gloo.json) and prints a table. The machine is shared and has 2
 cores: timings are noisy, so the JSON keeps every repeat.
 """
 

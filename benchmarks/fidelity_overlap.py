@@ -16,7 +16,7 @@ Predictions: the plan's ``cost_s`` (stage model; the duplex ψ cost for the dupl
 ``hapnb.simulate(plan, overlap=False)`` (stage-synchronous, equals ``cost_s`` for plain plans) and
 ``hapnb.simulate(plan)`` (overlap, bandwidth sharing, γ from the profile). The cluster is profiled first
 (:func:`hapnb.run.profile.profile_cluster`, overlap slowdown included) unless ``--cluster`` is given.
-Writes ``--out`` (default docs/fidelity-overlap.json) and prints the table.
+Writes ``--out`` (default docs/benchmarks/fidelity-overlap.json) and prints the table.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Measure training steps of the real-model corpus on one GPU, for the device model's fidelity on code
-from well-known libraries (issue 18; docs/fidelity.md section (d)).
+from well-known libraries (issue 18; docs/benchmarks/fidelity.md section (d)).
 
 Runs on a machine with a CUDA GPU, torch and transformers, from the repository (``examples/corpus.py``; the
 timed loop is :func:`hapnb.run.profile.step_times`). Per model (realistic size unless ``--size tiny``): fp32 (TF32 off, as the shipped
 H100 device model was fitted), a step is forward + backward + ``torch.optim.Adam`` step; median over
 ``--steps`` timed steps after ``--warmup``; peak ``torch.cuda.max_memory_allocated``. Writes JSON lines
 (one per model) to ``--out``. The predictions are made on any machine with
-``python benchmarks/gpu_corpus.py --predict docs/fidelity-corpus.json`` (hapnb's plan on ``1xH100``).
+``python benchmarks/gpu_corpus.py --predict docs/benchmarks/fidelity-corpus.json`` (hapnb's plan on ``1xH100``).
 
     python benchmarks/gpu_corpus.py --out gpu.jsonl llama vit resnet50        # on the GPU machine
-    python benchmarks/gpu_corpus.py --predict gpu.jsonl --md docs/fidelity.md  # here: predictions
+    python benchmarks/gpu_corpus.py --predict gpu.jsonl --md docs/benchmarks/fidelity.md  # here: predictions
     python benchmarks/gpu_corpus.py --saved --out saved.jsonl llama            # saved bytes per SDPA kernel
 """
 

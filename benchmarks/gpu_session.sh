@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/benchmarks.md section 5, as one script for a lent one-GPU machine (its torch and
+# The GPU checks of docs/benchmarks/index.md section 5, as one script for a lent one-GPU machine (its torch and
 # transformers; PuLP and highspy from wheels in .whl/ when present). Writes logs and JSON lines under OUT.
 #   OUT=out bash benchmarks/gpu_session.sh            # from the repository root (VERIFY_ONLY=1: no timing)
 set -uo pipefail

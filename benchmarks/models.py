@@ -17,7 +17,7 @@ Reported per model:
   search or a baseline), synthesis, trace and build time, and the peak RSS.
 
     python benchmarks/models.py [--only NAME]... [--cluster 2xV100+6xP100] [--size real]
-                                [--out docs/models.json] [--md docs/models.md]
+                                [--out docs/benchmarks/models.json] [--md docs/benchmarks/models.md]
 
 ``--only`` runs some models and merges their rows into an existing ``--out`` file; ``--md`` rewrites the
 table between the ``models-table`` markers of that file (``--render``: from the ``--out`` file, no runs). The same comparison from the command line:
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="model name (repeatable); default: all")
     ap.add_argument("--size", default="real", choices=("tiny", "real"))
     ap.add_argument("--cluster", default=CLUSTER)
-    ap.add_argument("--out", default="docs/models.json")
+    ap.add_argument("--out", default="docs/benchmarks/models.json")
     ap.add_argument("--md", default=None, help="rewrite the models-table section of this markdown file")
     ap.add_argument("--render", action="store_true", help="only rewrite the table from the --out file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

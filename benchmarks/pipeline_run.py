@@ -6,7 +6,7 @@ For each hand-written plan below (zoo models and an example factory at tiny size
 uneven stages; data-parallel stages with uneven shares): ``hapnb.verify`` (float64, dropout off, Adam,
 3 steps: loss, every gradient, every weight) gives ``ok``, the max relative error and its tensor and the
 wall time; ``hapnb.launch`` (float32, ``--steps``) gives the median step time (slowest rank, first step
-left out) and the final loss. Writes docs/pipeline-run.json and the table in docs/pipeline-run.md, with
+left out) and the final loss. Writes docs/benchmarks/pipeline-run.json and the table in docs/benchmarks/pipeline-run.md, with
 the load average before and after (timings on a shared machine are noisy).
 """
 

@@ -8,7 +8,7 @@ Targets (issue 11): DP recovery within 8 % of the exhaustive optimum on every cl
 10x faster than the exhaustive search on ex3-ex5.
 
     python benchmarks/pipelines.py [--presets 1,2,3,4,5] [--budget 900] [--plain-budget 300]
-                                   [--out docs/benchmarks-pipelines.json]
+                                   [--out docs/benchmarks/benchmarks-pipelines.json]
 
 Every figure is wall time on the machine it runs on, with the load average beside it; the layer costs
 (tracing a 2-block GPT-2 XL and pricing it) are measured separately from planning, as Ditto's planning
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--presets", default="1,2,3,4,5")
     ap.add_argument("--budget", type=float, default=900.0, help="branch-and-bound exhaustive budget (s)")
     ap.add_argument("--plain-budget", type=float, default=300.0, help="plain exhaustive budget (s)")
-    ap.add_argument("--out", default="docs/benchmarks-pipelines.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-pipelines.json")
     ns = ap.parse_args()
     rows = []
     for ex in (int(x) for x in ns.presets.split(",")):

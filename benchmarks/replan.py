@@ -10,7 +10,7 @@ ratio lock, a device 10 % faster, the all-reduce bandwidth 10 % higher. Also: ``
 and ``plan.why_not(...)`` on the base plan. Writes a JSON file and prints a Markdown table.
 
     python benchmarks/replan.py [--model bert] [--layers 12] [--cluster paper-hetero-8] [--repeat 3]
-                                [--sweep bert,gpt,vit] [--out docs/benchmarks-replan.json]
+                                [--sweep bert,gpt,vit] [--out docs/benchmarks/benchmarks-replan.json]
 
 Each edit is also re-planned with ``exact=False`` (the fast path: the Q/B loop from the base plan's ratios,
 no baseline seeds), timed the same way and compared with the fresh plan. ``--sweep``: for each model,
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--cluster", default="paper-hetero-8")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default="docs/benchmarks-replan.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-replan.json")
     ap.add_argument(
         "--sweep", default="bert,gpt,vit", help="models of the fast-vs-exact single-pin sweep ('' skips it)"
     )

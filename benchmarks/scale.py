@@ -9,9 +9,9 @@ for GPT-48 on 16xV100+48xP100 with ``/usr/bin/time -v`` (wall time and peak RSS)
 that plans that fit are unchanged by memory: every zoo model at its default size on the paper clusters,
 synthesized with and without memory constraints, has the same program, ratios and cost.
 
-Writes ``docs/benchmarks-scale.json`` and rewrites the scale section of ``docs/benchmarks.md``.
+Writes ``docs/benchmarks/benchmarks-scale.json`` and rewrites the scale section of ``docs/benchmarks/index.md``.
 
-    python benchmarks/scale.py [--quick] [--command] [--unchanged] [--out docs/benchmarks-scale.json]
+    python benchmarks/scale.py [--quick] [--command] [--unchanged] [--out docs/benchmarks/benchmarks-scale.json]
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2, 8 and 48 layers on 8 and 64 devices")
     ap.add_argument("--command", action="store_true", help="also time the whole hapnb plan command (GPT-48)")
     ap.add_argument("--unchanged", action="store_true", help="also check zoo plans are unchanged by memory")
-    ap.add_argument("--out", default="docs/benchmarks-scale.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-scale.json")
     ns = ap.parse_args()
     if ns.one:
         print(json.dumps(one(ns.one[0], int(ns.one[1]), ns.one[2])))

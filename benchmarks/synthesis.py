@@ -6,7 +6,7 @@ Runs ``hapnb plan --json --no-baselines`` in a fresh process per run (median of 
 bandwidths (measured with the original HAP build on this machine; the figures are in ``ANCHOR`` below). ``synthesis_s`` spans graph -> final plan
 (tracing excluded), the same span as the original's "Time".
 
-    python benchmarks/synthesis.py [--quick] [--out docs/benchmarks-synthesis.json]
+    python benchmarks/synthesis.py [--quick] [--out docs/benchmarks/benchmarks-synthesis.json]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run_once(model: str, layers: int, cluster_path: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one run per case, fewer cases")
-    ap.add_argument("--out", default="docs/benchmarks-synthesis.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-synthesis.json")
     ns = ap.parse_args()
     cases = [("vit", n, c) for c in ("het4", "het8") for n in (2, 4, 8, 12, 16, 24)]
     cases += [("bert", 12, "het4"), ("bert", 12, "het8"), ("vit", 12, "homo8"), ("bert", 12, "homo8")]

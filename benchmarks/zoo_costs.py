@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--clusters", default="paper-hetero-8,paper-hetero-16,a100-p100")
     ap.add_argument("--models", default=",".join(zoo.ZOO_NAMES))
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
-    ap.add_argument("--out", default="docs/benchmarks-zoo.json")
+    ap.add_argument("--out", default="docs/benchmarks/benchmarks-zoo.json")
     ns = ap.parse_args()
     rows = []
     for cname in ns.clusters.split(","):

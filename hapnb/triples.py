@@ -450,7 +450,7 @@ class Coverage:
             lines.append(f"  lowered at trace time: {', '.join(lowered)}")
         if self.fallback:
             lines.append(
-                "  ops without a rule run replicated and force their tensors to I; see docs/models.md "
+                "  ops without a rule run replicated and force their tensors to I; see docs/benchmarks/models.md "
                 "('Bring your own model') for what to do"
             )
         return "\n".join(lines)

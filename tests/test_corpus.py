@@ -90,7 +90,7 @@ def test_every_batch_op_can_shard_the_batch(name: str) -> None:
     """Every op that works on batch data has a strategy that shards it (whatever the cost model picks:
     at tiny sizes replicating can be the cheaper choice, e.g. ResNet's per-layer batch-norm statistics
     all-reduces cost more latency than its microseconds of compute; the realistic-size plans'
-    replicated ops are in docs/models.md)."""
+    replicated ops are in docs/benchmarks/models.md)."""
     bad = corpus.unshardable_batch_ops(_plan(name).graph)
     targets = sorted({t for _, t in bad})
     assert not bad, f"{name}: {len(bad)} ops cannot shard the batch ({', '.join(targets)}): {bad[:10]}"

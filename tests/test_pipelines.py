@@ -205,7 +205,7 @@ def test_exhaustive_is_the_global_optimum_and_bounds_the_dp(small):
     pruned = exhaustive(p, budget_s=None, upper_bound=dp.iteration_s)
     best = pruned.iteration_s if pruned.stages else dp.iteration_s
     assert best == pytest.approx(brute) and dp.iteration_s >= brute
-    # the documented gap of this case (docs/pipelines.md): DP recovery within 15 % of the optimum
+    # the documented gap of this case (docs/benchmarks/pipelines.md): DP recovery within 15 % of the optimum
     assert dp.iteration_s / brute - 1 < 0.15
     # a budget that runs out says where it stopped
     cut = exhaustive(p, budget_s=0.0, prune=False)

@@ -25,7 +25,7 @@ and ``scan_flops`` if set).
 The host runs ahead of the GPU, so a device is either launch bound (every op costs its launch time) or
 GPU bound (every op costs its work): the larger sum over the graph decides, per device (the whole step costs ``max(sum launch, sum work)``;
 a model without ``overlap``, e.g. a CPU running its own kernels, costs ``launch + work`` per op instead;
-which the fit to the measured H100 steps prefers to the per-op sum: docs/fidelity.md). To stay linear in
+which the fit to the measured H100 steps prefers to the per-op sum: docs/benchmarks/fidelity.md). To stay linear in
 the device's ratio ``r`` (so the ratio LP stays an LP), efficiency, regime (compute or memory bound) and
 the device's launch/GPU bound are read at a *reference share* (the throughput-proportional ratio of the
 device, each op under its first strategy); an op then costs ``const + coef * r``. The optimizer

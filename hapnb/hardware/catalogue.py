@@ -77,8 +77,8 @@ class DeviceKind:
     model: DeviceModel | None = None  # the roofline model (None: flops-only, as the paper's HAP)
 
 
-H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/fidelity.md); others flops-only
-    peak_flops=51.6e12,  # fp32 matmul rate measured on an H100 (docs/fidelity.md); datasheet SXM 67
+H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/benchmarks/fidelity.md); others flops-only
+    peak_flops=51.6e12,  # fp32 matmul rate measured on an H100 (docs/benchmarks/fidelity.md); datasheet SXM 67
     bandwidth_Bps=2.8e12,  # ~0.84 x the 3.35 TB/s HBM3 datasheet figure (not fitted)
     kernel_s=7.052e-05,
     matmul_eff=1.0,  # the fit's bound: GEMMs at the measured peak, less their wave quantization
@@ -89,7 +89,7 @@ H100_MODEL = DeviceModel(  # fit to hapnb/data/h100-lm-steps.json (docs/fidelity
     memory_overhead=0.03949,  # refit when the saved-activation rules learned views and fused groups
     memory_const_bytes=7.079e07,
     source="fit to 12 measured H100 runs (hapnb/data/h100-lm-steps.json, hapnb calibrate --measured)",
-    sm_count=132,  # H100 SXM5 datasheet; gemm_tile: cuBLAS's fp32 SGEMM tile, assumed (docs/fidelity.md)
+    sm_count=132,  # H100 SXM5 datasheet; gemm_tile: cuBLAS's fp32 SGEMM tile, assumed (docs/benchmarks/fidelity.md)
     gemm_tile=128,
 )
 DEVICE_MODELS: Mapping[str, DeviceModel] = MappingProxyType({"H100": H100_MODEL})

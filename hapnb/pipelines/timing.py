@@ -27,7 +27,7 @@ For equal stages this is exactly the schedule's makespan; for uneven ones ``T1 +
 of a flow shop of identical jobs (exact for GPipe's two phases, an upper bound for 1F1B:
 :func:`schedule_makespan` simulates the schedules and tests compare). Ditto's eq. (2)-(3) split the same
 quantity differently (a steady state of ``N - S + k* - 1`` micro-batches plus a T3 over the stages after
-``k*``), which undercounts when the slowest stage comes early; docs/pipelines.md shows the case.
+``k*``), which undercounts when the slowest stage comes early; docs/benchmarks/pipelines.md shows the case.
 
 Memory per stage device (bytes; parameters, gradients and Adam's two states of the stage's units, the
 activations of the micro-batches in flight at its share, the backward's transient, or the optimizer

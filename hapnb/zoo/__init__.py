@@ -23,7 +23,7 @@ Models (paper sizes by default: hidden 768, 12 heads, ff 3072, seq 128, dropout 
 * ``bert`` — the paper's "BERT-base", a causal LM on a 33,280-word vocabulary (WikiText-2 padded).
 * ``bert-moe`` — ``bert`` with a top-2 GShard MoE FFN on every odd layer (E = 2 x devices experts).
 * ``gpt`` — a pre-norm GPT with fused qkv and ``scaled_dot_product_attention(is_causal=True)``.
-* ``lm`` — the LM measured on an H100 (hapnb/data/h100-lm-steps.json, docs/fidelity.md): embedding
+* ``lm`` — the LM measured on an H100 (hapnb/data/h100-lm-steps.json, docs/benchmarks/fidelity.md): embedding
   (vocab 8192) + learned positions, post-LN ReLU encoder layers (heads = hidden // 64, no mask, dropout 0),
   linear head, summed cross-entropy over the next token.
 
