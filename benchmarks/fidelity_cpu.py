@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--calibrate", action="store_true", help="also fit the device model, leave-one-out")
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all; no JSON)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "fidelity-cpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "fidelity-cpu.json"))
     ns = ap.parse_args(argv)
     if ns.rounds < 1 or ns.steps < 1 or ns.burst < 1:
         raise SystemExit("--rounds, --steps and --burst must be >= 1")

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "--one-rank", action="store_true", help="also run each model as a one-device plan on one gloo rank"
     )
     ap.add_argument("--only", default=None, help="comma-separated labels to run (no JSON written)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "fidelity-gloo.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "fidelity-gloo.json"))
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     only = set(ns.only.split(",")) if ns.only else None

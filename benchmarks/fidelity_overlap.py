@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated labels (no JSON written)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "fidelity-overlap.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "fidelity-overlap.json"))
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     only = set(ns.only.split(",")) if ns.only else None

@@ -117,7 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "pipeline-run.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "pipeline-run.json"))
     args = ap.parse_args()
     before = (
         " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"

@@ -134,7 +134,7 @@ def table(cases: list[dict]) -> str:
 
 
 def write_docs(data: dict) -> None:
-    md = ROOT / "docs" / "benchmarks.md"
+    md = ROOT / "docs" / "benchmarks" / "index.md"
     text = md.read_text()
     body = [
         "<!-- scale:begin (benchmarks/scale.py writes this section) -->",
