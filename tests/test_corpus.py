@@ -142,7 +142,7 @@ def test_unshardable_batch_ops_names_an_op_without_a_rule(monkeypatch: pytest.Mo
     assert corpus.unshardable_batch_ops(g) == [("i0", "aten.i0.default")]
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("name", ["llama", "t5"])  # rotary .to(device), SDPA's view; an arange's device
 def test_programs_traced_on_the_cpu_run_on_another_device(name: str) -> None:
     """A one-device plan's program and the single-device program traced on the CPU run on a device whose kernels lay
     their results out otherwise (the meta device, as a GPU: SDPA's output strides differ, so a traced
