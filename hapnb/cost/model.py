@@ -512,8 +512,6 @@ class CostModel:
         n = self.n
         bwd = self.theory.requires_grad[cv.tensor]
         what = f"{cv.name} {t.name}"
-        fwd_c = self._coll[spec.forward]
-        bwd_c = self._coll[spec.backward] if bwd else None
         if spec.pricing == "grouped":  # n exact-size calls of the whole tensor: all latency-like
             bc = self._t(spec.backward, nbytes, n) if bwd else 0.0
             return (Term(cv.name, self._t(spec.forward, nbytes, n) + bc, 0.0, seg, what, bwd_const=bc),)
@@ -522,8 +520,9 @@ class CostModel:
             return (Term(cv.name, self._t(spec.forward, nbytes) + bc, 0.0, seg, what, bwd_const=bc),)
         # padded (n * the largest shard) and exchange (the bytes one device sends): slopes in the ratios
         volume = n * nbytes if spec.pricing == "padded" else nbytes
-        bc = bwd_c.latency_s if bwd_c is not None else 0.0
-        bs = volume / bwd_c.bandwidth_Bps if bwd_c is not None else 0.0
+        fwd_c, bwd_c = self._coll[spec.forward], self._coll[spec.backward]
+        bc = bwd_c.latency_s if bwd else 0.0
+        bs = volume / bwd_c.bandwidth_Bps if bwd else 0.0
         return (
             Term(
                 cv.name,

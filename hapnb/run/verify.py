@@ -38,7 +38,7 @@ from ..runtime.reference import reference_module, reference_params
 from ..tracing import module_path
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
-from .worker import WORKER_ARGV, duplex_program, make_optimizer, runtime_argv
+from .worker import WORKER_ARGV, device_kind, duplex_program, make_optimizer, runtime_argv
 
 __all__ = ["TensorCheck", "VerifyError", "VerifyReport", "run_reference", "verify"]
 
@@ -417,8 +417,7 @@ def verify(
         raise ValueError(f"plan {plan.name} is for {what}; verify it with nproc={n}, not {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < n:
         raise ValueError(f"backend nccl needs {n} CUDA devices, this machine has {torch.cuda.device_count()}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda, but torch sees no CUDA device here; verify on the CPU (device='auto')")
+    device_kind(backend, device, "verify")  # before any process starts
     work = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="hapnb-verify-"))
     try:
         bdir = write_bundle(plan, work / "bundle", model=model, example_inputs=example_inputs)

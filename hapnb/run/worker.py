@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
-    "WORKER_ARGV", "DEVICES", "rank_device", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
+    "WORKER_ARGV", "DEVICES", "device_kind", "rank_device", "runtime_argv", "duplex_program", "run_worker", "make_optimizer", "main", "rank_main",
     "rank_options", "init_group",
 ]  # fmt: skip
 
@@ -96,21 +96,30 @@ def runtime_argv(
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def rank_device(backend: str, device: str, rank: int) -> Any:
-    """The torch device of ``rank`` (see :data:`DEVICES`), made current when it is a GPU; a clear error
-    for a combination that cannot run (nccl on the CPU, CUDA where torch sees no GPU)."""
+def device_kind(backend: str, device: str, where: str) -> str:
+    """``"cpu"`` or ``"cuda"``: where ranks of ``backend`` asked for ``device`` (see :data:`DEVICES`) keep
+    their tensors; a clear error, naming ``where``, for a combination that cannot run (nccl on the CPU,
+    CUDA where torch sees no GPU)."""
     import torch
 
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "auto":
         device = "cuda" if backend == "nccl" else "cpu"
-    if device == "cpu":
-        if backend == "nccl":
-            raise ValueError("backend nccl runs on CUDA tensors only; use --backend gloo for CPU ranks")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("backend nccl runs on CUDA tensors only; use --backend gloo for CPU ranks")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{where}: device cuda, but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def rank_device(backend: str, device: str, rank: int) -> Any:
+    """The torch device of ``rank`` (:func:`device_kind`; rank r on GPU r mod count), made current when
+    it is a GPU."""
+    import torch
+
+    if device_kind(backend, device, f"rank {rank}") == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"rank {rank}: device cuda, but torch sees no CUDA device; use --device cpu")
     local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
     dev = torch.device("cuda", local)
     torch.cuda.set_device(dev)

@@ -41,19 +41,17 @@ from ..ir.graph import Graph, Op
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
 from .program import (
-    DEVICE_ANCHOR,
     DROPOUT_TARGETS,
     NATIVE_DROPOUT,
-    STRIDE_FREE,
     CodegenError,
     LocalParam,
     RankProgram,
+    as_run,
+    device_anchor,
     ident,
     program_weights,
-    redevice,
-    retype,
+    run_constants,
     tied_groups,
-    zero_dropout,
 )
 
 __all__ = ["generate"]
@@ -251,14 +249,19 @@ class _RankBuilder:
 
     def runtime_device(self) -> fx.Node:
         if self.device_node is None:
-            self.root.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
-            anchor = self.fxg.get_attr(DEVICE_ANCHOR)
-            self.device_node = self.emit(getattr, (anchor, "device"), name="device")
+            self.device_node = device_anchor(self.root, self.fxg)
         return self.device_node
 
-    def fixed(self, value: Any) -> Any:
-        """An op's traced constants as this program runs them (dtype, device)."""
-        return redevice(retype(value, self.dtype), self.runtime_device)
+    def constants(self, value: Any) -> Any:
+        """An argument tree's traced constants as this program runs them (dtype, device)."""
+        return run_constants(value, self.dtype, self.runtime_device)
+
+    def emit_traced(self, fn: Any, args: tuple, kwargs: dict, name: str | None = None) -> fx.Node:
+        """Emit a traced op's call as this program runs it (:func:`hapnb.runtime.program.as_run`)."""
+        fn, args, kwargs = as_run(
+            fn, args, kwargs, dtype=self.dtype, dropout=self.dropout, device=self.runtime_device
+        )
+        return self.emit(C.regathered(fn) if self.zero3 else fn, args, kwargs, name)
 
     def need(self, tid: int, f: Form, where: str) -> fx.Node:
         nd = self.env.get((tid, f))
@@ -489,14 +492,9 @@ class _RankBuilder:
                 f"{type(e).__name__}: {e}"
             ) from e
         cargs, ckw = call.bind(args_nodes)
-        cargs, ckw = self.fixed(cargs), self.fixed(ckw)
-        if not self.dropout:
-            cargs, ckw = zero_dropout(call.fn, cargs, ckw)
         out_name = _tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
-        fn = STRIDE_FREE.get(call.fn, call.fn)
-        if self.zero3:  # autograd keeps no ZeRO-3 gathered weight: its backward gathers it again
-            fn = C.regathered(fn)
-        nd = self.emit(fn, cargs, ckw, out_name)
+        # with ZeRO-3, autograd keeps no gathered weight: the op's backward gathers it again
+        nd = self.emit_traced(call.fn, cargs, ckw, out_name)
         if op.output_items:
             for tid, item, f in zip(op.outputs, op.output_items, out_forms):
                 self.env[(tid, f)] = self.emit(
@@ -511,7 +509,7 @@ class _RankBuilder:
         g = self.g
         try:
             self.notes += emit_buffer_updates(
-                g, lambda fn, a, kw: self.emit(fn, self.fixed(a), self.fixed(kw)), self.env,
+                g, lambda fn, a, kw: self.emit(fn, self.constants(a), self.constants(kw)), self.env,
                 lambda name, dim: self.lengths(name, dim, "buffer update"), self.records, self.attr,
             )  # fmt: skip
         except BufferUpdateError as e:

@@ -20,7 +20,7 @@ from . import collectives as C
 __all__ = [
     "CodegenError", "LocalParam", "RankProgram", "COLLECTIVE_FUNCTIONS", "DROPOUT_TARGETS", "NATIVE_DROPOUT",
     "DEVICE_ANCHOR", "STRIDE_FREE", "count_collectives", "program_weights", "tied_groups", "ident", "retype",
-    "redevice", "zero_dropout", "strip_prefix",
+    "redevice", "zero_dropout", "strip_prefix", "device_anchor", "as_run", "run_constants",
 ]  # fmt: skip
 
 
@@ -246,6 +246,32 @@ def redevice(value: Any, device: Callable[[], Any]) -> Any:
     """Replace ``torch.device`` constants in an argument tree (a traced ``arange(..., device=cpu)``, a
     ``.to(cpu)``) by ``device()``, the node of the device the program runs on."""
     return map_args(value, lambda v: device() if isinstance(v, torch.device) else v)
+
+
+def device_anchor(module: torch.nn.Module, graph: fx.Graph) -> fx.Node:
+    """Register :data:`DEVICE_ANCHOR` on ``module`` and add, at ``graph``'s insertion point, the node of
+    its device: where the program runs."""
+    module.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
+    return graph.call_function(getattr, (graph.get_attr(DEVICE_ANCHOR), "device"))
+
+
+def run_constants(value: Any, dtype: torch.dtype | None, device: Callable[[], Any]) -> Any:
+    """An argument tree's traced constants as a program runs them: float32 dtypes as ``dtype``, fixed
+    devices as the program's own."""
+    return redevice(retype(value, dtype), device)
+
+
+def as_run(
+    fn: Any, args: tuple, kwargs: dict, *, dtype: torch.dtype | None, dropout: bool, device: Callable[[], Any]
+) -> tuple[Any, tuple, dict]:
+    """A traced op's call as a program runs it: float32 dtype constants as ``dtype``, fixed devices as the
+    program's own (``device()``), ``dropout_p`` zeroed when ``dropout`` is off, a stride-dependent view
+    as ``reshape`` (:data:`STRIDE_FREE`). The one rewrite rank programs and the single-device program
+    share."""
+    args, kwargs = run_constants(args, dtype, device), run_constants(kwargs, dtype, device)
+    if not dropout:
+        args, kwargs = zero_dropout(fn, args, kwargs)
+    return STRIDE_FREE.get(fn, fn), args, kwargs
 
 
 def zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

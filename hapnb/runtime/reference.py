@@ -13,15 +13,12 @@ import torch.fx as fx
 
 from ..ir.graph import Graph
 from .program import (
-    DEVICE_ANCHOR,
     DROPOUT_TARGETS,
-    STRIDE_FREE,
     CodegenError,
-    redevice,
-    retype,
+    as_run,
+    device_anchor,
     strip_prefix,
     tied_groups,
-    zero_dropout,
 )
 
 __all__ = ["reference_module", "reference_params"]
@@ -55,13 +52,10 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
     drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
     device_node: list[fx.Node] = []
 
-    def runtime_device() -> fx.Node:  # read from an anchor buffer, as in generate()
+    def runtime_device() -> fx.Node:
         if not device_node:
-            gm.register_buffer(DEVICE_ANCHOR, torch.empty(0), persistent=False)
-            first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-            with gm.graph.inserting_before(first):
-                anchor = gm.graph.get_attr(DEVICE_ANCHOR)
-                device_node.append(gm.graph.call_function(getattr, (anchor, "device")))
+            with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
+                device_node.append(device_anchor(gm, gm.graph))
         return device_node[0]
 
     for nd in list(gm.graph.nodes):
@@ -72,17 +66,11 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
             gm.graph.erase_node(nd)
             changed = True
             continue
-        a, kw = tuple(nd.args), dict(nd.kwargs)
-        if not dropout:
-            a, kw = zero_dropout(nd.target, a, kw)
-        if dtype is not None:
-            a, kw = retype(a, dtype), retype(kw, dtype)
-        a, kw = redevice(a, runtime_device), redevice(kw, runtime_device)
-        if a != tuple(nd.args) or kw != dict(nd.kwargs):
-            nd.args, nd.kwargs = a, kw
-            changed = True
-        if nd.target in STRIDE_FREE:
-            nd.target = STRIDE_FREE[nd.target]
+        fn, a, kw = as_run(
+            nd.target, tuple(nd.args), dict(nd.kwargs), dtype=dtype, dropout=dropout, device=runtime_device
+        )
+        if (fn, a, kw) != (nd.target, tuple(nd.args), dict(nd.kwargs)):
+            nd.target, nd.args, nd.kwargs = fn, a, kw
             changed = True
     if changed:
         gm.graph.lint()

@@ -6,7 +6,7 @@ the loss; :func:`spine_value` reads it for a node's properties. The search keeps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..cost.model import Conversion
@@ -85,6 +85,32 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
     return local
 
 
+def bound_device(s: Any) -> int:
+    """The device class the bounds of Search ``s`` weigh: the one with the most computation left even in
+    the best case. Any weights on the simplex give a valid bound; this one is tight when that device is
+    the bottleneck."""
+    return max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
+
+
+def price_matrices(s: Any) -> Callable[[int], list[list[float]]]:
+    """``price_matrix(tensor)``: the cheapest collective from each of the tensor's forms to each (0 to
+    itself), in ``theory.forms`` order. A conversion's price depends on the tensor only through its price
+    class (bytes, ratio segment, need of a gradient: :mod:`hapnb.synth.tables`), so the matrices are kept
+    per (price class, the tensor's forms) and shared by the searches at the same ratios (``s._shared``)."""
+    th, tb = s.theory, s._tables
+    prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
+
+    def price_matrix(ti: int) -> list[list[float]]:
+        key = (tb.price_class[ti], tb.forms_class[ti])
+        m = prices.get(key)
+        if m is None:
+            fs = th.forms[ti]
+            m = prices[key] = [[0.0 if a == b else _cheapest(s, ti, a, b) for b in fs] for a in fs]
+        return m
+
+    return price_matrix
+
+
 def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[int, float]]]]:
     """Backward DP over a relaxed problem along one path (the spine, :func:`spine_path`) from an input to the
     loss.
@@ -104,25 +130,12 @@ def spine_bound(s: Any, comm_only: bool = False) -> tuple[int, list[list[tuple[i
     """
     g, th, tb = s.graph, s.theory, s._tables
     n_ops = len(g.ops)
-    # weights on the device that has the most computation left even in the best case: any weights on
-    # the simplex give a valid bound, and this one is tight when that device is the bottleneck
-    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
+    jstar = bound_device(s)
     inf = float("inf")
     spine_ops, entries = tb.spine, tb.entries
     local = local_pricer(s, jstar, comm_only)  # weights one-hot on jstar (zero for comm_only)
 
-    # a conversion's price depends on the tensor only through its price class (bytes, ratio segment, need
-    # of a gradient: hapnb.synth.tables): per (price class, the tensor's forms), the cheapest collective
-    # from each form to each (0 to itself; the searches at the same ratios share them: s._shared)
-    prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
-
-    def price_matrix(ti: int) -> list[list[float]]:
-        key = (tb.price_class[ti], tb.forms_class[ti])
-        m = prices.get(key)
-        if m is None:
-            fs = th.forms[ti]
-            m = prices[key] = [[0.0 if a == b else _cheapest(s, ti, a, b) for b in fs] for a in fs]
-        return m
+    price_matrix = price_matrices(s)
 
     # V[i]: per form (index) of the live spine tensor before op i, a lower bound of ops i.. end
     spine_at: list[int] = [g.loss] * (n_ops + 1)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..triples import LOADABLE_ROLES
-from .heuristic import _cheapest, local_pricer
+from .heuristic import bound_device, local_pricer, price_matrices
 from .heuristic_rejoin import Layout, coupled_term, find_rejoins
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
@@ -135,18 +135,10 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     (being compiled; see the module docstring), and ``jstar``, the device class the bound weighs."""
     g, th, tb = s.graph, s.theory, s._tables
     n_ops = len(g.ops)
-    jstar = max(range(len(s._rem[0])), key=lambda j: (s._rem[0][j], -j))
+    jstar = bound_device(s)
     spine_ops, entries = tb.spine, tb.entries
     local = local_pricer(s, jstar)
-    prices: dict[tuple[int, int], list[list[float]]] = s._shared.setdefault("spine_prices", {})
-
-    def price_matrix(ti: int) -> list[list[float]]:
-        key = (tb.price_class[ti], tb.forms_class[ti])
-        m = prices.get(key)
-        if m is None:
-            fs = th.forms[ti]
-            m = prices[key] = [[0.0 if a == b else _cheapest(s, ti, a, b) for b in fs] for a in fs]
-        return m
+    price_matrix = price_matrices(s)
 
     # the spine's tensors and their side consumers (each op on at most one path)
     src_of = {i: src for i, (src, _) in spine_ops.items()}

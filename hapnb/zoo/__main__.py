@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import _OPTIONS, TINY, ZOO_NAMES, build
+from . import TINY, ZOO_NAMES, build, zoo_options
 from .factories import load_factory
 from .opslist import OPS_NOTES, exported_ops
 
@@ -27,7 +27,7 @@ def ops_markdown() -> str:
     cases: list[tuple[str, Callable[[], tuple[nn.Module, tuple]]]] = []
     for name in ZOO_NAMES:
         cases.append((name, lambda name=name: build(name, devices=2, **TINY[name])[:2]))
-        if "attention" in _OPTIONS[name]:
+        if "attention" in zoo_options(name):
             sdpa = lambda name=name: build(name, devices=2, attention="sdpa", **TINY[name])[:2]
             cases.append((f'{name} (attention="sdpa")', sdpa))
     for fac in ("examples.factories:small_convnet", "examples.factories:prenorm_lm"):
