@@ -70,7 +70,7 @@ def run_row(figure: str, model: str, cluster: str, **options: Any) -> dict[str, 
         row["hap_synthesis_s"] = hap_row.planning_s
         row["hap_optimal"] = hap_row.plan.stats.get("optimal")
         row["hap_chosen"] = hap_row.plan.stats.get("chosen")
-        groups = expert_groups(hap_row.plan.context.theory)
+        groups = expert_groups(hap_row.plan.planner.theory)
         if groups:  # the experts each device holds in HAP's plan (first MoE layer; dim 0 of its first weight)
             name, dim = groups[0].weights[0]
             try:

@@ -57,16 +57,16 @@ def snapshot(memo: Memo) -> Memo:
 
 
 def fresh_context(base: hapnb.Plan, pristine: Memo | None = None) -> hapnb.Plan:
-    """The base plan with a copy of its context as synthesize left it (so no edit meets its own answer)."""
-    ctx = copy.copy(base.context)
-    ctx.memo = snapshot(PRISTINE if pristine is None else pristine)
-    return dataclasses.replace(base, context=ctx)
+    """The base plan with a copy of its planner as synthesize left it (so no edit meets its own answer)."""
+    planner = copy.copy(base.planner)
+    planner.memo = snapshot(PRISTINE if pristine is None else pristine)
+    return dataclasses.replace(base, planner=planner)
 
 
 def sweep_pins(base: hapnb.Plan, layers: int) -> list[tuple[str, str]]:
     """Single-pin edits: every 2-D weight of layers 0 and ``layers // 3``, in each of I, G0, G1 that the
     base plan does not already give it."""
-    g = base.context.theory.graph
+    g = base.planner.theory.graph
     picked = []
     for name in dict(base.options)["params"]:
         parts = name.split(".")
@@ -82,7 +82,7 @@ def sweep(models: list[str], layers: int, cluster: str) -> dict[str, Any]:
     rows = []
     for model in models:
         base = hapnb.synthesize(model, cluster, layers=layers)
-        pristine = snapshot(base.context.memo)
+        pristine = snapshot(base.planner.memo)
         for name, form in sweep_pins(base, layers):
             edit = {"pins": {name: form}}
             start = fresh_context(base, pristine)
@@ -130,7 +130,7 @@ def main() -> None:
     ns = ap.parse_args()
     opts = {"layers": ns.layers}
     base = hapnb.synthesize(ns.model, ns.cluster, **opts)
-    PRISTINE = snapshot(base.context.memo)
+    PRISTINE = snapshot(base.planner.memo)
     c = base.cluster
     params = [
         p for p in dict(base.options)["params"] if p.endswith("linear1.weight") or p.endswith(".weight")
@@ -149,7 +149,7 @@ def main() -> None:
          dict(cluster=faster(c, collective="all_reduce"))),
     ]  # fmt: skip
     rows = []
-    th = base.context.theory  # fresh syntheses from the traced program: tracing is not timed
+    th = base.planner.theory  # fresh syntheses from the traced program: tracing is not timed
     for label, edit, fresh_kw in edits:
         cl = fresh_kw.pop("cluster", ns.cluster)
         fresh = [timed(lambda cl=cl, kw=fresh_kw: hapnb.synthesize(th, cl, **kw)) for _ in range(ns.repeat)]
@@ -167,7 +167,7 @@ def main() -> None:
             "replan_cpu_s": statistics.median(r[2] for r in runs),
             "equal_to_fresh": timeless(new) == timeless(same),
             "cost_s": new.cost_s,
-            "memo": repr(new.context.memo),
+            "memo": repr(new.planner.memo),
             "fast_wall_s": statistics.median(r[1] for r in fast),
             "fast_cpu_s": statistics.median(r[2] for r in fast),
             "fast_same_plan": quick.program == same.program and quick.ratios == same.ratios,
@@ -185,7 +185,7 @@ def main() -> None:
                 "replan_cpu_s": statistics.median(r[2] for r in again),
                 "equal_to_fresh": timeless(again[0][0]) == timeless(base),
                 "cost_s": again[0][0].cost_s,
-                "memo": repr(again[0][0].context.memo),
+                "memo": repr(again[0][0].planner.memo),
             })  # fmt: skip
     sens = [timed(lambda: fresh_context(base).sensitivity()) for _ in range(ns.repeat)]
     swept = sweep(ns.sweep.split(","), ns.layers, ns.cluster) if ns.sweep else None

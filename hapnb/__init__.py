@@ -49,7 +49,8 @@ _LAZY = {
     "baselines": "plans.synthesis",
     "compare": "plans.comparison",
     "OutOfMemoryError": "plans.synthesis",
-    "Plan": "plans.synthesis",  # the same class as hapnb.plans.plan.Plan; synthesis registers Plan.replan & co
+    "Plan": "plans.plan",
+    "Planner": "plans.planner",
     "PipelinePlan": "pipelines",
     "pipeline": "pipelines",
     "simulate": "plans.simulation",

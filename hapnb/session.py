@@ -36,8 +36,10 @@ from .hardware.cluster import Cluster
 from .hardware.parts import Collective, Device
 from .ir.forms import Form, Storage, parse_pin
 from .plans.explain import WhatIf, WhyNot, rebuild_graph, what_if
-from .plans.plan import Plan, freeze_mapping, make_plan
-from .plans.synthesis import OutOfMemoryError, context_of, replan, synthesize
+from .plans.packaging import make_plan
+from .plans.plan import Plan, freeze_mapping
+from .plans.planner import Planner
+from .plans.synthesis import OutOfMemoryError, replan, synthesize
 from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
 from .synth.spec import pin_choices
 from .triples import Theory, theory
@@ -283,7 +285,9 @@ class Session:
                         "name"
                     ) from None
                 plan = dataclasses.replace(plan, graph=graph)  # re-planning reuses the rebuilt graph
-            self.theory = context_of(plan).theory  # the plan's own (segmented as it was made)
+            if plan.planner is None:
+                plan = dataclasses.replace(plan, planner=Planner.for_plan(plan))
+            self.theory = plan.planner.theory  # the plan's own (segmented as it was made)
         else:
             if cluster is None:
                 raise ValueError(
@@ -501,8 +505,8 @@ class Session:
             stats=self.search.stats,
             model=dict(self._model_spec) if self._model_spec else None,
         )
-        # the same model and synthesis settings: it re-plans with the current plan's context
-        return self._set_plan(dataclasses.replace(plan, context=self.plan.context))
+        # the same model and synthesis settings: it re-plans with the current plan's planner
+        return self._set_plan(dataclasses.replace(plan, planner=self.plan.planner))
 
     # ============================================================================ pins
     @property

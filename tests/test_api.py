@@ -18,6 +18,7 @@ PUBLIC = [
     "collectives", "compare", "display", "distribute", "full_state_dict", "launch", "parse_form", "rules",
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
     "FullShard", "ShardGradOp", "Storage", "parse_pin",  # issue 10: parameter storage pins (ZeRO-3 / ZeRO-2)
+    "Planner",  # issue 19: one Planner owns the theory, the arguments and every cache; Plan is a value
 ]  # fmt: skip
 
 FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "pipeline", "shard_lengths",

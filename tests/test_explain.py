@@ -12,7 +12,9 @@ from hapnb.cost.model import CostModel
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import ShardGradOp
 from hapnb.plans.explain import faster, program_steps, what_if
-from hapnb.plans.plan import Plan, make_plan
+from hapnb.plans.packaging import make_plan
+from hapnb.plans.plan import NoPlannerError, Plan
+from hapnb.plans.planner import Planner
 from hapnb.plans.synthesis import replan, synthesize
 from hapnb.synth.balance import lp_changes, memory_lp, parse_ratio_pins, ratio_lp, solve_lp
 from hapnb.synth.search import PinError
@@ -56,9 +58,9 @@ def test_replan_equals_a_fresh_synthesize_and_reuses_what_did_not_change(mlp, gp
         cl = change.get("cluster", CLUSTER)
         fresh = synthesize(name, cl, pins=change.get("pins"), ratios=rp, **opts)
         assert _timeless(new) == _timeless(fresh), change
-        assert new.context.memo is plan.context.memo  # one memo across the re-plans
+        assert new.planner.memo is plan.planner.memo  # one memo across the re-plans
     # asking again reuses every search, LP and simulation: the same plan, nothing recomputed
-    memo = mlp.context.memo
+    memo = mlp.planner.memo
     before = dict(memo.computed)
     again = mlp.replan(pins={"x": "I"})
     assert memo.computed == before and memo.reused["search"] > 0
@@ -67,20 +69,27 @@ def test_replan_equals_a_fresh_synthesize_and_reuses_what_did_not_change(mlp, gp
     assert memo.computed == before
 
 
-def test_replan_of_a_loaded_plan_rebuilds_the_model_once(mlp, tmp_path, monkeypatch):
-    import hapnb.plans.synthesis as synthesis_module
+def test_a_loaded_plan_is_data_and_its_planner_rebuilds_the_model_once(mlp, tmp_path, monkeypatch):
+    import hapnb.plans.explain as explain_module
 
     calls = []
-    real = synthesis_module.rebuild_graph
-    monkeypatch.setattr(synthesis_module, "rebuild_graph", lambda p: calls.append(p) or real(p))
+    real = explain_module.rebuild_graph
+    monkeypatch.setattr(explain_module, "rebuild_graph", lambda p: calls.append(p) or real(p))
     loaded = Plan.load(mlp.save(tmp_path / "p.json"))
-    assert loaded.context is None and loaded == mlp
-    a = loaded.replan(pins={"x": "I"})
-    b = loaded.replan(ratio_pins={"p100-0": 0.1})
-    assert len(calls) == 1 and a.context.memo is b.context.memo is loaded.context.memo
+    assert loaded.planner is None and loaded == mlp
+    # a loaded plan never rebuilds its model by itself: the error says what to call instead
+    with pytest.raises(NoPlannerError, match=r"hapnb\.Planner\.for_plan\(plan\)"):
+        loaded.replan(pins={"x": "I"})
+    assert "what bounds the step" not in loaded.summary() and not calls
+    planner = Planner.for_plan(loaded)
+    a = planner.replan(loaded, pins={"x": "I"})
+    b = a.replan(ratio_pins={"p100-0": 0.1})  # a plan the planner made carries it
+    assert len(calls) == 1 and a.planner is planner and b.planner.memo is planner.memo
     assert _timeless(a) == _timeless(synthesize("mlp", CLUSTER, pins={"x": "I"}, **MLP))
-    # a loaded plan shows what bounds its step once it has a context
-    assert "what bounds the step" in loaded.summary()
+    # displaying never solves: what bounds the step shows once the planner has computed it
+    assert "what bounds the step: plan.sensitivity()" in a.summary()
+    s = a.sensitivity()
+    assert a.known_sensitivity() is s and s.lines()[0] in a.summary()
 
 
 def test_replan_errors_are_clear(mlp):
@@ -100,7 +109,7 @@ def test_program_steps_read_back_the_program(gpt):
     zero = gpt.replan(pins={"blocks.0.qkv.weight": "zero3(0)", "blocks.1.fc1.weight": ShardGradOp(1)})
     assert {i.name for i in zero.program if i.kind == "load"} >= {"load_zero3", "load_zero2"}
     for plan in (gpt, zero):  # ZeRO loads read back with their stored form
-        th = plan.context.theory
+        th = plan.planner.theory
         steps, extra = program_steps(plan, th)
         again = make_plan(th, plan.cluster, steps, extra, plan.ratios)
         assert again.program == plan.program and again.stages == plan.stages
@@ -109,7 +118,7 @@ def test_program_steps_read_back_the_program(gpt):
 # ------------------------------------------------------------------------------------------ sensitivity
 def _resolved(plan: Plan, cluster: Cluster) -> float:
     """The LP re-solved for the plan's program on ``cluster`` (the finite difference)."""
-    th = plan.context.theory
+    th = plan.planner.theory
     steps, _ = program_steps(plan, th)
     pins = parse_ratio_pins({d: (lo, hi) for d, lo, hi in plan.ratio_pins}, plan.cluster.names)
     return solve_lp(ratio_lp(CostModel(th, cluster), steps, pins), pins).cost
@@ -125,7 +134,7 @@ def test_dual_predictions_match_re_solved_lps(gpt, monkeypatch, tangent):
         monkeypatch.setattr(balance_module._Tangent, "_build_highs", lambda self: None)
     if tangent == "cbc":
         monkeypatch.setattr(balance_module, "solver_name", lambda: "CBC")
-    th = gpt.context.theory
+    th = gpt.planner.theory
     steps, _ = program_steps(gpt, th)
     cm = CostModel(th, gpt.cluster)
     lp = ratio_lp(cm, steps)
@@ -183,7 +192,7 @@ def test_sensitivity_names_the_device_whose_memory_binds():
         and "memory of v100-0" in s.summary()
         and "memory binds" in s._repr_html_()
     )
-    th = plan.context.theory
+    th = plan.planner.theory
     steps, convs = program_steps(plan, th)
     bigger = faster(small, memory="v100-0")
     resolved = memory_lp(CostModel(th, bigger), steps, convs, symmetric=False)[1].cost
@@ -202,8 +211,8 @@ def test_sensitivity_at_fixed_ratios_re_prices_the_plan():
     c2 = faster(plan.cluster, device="p100-0")
     expected = (
         plan.cost_s
-        - CostModel(plan.context.theory, c2)
-        .evaluate(program_steps(plan, plan.context.theory)[0], plan.ratios)
+        - CostModel(plan.planner.theory, c2)
+        .evaluate(program_steps(plan, plan.planner.theory)[0], plan.ratios)
         .cost_s
     )
     assert s.saving(device="p100-0") == pytest.approx(expected)
@@ -251,7 +260,7 @@ def test_explorer_re_plans_on_every_pin_and_answers_why_not_and_what_if():
     ex.controls["pin:x"].value = "I"  # a user choosing a form: re-planned at once, with the diff
     assert ex.last_error is None and ex.plan is not first and ex.plan.form_of("x") == ["I"]
     assert ex.previous_plan is first and "x" in ex.outputs["diff"].value
-    assert ex.plan.context is first.context  # re-planned, not synthesized from scratch
+    assert ex.plan.planner is first.planner  # re-planned, not synthesized from scratch
     assert ex.plan.stats["replan"] == "fast"  # the fast path (replan(exact=False))
     ex.controls["why_tensor"].value = "x"
     ex.controls["why_form"].value = "G0"
@@ -288,14 +297,14 @@ def test_fast_replan_is_a_fixpoint_that_keeps_the_pins_and_stays_near_the_fresh_
         fast = plan.replan(**change, exact=False)
         exact = plan.replan(**change)
         assert fast.stats["replan"] == "fast" and "replan" not in exact.stats
-        assert fast.context.memo is plan.context.memo
+        assert fast.planner.memo is plan.planner.memo
         for name, form in change.get("pins", {}).items():
             assert fast.form_of(name) == [form] and (name, form) in fast.pins
         rp = parse_ratio_pins(change.get("ratio_pins", {}), fast.cluster.names)
         assert tuple((p.device, p.lo, p.hi) for p in rp) == fast.ratio_pins and keeps_ratio_pins(
             fast.ratios, rp, fast.cluster.names
         )
-        th = fast.context.theory
+        th = fast.planner.theory
         res = Search(th, fast.cluster, ratios=fast.ratios, pins=parse_pins(dict(fast.pins))).run()
         assert res.optimal and res.cost == pytest.approx(fast.cost_s, rel=1e-9), change
         steps, _ = program_steps(fast, th)

@@ -13,7 +13,7 @@ def test_program_is_paired_with_ratios_optimised_for_it(name):
     """The Q/B loop returns a fixpoint: re-balancing the final program cannot improve it, and the plan
     costs exactly what the cost model says at its ratios."""
     from hapnb.cost.model import CostModel
-    from hapnb.plans.plan import make_plan
+    from hapnb.plans.packaging import make_plan
     from hapnb.synth.balance import balance
     from hapnb.synth.optimize import optimize
 

@@ -14,7 +14,7 @@ from hapnb.cost.memory import memory_linear
 from hapnb.cost.model import CostModel
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import FullShard, ShardGradOp
-from hapnb.plans import synthesis
+from hapnb.plans import planner as planner_module
 from hapnb.plans.explain import program_steps
 from hapnb.plans.simulation import iteration_time, plan_lower_bound
 from hapnb.synth.search import Search
@@ -33,15 +33,15 @@ def _graph(name: str, cluster: str):
 def test_simulated_pick_skips_only_candidates_that_cannot_win(monkeypatch, name, cluster, duplex):
     g = _graph(name, cluster)
     plan = hap.synthesize(g, cluster, duplex=duplex)
-    th, c = plan.context.theory, plan.cluster
-    packaged = [(key[1], p) for key, p in plan.context.memo.tables["plan"].items()]
+    th, c = plan.planner.theory, plan.cluster
+    packaged = [(key[1], p) for key, p in plan.planner.memo.tables["plan"].items()]
     assert packaged
     for k, p in packaged:  # the bound from the program alone is the packaged plan's, and below its simulation
-        b = synthesis.program_lower_bound(CostModel(th, c), k.program, k.ratios, duplex)
+        b = planner_module.program_lower_bound(CostModel(th, c), k.program, k.ratios, duplex)
         assert b == pytest.approx(plan_lower_bound(p), rel=1e-12)
         assert 0 < b <= iteration_time(p) * (1 + 1e-12)
     # without the bound every candidate is simulated: the same pick
-    monkeypatch.setattr(synthesis, "program_lower_bound", lambda *a: 0.0)
+    monkeypatch.setattr(planner_module, "program_lower_bound", lambda *a: 0.0)
     every = hap.synthesize(g, cluster, duplex=duplex)
     assert every.stats["candidates_bounded"] == 0 < plan.stats["candidates_bounded"]
     assert (
@@ -106,7 +106,7 @@ def test_memory_upper_bound_holds_for_every_program_and_storage(seed):
 )
 def test_memory_upper_bound_holds_for_synthesized_programs(name, cluster, pins):
     plan = hap.synthesize(_graph(name, cluster), cluster, pins=pins)
-    th = plan.context.theory
+    th = plan.planner.theory
     steps, convs = program_steps(plan, th)
     cm = CostModel(th, plan.cluster)
     n = plan.cluster.n

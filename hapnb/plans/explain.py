@@ -57,7 +57,7 @@ from ..synth.duplex import duplex_cost
 from ..synth.optimize import without_gc
 from ..synth.search import NoProgramError, PinError, Search
 from ..triples import Theory
-from .plan import Plan, tuning_function
+from .plan import NoPlannerError, Plan
 
 __all__ = [
     "Sensitivity",
@@ -108,9 +108,16 @@ def rebuild_graph(plan: Plan) -> Graph:
     return g
 
 
-def _context(plan: Plan) -> Any:
-    """The plan's synthesis context (:func:`hapnb.plans.synthesis.context_of`, registered with the plan)."""
-    return tuning_function("context")(plan)
+def _planner(plan: Plan, planner: Any, verb: str) -> Any:
+    """``planner``, else the plan's own (:class:`~hapnb.plans.planner.Planner`); a clear error without one."""
+    if planner is not None:
+        return planner
+    if plan.planner is None:
+        raise NoPlannerError(
+            f"{verb}: plan {plan.name!r} carries no planner (loaded from JSON?): pass "
+            "planner=hapnb.Planner.for_plan(plan), which rebuilds its model once"
+        )
+    return plan.planner
 
 
 def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conversion, ...]]:
@@ -384,26 +391,26 @@ class Sensitivity(_Shown):
 
 
 @without_gc
-def sensitivity(plan: Plan, factor: float = 1.1) -> Sensitivity:
-    """What bounds ``plan``'s step (see the module docstring); cached in the plan's context."""
-    ctx = _context(plan)
-    r = ctx.args.get("ratios")
-    fixed = r is not None and not isinstance(r, Mapping)  # made with ratios=[...]: no LP re-balances them
-    check_memory = bool(ctx.args.get("check_memory", True))
-    key = (
-        plan.cluster,
-        plan.program,
-        plan.ratios,
-        plan.ratio_pins,
-        plan.duplex,
-        plan.cost_s,
-        float(factor),
-        fixed,
-        check_memory,
+def sensitivity(plan: Plan, factor: float = 1.1, *, planner: Any = None) -> Sensitivity:
+    """What bounds ``plan``'s step (see the module docstring); kept in the planner's memo. ``planner``: the
+    :class:`~hapnb.plans.planner.Planner` to use (default: the plan's own)."""
+    p = _planner(plan, planner, "sensitivity")
+    key = sensitivity_key(plan, factor, p.args)
+    fixed, check_memory = key[-2], key[-1]
+    return p.memo.get(
+        "sensitivity", key, lambda: _sensitivity(plan, p.theory, float(factor), fixed, check_memory)
     )
-    return ctx.memo.get(
-        "sensitivity", key, lambda: _sensitivity(plan, ctx.theory, float(factor), fixed, check_memory)
-    )
+
+
+def sensitivity_key(plan: Plan, factor: float, args: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a plan's sensitivity depends on (its memo key), under synthesize's arguments ``args``; the last
+    two entries: whether the ratios were fixed (``ratios=[...]``: no LP re-balances them) and whether
+    memory was checked."""
+    r = args.get("ratios")
+    fixed = r is not None and not isinstance(r, Mapping)
+    check_memory = bool(args.get("check_memory", True))
+    return (plan.cluster, plan.program, plan.ratios, plan.ratio_pins, plan.duplex, plan.cost_s, float(factor),
+            fixed, check_memory)  # fmt: skip
 
 
 def _twins(plan: Plan, steps: Sequence[Step]) -> dict[str, str]:
@@ -614,12 +621,17 @@ def what_if(
     link: bool = False,
     memory: str | None = None,
     factor: float = 1.1,
+    planner: Any = None,
 ) -> WhatIf:
     """Apply one change (:func:`faster`) and re-plan: the re-planned cost next to the dual's prediction
-    (the prediction comes from :func:`sensitivity` at the same factor)."""
+    (the prediction comes from :func:`sensitivity` at the same factor). ``planner``: the
+    :class:`~hapnb.plans.planner.Planner` to use (default: the plan's own)."""
+    p = _planner(plan, planner, "what_if")
     c2 = faster(plan.cluster, device=device, collective=collective, link=link, memory=memory, factor=factor)
-    new = plan.replan(cluster=c2)
-    pred = sensitivity(plan, factor).saving(device=device, collective=collective, link=link, memory=memory)
+    new = p.replan(plan, cluster=c2)
+    pred = sensitivity(plan, factor, planner=p).saving(
+        device=device, collective=collective, link=link, memory=memory
+    )
     return WhatIf(_change_label(device, collective, link, factor, memory), plan.cost_s, pred, new)
 
 
@@ -696,15 +708,17 @@ class WhyNot(_Shown):
 
 
 @without_gc
-def why_not(plan: Plan, pins: Mapping[str, Form | Storage | str]) -> WhyNot:
-    """Why the search did not choose ``pins`` (tensor -> form): see :class:`WhyNot`."""
+def why_not(plan: Plan, pins: Mapping[str, Form | Storage | str], *, planner: Any = None) -> WhyNot:
+    """Why the search did not choose ``pins`` (tensor -> form): see :class:`WhyNot`. ``planner``: the
+    :class:`~hapnb.plans.planner.Planner` to use (default: the plan's own)."""
     if not pins:
         raise ValueError("why_not needs at least one pin, e.g. {'layers.0.linear1.weight': 'G1'}")
     asked = tuple(sorted((str(t), str(parse_pin(f) if isinstance(f, str) else f)) for t, f in pins.items()))
-    th = _context(plan).theory
+    p = _planner(plan, planner, "why_not")
+    th = p.theory
     already = all(f in _forms(plan, t) for t, f in asked)
     try:
-        other = plan.replan(pins=dict(asked))
+        other = p.replan(plan, pins=dict(asked))
     except PinError as e:
         return WhyNot(asked, plan.cost_s, reason=str(e), where=_pin_where(str(e)), already=already)
     except NoProgramError as e:

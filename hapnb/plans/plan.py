@@ -10,60 +10,41 @@ executes code.
 >>> hapnb.Plan.from_json(plan.to_json()) == plan  # doctest: +SKIP
 True
 
-Tuning (``plan.replan(...)``, ``plan.why_not(pins)``, ``plan.sensitivity()``) is implemented above this
-module (re-planning is synthesis, which builds Plans): :mod:`hapnb.plans.synthesis` registers the functions
-with :func:`register_tuning` when it loads (``hapnb.Plan`` loads it), so this module never imports it.
+Tuning (``plan.replan(...)``, ``plan.why_not(pins)``, ``plan.sensitivity()``) is the
+:class:`~hapnb.plans.planner.Planner`'s: a plan a planner made carries it (``plan.planner``: not compared,
+not in JSON) and these methods hand the plan back to it. A plan loaded from JSON is data only and carries
+none: ``hapnb.Planner.for_plan(plan)`` rebuilds its model once and tunes it. Displaying a plan never
+computes anything: its summary shows what bounds the step only when the planner already knows it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..cost.model import Conversion, CostModel, Step
 from ..hardware.cluster import Cluster
 from ..ir.collective_table import FREE
-from ..ir.forms import Form, parse_form
-from ..synth.optimize import Round
-from ..triples import Theory, coverage
+from ..ir.forms import parse_form
+from ..synth.history import Round
 
 #: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)
 TIMING_STATS = ("search_s", "balance_s", "build_s", "trace_s", "trace_path")
 
 __all__ = [
-    "CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "make_plan", "freeze_mapping",
-    "register_tuning", "save_json", "load_json",
+    "CommCost", "Instruction", "Stage", "Round", "Plan", "PLAN_FORMAT", "freeze_mapping", "save_json",
+    "load_json", "NoPlannerError",
 ]  # fmt: skip
 
 PLAN_FORMAT = 1
 
-#: the largest ratio LP (stages x devices) whose sensitivity a plan's summary and HTML compute by themselves
-#: (BERT-12 on 8 devices: 600; each change builds the LP once more)
-SUMMARY_SENSITIVITY_ROWS = 10_000
 
-#: name -> function behind Plan.replan / why_not / sensitivity and a plan's synthesis context
-_TUNING: dict[str, Callable[..., Any]] = {}
-
-
-def register_tuning(**functions: Callable[..., Any]) -> None:
-    """Install the functions behind :meth:`Plan.replan`, :meth:`Plan.why_not`, :meth:`Plan.sensitivity`
-    and the context lookup (:mod:`hapnb.plans.synthesis` does, when it loads)."""
-    _TUNING.update(functions)
-
-
-def tuning_function(name: str) -> Callable[..., Any]:
-    """The registered function ``name`` (see :func:`register_tuning`)."""
-    fn = _TUNING.get(name)
-    if fn is None:
-        raise RuntimeError(
-            f"Plan.{name} is implemented by hapnb.plans.synthesis, which is not loaded: import hapnb.plans.synthesis "
-            "(hapnb.Plan and hapnb.synthesize load it)"
-        )
-    return fn
+class NoPlannerError(ValueError):
+    """A plan that carries no :class:`~hapnb.plans.planner.Planner` (loaded from JSON, or made by
+    :func:`~hapnb.plans.packaging.make_plan` directly) was asked to re-plan or explain itself."""
 
 
 @dataclass(frozen=True)
@@ -255,10 +236,10 @@ class Plan:
     #: all-reduces behind the backward, feature collectives beside unrelated computation); None when not
     #: simulated. ``cost_s`` stays the stage model's (or the duplex ψ) cost, the number the search optimises.
     simulated_s: float | None = None
-    #: what the plan was synthesized from and the caches re-planning reuses
-    #: (:class:`hapnb.plans.synthesis.SynthesisContext`; not compared, not in JSON; made on first use for a
-    #: loaded plan)
-    context: Any = field(default=None, compare=False, repr=False)
+    #: the :class:`~hapnb.plans.planner.Planner` that made the plan (its theory, arguments and caches;
+    #: not compared, not in JSON): what :meth:`replan`, :meth:`why_not` and :meth:`sensitivity` hand the
+    #: plan to. None for a plan loaded from JSON.
+    planner: Any = field(default=None, compare=False, repr=False)
 
     @property
     def costed(self) -> bool:
@@ -345,18 +326,20 @@ class Plan:
         makes with the merged inputs. ``exact=False`` (fast): the Q/B loop from this plan's ratios without
         the baseline seeds: a fixpoint of the loop that keeps every pin, but maybe not the fresh plan
         (``stats["replan"] == "fast"``; the contract is :func:`hapnb.plans.synthesis.replan`'s)."""
-        return tuning_function("replan")(self, pins=pins, ratio_pins=ratio_pins, cluster=cluster, exact=exact)
+        return self._planner("replan").replan(
+            self, pins=pins, ratio_pins=ratio_pins, cluster=cluster, exact=exact
+        )
 
     def why_not(self, pins: Mapping[str, Any]) -> Any:
         """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the
         difference per stage block, or where no program satisfies them (:class:`hapnb.plans.explain.WhyNot`)."""
-        return tuning_function("why_not")(self, pins)
+        return self._planner("why_not").why_not(self, pins)
 
     def sensitivity(self, factor: float = 1.1) -> Any:
         """What bounds the step: binding devices per stage and what a device or collective ``factor``
         times faster (or a device whose memory caps its ratio, ``factor`` times larger) would save, from
         the ratio LP's dual values (:class:`hapnb.plans.explain.Sensitivity`)."""
-        return tuning_function("sensitivity")(self, factor)
+        return self._planner("sensitivity").sensitivity(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the stages per device (needs bokeh)."""
@@ -407,24 +390,27 @@ class Plan:
             )
         if self.pins:
             lines.append("  pins: " + ", ".join(f"{t}={f}" for t, f in self.pins))
-        sens = self._known_sensitivity()
+        sens = self.known_sensitivity()
         if sens is not None:
             lines += sens.lines()
-        elif self.context is not None:
-            lines.append("  what bounds the step: plan.sensitivity() (not computed for a plan this large)")
+        elif self.planner is not None:
+            lines.append("  what bounds the step: plan.sensitivity()")
         return "\n".join(lines)
 
-    def _known_sensitivity(self) -> Any:
-        """:meth:`sensitivity` for a plan that carries its synthesis context (made in this process, or
-        re-planned once) and whose ratio LP has at most :data:`SUMMARY_SENSITIVITY_ROWS` computation rows,
-        else None: a summary never rebuilds a loaded plan's model, nor builds LPs of minutes. A failure
-        shows as None too (the summary and the display must not fail for it)."""
-        if self.context is None or len(self.stages) * self.cluster.n > SUMMARY_SENSITIVITY_ROWS:
-            return None
-        try:
-            return self.sensitivity()
-        except Exception:  # noqa: BLE001 - optional part of a view
-            return None
+    def known_sensitivity(self) -> Any:
+        """:meth:`sensitivity` when the plan's planner has already computed it, else None (a display
+        never solves an LP)."""
+        return None if self.planner is None else self.planner.known_sensitivity(self)
+
+    def _planner(self, verb: str) -> Any:
+        if self.planner is None:
+            raise NoPlannerError(
+                f"plan {self.name!r} carries no planner (a plan loaded from JSON is data: it never rebuilds "
+                f"its model by itself), so it cannot {verb.replace('_', ' ')}: "
+                f"planner = hapnb.Planner.for_plan(plan) rebuilds the model from the plan's recorded spec "
+                f"once, then planner.{verb}(plan, ...)"
+            )
+        return self.planner
 
     def __str__(self) -> str:
         return self.summary() + "\n" + "\n".join(f"  [{i.stage:3d}] {i}" for i in self.program)
@@ -432,7 +418,7 @@ class Plan:
     def _repr_html_(self) -> str:
         from .. import display
 
-        sens = self._known_sensitivity()
+        sens = self.known_sensitivity()
         extra = "" if sens is None else display.safe_html(display.sensitivity_html, sens)
         return display.safe_html(display.plan_html, self) + extra
 
@@ -589,192 +575,3 @@ def _jsonable(v: Any) -> Any:
 def freeze_mapping(m: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     """A mapping as sorted (key, frozen value) pairs, the way plans store options."""
     return tuple(sorted((str(k), _freeze(v)) for k, v in (m or {}).items()))
-
-
-def make_plan(
-    th: Theory,
-    cluster: Cluster,
-    program: Sequence[Step],
-    extra: Sequence[Conversion],
-    ratios: tuple[tuple[float, ...], ...],
-    *,
-    history: tuple[Round, ...] = (),
-    pins: Mapping[str, Form] | None = None,
-    ratio_pins: Sequence[Any] = (),
-    stats: Mapping[str, Any] | None = None,
-    model: Mapping[str, Any] | None = None,
-    options: Mapping[str, Any] | None = None,
-    synthesis_s: float = 0.0,
-    cost_model: CostModel | None = None,
-) -> Plan:
-    """Turn a searched program and its ratios into a :class:`Plan` (instructions, lengths, stages).
-    ``cost_model``: a :class:`~hapnb.cost.model.CostModel` of ``th`` on ``cluster`` to reuse (its caches), e.g.
-    when packaging several programs."""
-    g = th.graph
-    if cost_model is not None and (cost_model.theory is not th or cost_model.cluster != cluster):
-        raise ValueError("make_plan: cost_model must be a CostModel of the same theory and cluster")
-    cm = cost_model if cost_model is not None else CostModel(th, cluster)
-    # each load's, conversion's and SFB step's terms and each step's computation, computed once: the
-    # evaluation (stages, cost) and the instructions (their priced terms) both use them
-    parts = [cm.step_parts(st) for st in program]
-    step_terms = [cm.step_terms(st, p) for st, p in zip(program, parts)]
-    comps = [cm.step_comp(st, ratios) for st in program]
-    ev = cm.evaluate(program, ratios, terms=step_terms, comps=comps)
-    stage_of_step = {}
-    for sc in ev.stages:
-        for i in sc.steps:
-            stage_of_step[i] = sc.index
-    instrs: list[Instruction] = []
-    used: set[tuple[int, int]] = set()
-    stage_instrs: dict[int, list[int]] = {}
-    stage_comm: dict[int, list[str]] = {}
-
-    def emit(ins: Instruction) -> None:
-        stage_instrs.setdefault(ins.stage, []).append(len(instrs))
-        instrs.append(ins)
-
-    def name(t: int) -> str:
-        return g.tensors[t].name
-
-    def priced(terms: Sequence[Any], nbytes: int = 0) -> tuple[CommCost, ...]:
-        """The cost model's terms at the plan's ratios (none on one device: nothing to talk to)."""
-        if cm.n == 1:
-            return ()
-        out = []
-        for tm in terms:
-            total, bwd = tm.time(ratios), tm.backward_time(ratios)
-            out.append(
-                CommCost(tm.what, tm.kind, total - bwd, bwd, tm.gradient, nbytes if tm.gradient else 0)
-            )
-        return tuple(out)
-
-    for k, st in enumerate(program):
-        stage = stage_of_step[k]
-        op = g.ops[st.op]
-        load_terms, conv_terms, sfb_terms = parts[k]
-        for ld, lterms in zip(st.loads, load_terms):
-            emit(
-                Instruction(
-                    "load",
-                    f"load_zero{ld.zero}" if ld.zero > 0 else "load_sfb" if ld.sfb else "load",
-                    stage,
-                    tensor=name(ld.tensor),
-                    src=str(ld.storage) if ld.zero > 0 else "",
-                    form=str(ld.form),
-                    comm=priced(lterms, g.tensors[ld.tensor].nbytes),
-                )
-            )
-            if ld.storage.kind == "G":
-                used.add((ld.tensor, ld.storage.dim))
-            for tm in lterms:
-                stage_comm.setdefault(stage, []).append(tm.what)
-        resharded = {}
-        for cv, cterms in zip(st.conversions, conv_terms):
-            if cv.name == "reshard":
-                dst = f"{cv.dst}@{cv.segment}"
-                resharded[cv.tensor] = dst
-                emit(
-                    Instruction(
-                        "collective",
-                        "reshard",
-                        stage,
-                        tensor=name(cv.tensor),
-                        src=str(cv.src),
-                        form=dst,
-                        lengths=th.lengths(cv.tensor, cv.dst.dim, ratios[cv.segment]),
-                        comm=priced(cterms),
-                    )
-                )
-            else:
-                emit(
-                    Instruction(
-                        "collective",
-                        cv.name,
-                        stage,
-                        tensor=name(cv.tensor),
-                        src=str(cv.src),
-                        form=str(cv.dst),
-                        comm=priced(cterms),
-                    )
-                )
-            for f in (cv.src, cv.dst):
-                if f.kind == "G":
-                    used.add((cv.tensor, f.dim))
-            for tm in cterms:
-                stage_comm.setdefault(stage, []).append(tm.what)
-        for tm in sfb_terms:
-            stage_comm.setdefault(stage, []).append(tm.what)
-        s = st.strategy
-        for t, f in list(zip(op.inputs, s.inputs)) + list(zip(op.outputs, s.outputs)):
-            if f.kind == "G":
-                used.add((t, f.dim))
-        emit(
-            Instruction(
-                "compute",
-                s.name,
-                stage,
-                op=op.name,
-                target=op.target,
-                inputs=tuple(
-                    (name(t), resharded[t] if f.kind == "G" and t in resharded else str(f))
-                    for t, f in zip(op.inputs, s.inputs)
-                ),
-                outputs=tuple((name(t), str(f)) for t, f in zip(op.outputs, s.outputs)),
-                comp_s=tuple(float(x) for x in comps[k]),
-                comm=priced(sfb_terms),
-            )
-        )
-    last_stage = ev.stages[-1].index if ev.stages else 0
-    for cv in extra:
-        emit(
-            Instruction(
-                "collective", cv.name, last_stage, tensor=name(cv.tensor), src=str(cv.src), form=str(cv.dst)
-            )
-        )
-    lengths = tuple((name(t), d, th.lengths(t, d, ratios[cm.segment_of[t]])) for t, d in sorted(used))
-    stages = tuple(
-        Stage(
-            sc.index,
-            sc.comm_s,
-            sc.comp_s,
-            tuple(stage_instrs.get(sc.index, ())),
-            tuple(stage_comm.get(sc.index, ())),
-        )
-        for sc in ev.stages
-    )
-    fallback = tuple((r.op, r.target) for r in coverage(th).fallback)
-    plan = Plan(
-        name=g.name,
-        graph_fingerprint=g.fingerprint,
-        cluster=cluster,
-        ratios=tuple(tuple(float(x) for x in r) for r in ratios),
-        program=tuple(instrs),
-        lengths=lengths,
-        stages=stages,
-        cost_s=ev.cost_s,
-        lower_bound_s=cm.lower_bound(),
-        history=history,
-        pins=tuple(sorted((k, str(v)) for k, v in (pins or {}).items())),
-        ratio_pins=tuple((p.device, p.lo, p.hi) for p in ratio_pins),
-        search=freeze_mapping(stats),
-        fallback_ops=fallback,
-        model=freeze_mapping(model),
-        options=freeze_mapping(
-            {
-                **(options or {}),
-                "inputs": [t.name for t in g.tensors if t.role == "input"],
-                "params": [t.name for t in g.tensors if t.role == "param"],
-            }
-        ),
-        synthesis_s=synthesis_s,
-        graph=g,
-        optimizer_s=tuple(
-            float(x) for x in (cm.optimizer_comp(program, ratios) if any(cm.models) else (0.0,) * cm.n)
-        ),
-    )
-    breakdown = cm.memory_breakdown(program, extra, ratios)
-    return replace(
-        plan,
-        memory_bytes=tuple(sum(b.values()) for b in breakdown),
-        memory_breakdown=tuple(tuple(b.items()) for b in breakdown),
-    )

@@ -39,6 +39,7 @@ from .balance import (
     parse_ratio_pins,
 )
 from .duplex import duplex_cost
+from .history import Round
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
 
 __all__ = [
@@ -360,23 +361,6 @@ def fsdp_pins(
             )
             out[t.name] = FullShard(best.dim) if zero == 3 else ShardGradOp(best.dim)
     return {**out, **(user_pins or {})}
-
-
-@dataclass(frozen=True)
-class Round:
-    """One Q/B iteration: the program searched at the previous ratios, then the LP's ratios for it."""
-
-    iteration: int
-    search_cost_s: float  # cost of Q_k at B_{k-1}
-    balanced_cost_s: float  # cost of Q_k at B_k
-    ratios: tuple[tuple[float, ...], ...]  # B_k
-    expansions: int
-    search_s: float
-    balance_s: float
-    instructions: int
-    accepted: bool
-    #: "search" (Q_k from B_{k-1}) or "seed dp_ev|dp_cp|tp_ev|zero2|fsdp" (a baseline program)
-    source: str = "search"
 
 
 @dataclass(frozen=True)
