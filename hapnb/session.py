@@ -35,11 +35,12 @@ from . import display
 from .hardware.cluster import Cluster
 from .hardware.parts import Collective, Device
 from .ir.forms import Form, Storage, parse_pin
-from .plans.explain import WhatIf, WhyNot, rebuild_graph, what_if
+from .plans.explain import WhatIf, rebuild_graph, what_if
 from .plans.packaging import make_plan
 from .plans.plan import Plan, freeze_mapping
 from .plans.planner import Planner
 from .plans.synthesis import OutOfMemoryError, replan, synthesize
+from .plans.whynot import WhyNot
 from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchNode, resolve_pins
 from .synth.spec import pin_choices
 from .triples import Theory, theory

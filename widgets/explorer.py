@@ -267,7 +267,7 @@ class Explorer:
 
     def why_not(self, pins: Mapping[str, Form | str] | None = None) -> Any:
         """Why the plan does not use these forms (default: the "Why not?" tensor and form fields): shows
-        and returns the session's :class:`hapnb.plans.explain.WhyNot`; the plan does not change."""
+        and returns the session's :class:`hapnb.plans.whynot.WhyNot`; the plan does not change."""
         if pins is None:
             pins = {self.controls["why_tensor"].value: self.controls["why_form"].value}
         self.controls["progress_label"].value = "re-planning with the pins..."

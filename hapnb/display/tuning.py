@@ -76,7 +76,7 @@ def sensitivity_html(s: Any, *, max_stages: int = 40) -> str:
 
 
 def why_not_html(w: Any) -> str:
-    """A :class:`~hapnb.plans.explain.WhyNot`: the best plan with the pins and where it differs, or why none."""
+    """A :class:`~hapnb.plans.whynot.WhyNot`: the best plan with the pins and where it differs, or why none."""
     asked = esc(", ".join(f"{t}={f}" for t, f in w.pins))
     if w.other is None:
         where = f" at <b>{esc(w.where)}</b>" if w.where else ""

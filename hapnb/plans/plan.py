@@ -332,7 +332,7 @@ class Plan:
 
     def why_not(self, pins: Mapping[str, Any]) -> Any:
         """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the
-        difference per stage block, or where no program satisfies them (:class:`hapnb.plans.explain.WhyNot`)."""
+        difference per stage block, or where no program satisfies them (:class:`hapnb.plans.whynot.WhyNot`)."""
         return self._planner("why_not").why_not(self, pins)
 
     def sensitivity(self, factor: float = 1.1) -> Any:

@@ -46,7 +46,7 @@ from ..synth.optimize import (
 )
 from ..synth.search import NoProgramError
 from ..triples import Theory, theory
-from . import explain
+from . import explain, whynot
 from .fit import check_memory, out_of_memory
 from .packaging import make_plan
 from .plan import Plan, freeze_mapping
@@ -232,9 +232,9 @@ class Planner:
             out = dataclasses.replace(out, model=plan.model)  # the model spec a session recorded
         return out
 
-    def why_not(self, plan: Plan, pins: Mapping[str, Any]) -> explain.WhyNot:
-        """Why the search did not choose ``pins`` for ``plan`` (:func:`hapnb.plans.explain.why_not`)."""
-        return explain.why_not(plan, pins, planner=self)
+    def why_not(self, plan: Plan, pins: Mapping[str, Any]) -> whynot.WhyNot:
+        """Why the search did not choose ``pins`` for ``plan`` (:func:`hapnb.plans.whynot.why_not`)."""
+        return whynot.why_not(plan, pins, planner=self)
 
     def sensitivity(self, plan: Plan, factor: float = 1.1) -> explain.Sensitivity:
         """What bounds ``plan``'s step (:func:`hapnb.plans.explain.sensitivity`), kept in the memo."""
