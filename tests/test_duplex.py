@@ -3,6 +3,8 @@ duplex LP against a grid, and duplex plans against plain ones."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import synthetic as S
 from test_search import all_programs, brute_force
@@ -14,7 +16,15 @@ from hapnb.hardware.cluster import Cluster
 from hapnb.hardware.parts import Collective
 from hapnb.ir.forms import G, I
 from hapnb.synth.balance import balance
-from hapnb.synth.duplex import duplex_cost, duplex_evaluate, feature_terms, next_psi, psi_phi
+from hapnb.synth.duplex import (
+    duplex_cost,
+    duplex_evaluate,
+    feature_terms,
+    label_close,
+    label_step,
+    next_psi,
+    psi_phi,
+)
 from hapnb.synth.search import Search
 from hapnb.triples import theory
 
@@ -322,3 +332,26 @@ def test_dominance_and_priority_hold_for_random_completions():
             seen_dominated += 1
             assert all(fa <= fb + 1e-12 for fa, fb in comps)
     assert seen_dominated > 100
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_search_labels_step_by_hidups_recurrence(seed):
+    """The search's label arithmetic (label_step / label_close, what Search._children runs) gives the
+    duplex time of HiDup's recurrence over the same stages (psi_phi): one objective, two evaluators."""
+    rng = random.Random(seed)
+    n, steps = 3, rng.randint(1, 12)
+    base, copen, acc, grads = 0.0, 0.0, (0.0,) * n, 0.0
+    stages: list[list[float]] = []  # per stage: full-batch comm, then per-device full-batch computation
+    for k in range(steps):
+        comm = rng.choice([0.0, rng.uniform(0.1, 3.0)])
+        grad = rng.choice([0.0, rng.uniform(0.0, 1.0)])
+        comp = tuple(rng.uniform(0.0, 2.0) for _ in range(n))
+        base, copen, acc = label_step(base, copen, acc, k == 0, comm, grad, comp)
+        grads += grad
+        if comm > 0.0 or k == 0:
+            stages.append([comm, *comp])
+        else:
+            stages[-1] = [stages[-1][0], *(a + b for a, b in zip(stages[-1][1:], comp))]
+    total = base + label_close(copen, acc, (0.0,) * n)
+    _, psi_m = psi_phi([(0.5 * s[0], 0.5 * max(s[1:])) for s in stages])
+    assert total == pytest.approx(psi_m + grads, rel=1e-12)

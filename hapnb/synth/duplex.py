@@ -60,6 +60,8 @@ __all__ = [
     "gradient_terms",
     "priority",
     "dominates",
+    "label_step",
+    "label_close",
 ]
 
 
@@ -158,6 +160,40 @@ def duplex_cost(cm: CostModel, program: Sequence[Step], ratios: Sequence[Sequenc
 #: c_i)`` of the open stage i plus the gradient syncs so far, ``acc`` the open stage's per-device
 #: computation, ``copen`` its feature communication (both full batch), ``tail`` the per-device inner syncs.
 Label = tuple[float, tuple[float, ...], float, tuple[float, ...]]
+
+
+def label_step(
+    base: float,
+    copen: float,
+    acc: tuple[float, ...],
+    opens: bool,
+    comm_s: float,
+    gradient_s: float,
+    comp: tuple[float, ...],
+) -> tuple[float, float, tuple[float, ...]]:
+    """A search label's ``(base, copen, acc)`` after one more step (``comm_s``: its feature communication,
+    ``gradient_s``: its gradient syncs, charged whole, once; ``comp``: its per-device computation, full
+    batch). A step that communicates (or the first) closes the open stage i with HiDup's eq. (4)-(5) at
+    half batch and opens the next; any other joins the open stage.
+
+    >>> label_step(0.0, 0.0, (2.0, 1.0), True, 4.0, 0.5, (3.0, 3.0))
+    (3.5, 4.0, (3.0, 3.0))
+    """
+    if comm_s > 0.0 or opens:
+        p = 0.5 * max(acc)
+        return base + max(0.5 * copen, p) + max(p, 0.5 * comm_s) + gradient_s, comm_s, comp
+    return base + gradient_s, copen, tuple(a + b for a, b in zip(acc, comp))
+
+
+def label_close(copen: float, acc: Sequence[float], tail: Sequence[float]) -> float:
+    """What closing a complete program's label adds to its ``base``: the open stage at half batch (its
+    communication, then its computation) and the per-device inner syncs at the end.
+
+    >>> label_close(2.0, (4.0, 2.0), (0.5, 0.25))
+    4.5
+    """
+    p = 0.5 * max(acc)
+    return max(0.5 * copen, p) + p + max(tail)
 
 
 def priority(

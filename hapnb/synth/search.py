@@ -33,7 +33,7 @@ program popped is optimal; a search stopped by a limit reports the proven lower 
 is ``(base, acc, copen, tail)``: ``base`` is HiDup's ``ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i)`` for the
 open stage i plus the gradient syncs so far (whole, once), ``acc`` the open stage's per-device
 computation, ``copen`` its feature communication, ``tail`` the per-device inner syncs of virtual
-devices. Labels at one state are pruned by Pareto dominance (:meth:`Search._dominated_duplex`) and the
+devices. Labels at one state are pruned by Pareto dominance (:func:`hapnb.synth.dominance.duplex_dominated`) and the
 priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first complete program popped
 minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
 and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
@@ -62,25 +62,25 @@ from ..cost.model import Conversion, CostModel, Load, Step
 from ..hardware.cluster import Cluster
 from ..ir.forms import Form, I, R, Storage
 from ..ir.graph import Graph
-from ..rules import Strategy
 from ..triples import Theory
 from ..triples import theory as build_theory
 from .chain_bound import NEAR, SWITCH_AFTER, ChainBound, switch
-from .duplex import dominates, priority
-from .heuristic import CONVERSIONS, spine_bound, spine_value
+from .dominance import duplex_dominated, plain_dominated
+from .duplex import label_close, label_step, priority
+from .heuristic import spine_bound, spine_value
 from .heuristic_side import Term, side_terms, term_value
 from .memory_prune import MemoryTracker
+from .moves import _UNMET, Moves
 from .spec import (
     PinError,
     SearchEvent,
     SearchNode,
     SearchResult,
     explain_no_program,
-    explain_no_strategy,
     normalize_ratios,
     resolve_pins,
 )
-from .tables import entries_for, ratio_classes, theory_tables
+from .tables import ratio_classes
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
@@ -91,23 +91,10 @@ DIVE_AFTER = 0.05
 DIVE_AFTER_MIN = 8
 #: dives from the best open programs before a search switches to the chain bound (:meth:`Search._switch_bound`)
 SWITCH_DIVES = 8
-_PRESENT = [(None, 0, 0, 0, 0.0)]  # the option of a needed form that is present (nothing to add)
 
 
 class NoProgramError(RuntimeError):
     """No complete program exists under the given pins."""
-
-
-@dataclass(slots=True)
-class _Compiled:
-    strategy: Strategy
-    comp: tuple[float, ...]
-    out_bits: int
-    needs: tuple[tuple[int, Form], ...]  # distinct (tensor, form) inputs
-    reshards: tuple[Conversion, ...]  # G inputs from another segment (re-cut for this op's ratios)
-    need_bits: tuple[int, ...]  # the property bit of each of ``needs``
-    index: int  # its place in the theory's strategies of the op
-    fixed: tuple[float, ...] | None = None  # its own communication seconds: re-cuts, then SFB (first use)
 
 
 @dataclass
@@ -143,7 +130,7 @@ class _Node:
     real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
 
 
-class Search:
+class Search(Moves):
     """Step-able A* over one program's theory for fixed ratios.
 
     ``ratios``: one list of per-device ratios per segment (a single flat list is used for every
@@ -209,47 +196,7 @@ class Search:
 
     # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
-        g, th, cm = self.graph, self.theory, self.cost_model
-        # the ratio-independent tables: built once per theory (hapnb.synth.optimize passes one "static" dict for
-        # every search of a context; a table is reused only for the very theory it was built from)
-        static = self._shared.get("static")
-        hit = static.get("tables") if static is not None else None
-        if hit is not None and hit[0] is th:
-            tables, self._cv_lists = hit[1], hit[2]
-        else:
-            tables = theory_tables(th, cm.segment_of)
-            # (source bit, target bit) -> the collectives between the two forms, each with whether it is a
-            # grouped one (ratio-independent)
-            self._cv_lists: dict[tuple[int, int], tuple[tuple[Conversion, bool], ...]] = {}
-            if static is not None:
-                static["tables"] = (th, tables, self._cv_lists)
-        self._tables = tables
-        self._price_class = tables.price_class
-        self._bit = tables.bit
-        self._tmask = tables.tmask
-        self._forms_of_bit = tables.forms_of_bit
-        self._loadable = tables.loadable
-        self._last_use = tables.last_use
-        self._dies_at = tables.dies_at
-        self._dies_comm = tables.dies_comm
-        self._ops: list[list[_Compiled]] = []
-        comp_of = self._shared.setdefault("comp", {})  # (op, strategy index) -> per-device seconds
-        lb = []
-        allowed = entries_for(th, tables, self.pins, self.storage, bool(self.options["sfb"]))
-        for op, row in zip(g.ops, allowed):
-            if not row:
-                raise PinError(explain_no_strategy(self, op.id))
-            comp_list = []
-            for e in row:
-                key = (op.id, e.index)
-                comp = comp_of.get(key)
-                if comp is None:
-                    comp = comp_of[key] = cm.comp(op.id, e.strategy, self.ratios, self._reps)
-                comp_list.append(
-                    _Compiled(e.strategy, comp, e.out_bits, e.needs, e.reshards, e.need_bits, e.index)
-                )
-            self._ops.append(comp_list)
-            lb.append(tuple(map(min, zip(*(c.comp for c in comp_list)))))
+        lb = self._compile_moves()
         if self.memory:
             self._mem = MemoryTracker(self)
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
@@ -258,25 +205,6 @@ class Search:
             rem.append(tuple(a + b for a, b in zip(rem[-1], v)))
         rem.reverse()
         self._rem = rem
-        # what does not depend on the ratios is kept per cluster: ``shared["per_cluster"]`` (hapnb.synth.optimize
-        # passes one dict for every search of a context on this cluster)
-        self._per_cluster: dict[Any, Any] = self._shared.setdefault("per_cluster", {})
-        # the hot loop's lookups by property bits (ints hash fast): a load's option [(Load, bit, 0, 1, seconds)]
-        # by (bit, sfb) (a plain load's price does not depend on the ratios: shared per cluster, unless a
-        # storage pin makes the search's loads its own); the options to get a tensor's needed form from its
-        # present ones by (present bits, target bit), with and without the grouped collectives (shared by
-        # the searches at these ratios); an SFB sync's time; a collective's time per price class
-        self._load_opts: dict[tuple[int, bool], list[Any]] = (
-            {} if self.storage else self._per_cluster.setdefault("plain loads", {})
-        )
-        self._conv_opts: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
-            "conv_opts", {}
-        )
-        self._grouped = 0 if self.options["grouped"] else 1  # which list of the pair
-        self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
-        self._conv_t: dict[tuple[int, str, int], float] = self._shared.setdefault("conv_t", {})
-        self._loss_bits_R = self._bit.get((g.loss, R), 0)
-        self._has_inner = any(cm.inner_sync_s_per_byte)
         if self.duplex:
             self._jstar, self._spine_opts = spine_bound(self)
             self._spine_comm_opts = spine_bound(self, comm_only=True)[1]
@@ -295,86 +223,6 @@ class Search:
         h2 = acc[self._jstar] + term_value(self._terms[pos], props)  # one-hot on the bottleneck device
         return h2 if h2 > h else h
 
-    def _load(self, t: int, f: Form, sfb: bool) -> Load:
-        """The load appended to get ``t`` in ``f``: a storage pin's ZeRO load, a deferred storage
-        (memory=True, :mod:`hapnb.synth.memory_prune`) or the plain load."""
-        st = self.storage.get(t)
-        if st is not None:
-            return Load(t, f, False, st.zero, st.form)
-        return self._mem.load(t, f, sfb) if self._mem is not None else Load(t, f, sfb)
-
-    def _load_option(self, t: int, f: Form, sfb: bool, bit: int) -> list[Any]:
-        """The hot loop's one option to load ``t`` in ``f`` (``bit``): ``[(Load, bit, 0, 1, seconds)]``, kept
-        per (bit, sfb) unless loads are priced by the memory tracker."""
-        opts = self._load_opts.get((bit, sfb)) if self._mem is None else None
-        if opts is None:
-            ld = self._load(t, f, sfb)
-            opts = [(ld, bit, 0, 1, self._load_time(ld))]
-            if self._mem is None:
-                self._load_opts[(bit, sfb)] = opts
-        return opts
-
-    def _load_s(self, t: int, f: Form, sfb: bool) -> float:
-        """Seconds of loading ``t`` in ``f`` (the spine bound's price of a load)."""
-        return self._load_option(t, f, sfb, self._bit[(t, f)])[0][4]
-
-    def _collective_s(self, cv: Conversion) -> float:
-        """Seconds of a collective at the search's ratios, shared by the tensors of one price class (same
-        bytes, ratio segment and need of a gradient) and by the searches at these ratios."""
-        key = (self._price_class[cv.tensor], cv.name, cv.segment)
-        v = self._conv_t.get(key)
-        if v is None:
-            v = self._conv_t[key] = sum(tm.time(self.ratios) for tm in self.cost_model.conversion_terms(cv))
-        return v
-
-    def _load_time(self, ld: Load) -> float:
-        """Communication seconds of a load (a deferred one: its cheapest storage)."""
-        if self._mem is not None:
-            return self._mem.time(ld)
-        return sum(tm.time(self.ratios) for tm in self.cost_model.load_terms(ld))
-
-    def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], list[Any]]:
-        """The hot loop's options to get tensor ``t`` in ``f`` (``bit``) from its present forms (``have``):
-        one per collective from each present form, with its time, with and without the grouped collectives.
-        A collective's time is shared by the tensors of one price class; the collectives between two forms
-        of a tensor are kept per theory (``_cv_lists``)."""
-        opts: tuple[list[Any], list[Any]] = ([], [])
-        tbit = 1 << t
-        while have:
-            low = have & -have
-            have ^= low
-            cvs = self._cv_lists.get((low, bit))
-            if cvs is None:
-                _, src = self._forms_of_bit[low]
-                cvs = self._cv_lists[(low, bit)] = tuple(
-                    (Conversion(t, name, src, f), name.startswith("grouped"))
-                    for name in CONVERSIONS.get((src.kind, f.kind), ())
-                )
-            for cv, grouped in cvs:
-                x = (cv, bit, tbit, 2, self._collective_s(cv))
-                opts[0].append(x)
-                if not grouped:
-                    opts[1].append(x)
-        return opts
-
-    def _fixed(self, op: int, c: _Compiled) -> tuple[float, ...]:
-        """A compiled strategy's own communication seconds, in the order the cost adds them: its re-cuts of
-        inputs from another ratio segment, then its SFB sync."""
-        if c.fixed is None:
-            c.fixed = tuple(self._collective_s(cv) for cv in c.reshards) + (
-                (self._sfb_time(op, c),) if c.strategy.sfb else ()
-            )
-        return c.fixed
-
-    def _sfb_time(self, op: int, c: _Compiled) -> float:
-        """An SFB strategy's sync seconds (shared by the searches at these ratios)."""
-        key = (op, c.index)
-        v = self._sfb_of.get(key)
-        if v is None:
-            st = Step(op, c.strategy)
-            v = self._sfb_of[key] = sum(tm.time(self.ratios) for tm in self.cost_model.sfb_terms(st))
-        return v
-
     # ------------------------------------------------------------------ core
     def _push(self, node: _Node) -> int:
         nid = len(self._nodes)
@@ -384,39 +232,6 @@ class Search:
             self._stats.max_frontier = len(self._heap)
         return nid
 
-    def _dominated(
-        self, key: tuple[int, int, int], base: float, acc: tuple[float, ...], ms: Any = None
-    ) -> bool:
-        """Whether a program with ``key`` at (``base``, ``acc``) is dominated; else record it (and drop the
-        entries it dominates). With memory (``ms``), dominance also needs memory no worse
-        (:meth:`hapnb.synth.memory_prune.MemoryTracker.dominates`)."""
-        entries = self._seen.get(key)
-        mx = max(acc)
-        if entries is None:
-            self._seen[key] = [(base, acc, ms)]
-            return False
-        mn = min(acc)
-        mem_ok = self._mem.dominates if ms is not None and self._mem is not None else None
-        for b0, a0, m0 in entries:
-            if (
-                b0 <= base + _EPS
-                and (b0 + max(a0) <= base + mn + _EPS or all(x <= y + _EPS for x, y in zip(a0, acc)))
-                and (mem_ok is None or mem_ok(m0, ms))
-            ):
-                return True
-        keep = [
-            (b0, a0, m0)
-            for b0, a0, m0 in entries
-            if not (
-                base <= b0 + _EPS
-                and (base + mx <= b0 + min(a0) + _EPS or all(x <= y + _EPS for x, y in zip(acc, a0)))
-                and (mem_ok is None or mem_ok(ms, m0))
-            )
-        ]
-        keep.append((base, acc, ms))
-        self._seen[key] = keep
-        return False
-
     def _h_duplex(
         self, pos: int, base: float, copen: float, acc: tuple[float, ...], tail: tuple[float, ...], props: int
     ) -> float:
@@ -425,24 +240,52 @@ class Search:
         comm = spine_value(self._spine_comm_opts[pos], props)
         return priority(base, copen, acc, tail, self._rem[pos], self._w, spine, comm)
 
-    def _dominated_duplex(
+    def _complete(
+        self,
+        nid: int,
+        props: int,
+        base: float,
+        acc: tuple[float, ...],
+        copen: float,
+        tail: tuple[float, ...],
+        ms: Any,
+        loads: tuple[Load, ...],
+        best_cost: float,
+    ) -> tuple[float, tuple[Conversion, ...], Any] | str:
+        """A child after the last op: its final cost (the open stage closed, the loss made partial when it
+        is not, the deferred parameters' storage realised under memory pruning), the collectives after the
+        last step and the realised loads; or why it is pruned."""
+        extra: tuple[Conversion, ...] = ()
+        if not props & self._loss_bits_R:
+            extra = (Conversion(self.graph.loss, "to_partial", I, R),)
+        base += label_close(copen, acc, tail) if self.duplex else max(acc)
+        if self._mem is None:
+            return base, extra, ()
+        # the deferred parameters' storage: the cheapest that fits
+        deferred = [ld for st in self.program(nid) for ld in st.loads if ld.zero == -1]
+        deferred += [ld for ld in loads if ld.zero == -1]
+        done = self._mem.realize(self._mem.finish(ms, extra), deferred)
+        if done is None:
+            return "memory: no storage of the replicated parameters fits"
+        if base + done[0] >= best_cost - _EPS:
+            return f"cost {base + done[0]:.4g} with its storage >= best complete {best_cost:.4g}"
+        return base + done[0], extra, done[1]
+
+    def _dominated_any(
         self,
         key: tuple[int, int, int],
         base: float,
         copen: float,
         acc: tuple[float, ...],
         tail: tuple[float, ...],
+        ms: Any,
     ) -> bool:
-        """Pareto dominance of duplex labels at one state (:func:`~hapnb.synth.duplex.dominates`)."""
-        label = (base, acc, copen, tail)
-        entries = self._seen.get(key)
-        if entries is None:
-            self._seen[key] = [label]
-            return False
-        if any(dominates(e, label, _EPS) for e in entries):
-            return True
-        self._seen[key] = [e for e in entries if not dominates(label, e, _EPS)] + [label]
-        return False
+        """Whether a program already reached ``key``'s properties at no greater cost (recording this one
+        when not): the duplex labels' or the plain ones' dominance."""
+        if self.duplex:
+            return duplex_dominated(self._seen, key, (base, acc, copen, tail), _EPS)
+        mem = self._mem.dominates if ms is not None and self._mem is not None else None
+        return plain_dominated(self._seen, key, base, acc, ms, mem, _EPS)
 
     def _children(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
         node = self._nodes[nid]
@@ -462,7 +305,6 @@ class Search:
         node_max = max(node.acc)
         opens = node.parent == -1  # the root: its first step always opens a stage
         rem_next, sterms, jstar = self._rem[pos + 1], self._terms[pos + 1] if self._terms else (), self._jstar
-        loadable, tmask, grouped = self._loadable, self._tmask, self._grouped
         seen, nodes, heap, counter, heappush = (
             self._seen,
             self._nodes,
@@ -470,46 +312,14 @@ class Search:
             self._counter,
             heapq.heappush,
         )
-        load_opts, conv_opts, chain = self._load_opts, self._conv_opts, self._chain
+        chain = self._chain
         for c in self._ops[pos]:
-            # options per needed (tensor, form): (load | conversion | None, new prop bits, comm bit, kind,
-            # seconds); kind 1: a load, 2: a conversion (0: the form is present)
-            per_need: list[list[tuple[Any, int, int, int, float]]] = []
-            fail = 0  # why the strategy cannot run here: 1 loaded in another form, 2 communicated, 3 no collective
-            for (t, f), bit in zip(c.needs, c.need_bits):
-                if props & bit:
-                    per_need.append(_PRESENT)
-                    continue
-                if loadable[t]:
-                    if props & tmask[t]:
-                        fail = 1
-                        break
-                    sfb = c.strategy.sfb and f.kind == "I" and g.tensors[t].role == "param"
-                    opts = load_opts.get((bit, sfb)) if self._mem is None else None
-                    per_need.append(opts or self._load_option(t, f, sfb, bit))
-                    continue
-                if comm >> t & 1:
-                    fail = 2
-                    self._stats.pruned_repeated_comm += 1
-                    break
-                have = props & tmask[t]
-                pair = conv_opts.get((have, bit))
-                if pair is None:
-                    pair = conv_opts[(have, bit)] = self._conversion_options(t, have, f, bit)
-                opts = pair[grouped]
-                if not opts:
-                    fail = 3
-                    break
-                per_need.append(opts)
+            per_need, fail, t, f = self._need_options(c, props, comm)
             if fail:
                 if record:
-                    name = g.tensors[t].name
-                    why = (
-                        f"{name} is already loaded in another form" if fail == 1
-                        else f"{name} was already communicated once" if fail == 2
-                        else f"no collective gives {name}:{f}"
-                    )  # fmt: skip
-                    pruned.append((f"{op.name}[{c.strategy.name}]", why))
+                    pruned.append(
+                        (f"{op.name}[{c.strategy.name}]", _UNMET[fail].format(t=g.tensors[t].name, f=f))
+                    )
                 continue
             for combo in itertools.product(*per_need):
                 # one pass over the options: loads and conversions in order, new properties and tokens
@@ -538,14 +348,8 @@ class Search:
                 new_comm &= ~dies_comm
                 comp = c.comp
                 tail = node.tail
-                if self._has_inner:
-                    for ld in loads:
-                        inner_all = self.cost_model.load_comp(ld, self.ratios)
-                        inner = tuple(inner_all[j] for j in self._reps)
-                        if self.duplex:  # once per iteration, after both micro-batches
-                            tail = tuple(a + b for a, b in zip(tail, inner))
-                        else:
-                            comp = tuple(a + b for a, b in zip(comp, inner))
+                if self._has_inner and loads:
+                    comp, tail = self._with_inner_syncs(loads, comp, tail)
                 comm_t = 0.0
                 if not self.duplex:
                     comm_t += grad_t
@@ -555,15 +359,9 @@ class Search:
                     comm_t += x
                 copen = 0.0
                 if self.duplex:
-                    # base: HiDup's ψ_{i-1} + φ_{i-1} + max(-φ_{i-1}, c_i) of the open stage i, plus the
-                    # gradient syncs so far (full size, once); comm_t starts a stage as in the plain model
-                    if comm_t > 0.0 or node.parent == -1:
-                        p = 0.5 * max(node.acc)
-                        base = node.base + max(0.5 * node.copen, p) + max(p, 0.5 * comm_t) + grad_t
-                        copen, acc = comm_t, comp
-                    else:
-                        base, copen = node.base + grad_t, node.copen
-                        acc = tuple(a + b for a, b in zip(node.acc, comp))
+                    base, copen, acc = label_step(
+                        node.base, node.copen, node.acc, opens, comm_t, grad_t, comp
+                    )
                 elif comm_t > 0.0 or opens:
                     base = node.base + node_max + comm_t
                     acc = comp
@@ -604,40 +402,19 @@ class Search:
                 complete = npos == len(g.ops)
                 extra: tuple[Conversion, ...] = ()
                 if complete:
-                    if not new_props & self._loss_bits_R:
-                        extra = (Conversion(g.loss, "to_partial", I, R),)
-                    if self.duplex:
-                        p = 0.5 * max(acc)
-                        base = base + max(0.5 * copen, p) + p + max(tail)
-                        copen, tail = 0.0, (0.0,) * len(self._reps)
-                    else:
-                        base = base + max(acc)
-                    if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
-                        deferred = [ld for st in self.program(nid) for ld in st.loads if ld.zero == -1] + [
-                            ld for ld in loads if ld.zero == -1
-                        ]
-                        done = self._mem.realize(self._mem.finish(ms, extra), deferred)
-                        why = "memory: no storage of the replicated parameters fits" if done is None else ""
-                        if done is not None and base + done[0] >= best_cost - _EPS:
-                            why = (
-                                f"cost {base + done[0]:.4g} with its storage >= best complete {best_cost:.4g}"
-                            )
-                        if why:
-                            if record:
-                                pruned.append((desc, why))
-                            continue
-                        base, real, ms = base + done[0], done[1], None  # type: ignore[index]
+                    done = self._complete(nid, new_props, base, acc, copen, tail, ms, loads, best_cost)
+                    if isinstance(done, str):
+                        if record:
+                            pruned.append((desc, done))
+                        continue
+                    base, extra, real = done
+                    ms, copen, tail = None, 0.0, (0.0,) * len(self._reps)
                     acc = (0.0,) * len(self._reps)
                     score = base
                 key = (npos, new_props, new_comm)
-                if self.duplex:
-                    dominated = self._dominated_duplex(key, base, copen, acc, tail)
-                elif key in seen:
-                    dominated = self._dominated(key, base, acc, ms)
-                else:  # the first program with these properties (as _dominated records it)
+                if key not in seen and not self.duplex:  # the first program with these properties
                     seen[key] = [(base, acc, ms)]
-                    dominated = False
-                if dominated:
+                elif self._dominated_any(key, base, copen, acc, tail, ms):
                     self._stats.pruned_dominated += 1
                     if record:
                         pruned.append((desc, "dominated: same properties reached at no greater cost"))
