@@ -32,7 +32,7 @@ from typing import Any
 
 import hapnb
 from hapnb.plans.explain import faster
-from hapnb.synth.optimize import Memo
+from hapnb.synth.memo import Memo
 
 
 def timeless(p: hapnb.Plan) -> hapnb.Plan:

@@ -55,8 +55,9 @@ def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pi
     and its proven optimum keeps the new pins and options (_subsumes): the optimum is then the one a search
     of the smaller space finds (same cost); otherwise the search runs."""
     from hapnb.ir.forms import FullShard, G, I
-    from hapnb.synth.optimize import _dp_pins, _subsumes
+    from hapnb.synth.optimize import _subsumes
     from hapnb.synth.search import Search
+    from hapnb.synth.seeds import dp_pins
     from hapnb.tracing import zoo_graph
 
     plain = {"sfb": False, "grouped": False}
@@ -69,7 +70,7 @@ def test_a_search_inside_a_finished_one_takes_its_optimum_when_that_keeps_the_pi
         loads = {th.graph.tensors[ld.tensor].name: ld.form for st in wide.program for ld in st.loads}
         other = G(0) if loads[params[0]] != G(0) else I
         cases = [
-            (_dp_pins(th), plain),  # the data-parallel seed
+            (dp_pins(th), plain),  # the data-parallel seed
             ({params[0]: loads[params[0]]}, {}),  # a pin the optimum keeps
             ({params[0]: other}, {}),  # one it does not
             ({}, plain),

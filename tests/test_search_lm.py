@@ -8,8 +8,9 @@ import pytest
 
 import hapnb as hap
 from hapnb.plans.synthesis import fixed_plan
-from hapnb.synth.optimize import baseline_specs, fsdp_pins, optimize
+from hapnb.synth.optimize import optimize
 from hapnb.synth.search import Search
+from hapnb.synth.seeds import baseline_specs, fsdp_pins
 from hapnb.tracing import zoo_graph
 from hapnb.triples import theory
 

@@ -325,8 +325,8 @@ def find_units(g: Graph) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def _dp_program(th: Theory, cluster: Cluster) -> tuple[Step, ...]:
     """The data-parallel program (``dp_ev``'s pins) of the graph on two devices of the first kind."""
-    from ..synth.optimize import baseline_specs
     from ..synth.search import Search
+    from ..synth.seeds import baseline_specs
 
     d0 = cluster.devices[0]
     pair = cluster.replace(

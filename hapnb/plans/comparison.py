@@ -65,8 +65,8 @@ from typing import Any
 from ..hardware.cluster import Cluster
 from ..ir.forms import G
 from ..ir.graph import Graph
-from ..synth.optimize import baseline_specs, fsdp_pins
 from ..synth.search import NoProgramError
+from ..synth.seeds import baseline_specs, fsdp_pins
 from ..tracing import resolve_model
 from ..triples import Theory, dim_class, theory
 from .plan import Plan, freeze_mapping

@@ -17,8 +17,8 @@ from typing import Any
 from ..cost.memory import largest_pieces
 from ..cost.model import CostModel
 from ..hardware.cluster import Cluster
-from ..synth.optimize import fsdp_pins
 from ..synth.search import NoProgramError, Search
+from ..synth.seeds import fsdp_pins
 from ..triples import Theory
 from .plan import Plan
 

@@ -3,7 +3,7 @@ re-plans and explains its plans.
 
 A :class:`Planner` holds the traced program (``theory``, segmented), the cluster it was made for, how to
 rebuild the model (``spec``), synthesize's arguments (``args``: ratio pins or fixed ratios, search options,
-budgets, the objective ``duplex``, ``pick``, ``check_memory``) and a :class:`~hapnb.synth.optimize.Memo`
+budgets, the objective ``duplex``, ``pick``, ``check_memory``) and a :class:`~hapnb.synth.memo.Memo`
 of every search, LP, simulation and sensitivity computed so far. Every plan it makes carries it
 (``plan.planner``), so ``plan.replan(...)`` / ``plan.why_not(...)`` / ``plan.sensitivity()`` are
 ``planner.replan(plan, ...)`` & co. A re-plan with other pins, ratio pins or cluster runs the same steps on
@@ -33,9 +33,9 @@ from typing import Any
 from ..cost.model import CostModel
 from ..hardware.cluster import Cluster
 from ..synth.duplex import duplex_cost
+from ..synth.memo import Memo
 from ..synth.optimize import (
     Candidate,
-    Memo,
     Optimum,
     assign_segments,
     keeps_ratio_pins,
@@ -71,7 +71,7 @@ class Planner:
     ``theory`` (the traced program, segmented), ``cluster`` (the default for :meth:`synthesize`), ``spec``
     (how to rebuild the model, or None), ``args`` (synthesize's keyword arguments, see
     :data:`DEFAULT_ARGS`), ``traced`` (how the graph was made: zoo models' build_s, trace_s, trace_path)
-    and ``memo`` (:class:`~hapnb.synth.optimize.Memo`: searches, LPs, simulated times, packaged plans and
+    and ``memo`` (:class:`~hapnb.synth.memo.Memo`: searches, LPs, simulated times, packaged plans and
     sensitivities computed so far)."""
 
     def __init__(

@@ -25,8 +25,9 @@ from typing import Any
 from ..hardware.cluster import Cluster
 from ..ir.graph import Graph
 from ..synth.balance import solver_name
-from ..synth.optimize import assign_segments, baseline_specs, parse_pins, without_gc
+from ..synth.optimize import assign_segments, parse_pins, without_gc
 from ..synth.search import NoProgramError, Search
+from ..synth.seeds import baseline_specs
 from ..tracing import resolve_model
 from ..triples import Theory, coverage, theory
 from .fit import OutOfMemoryError, out_of_memory

@@ -26,7 +26,7 @@ from ..cost.memory import MemoryLinear, memory_linear
 from ..cost.memory import fits as memory_fits
 from ..cost.model import Conversion, CostModel, Step
 from ..hardware.cluster import Cluster
-from ..ir.forms import Form, FullShard, G, I, ShardGradOp, parse_pin
+from ..ir.forms import Form, parse_pin
 from ..ir.graph import Graph
 from ..triples import Theory
 from .balance import (
@@ -40,7 +40,9 @@ from .balance import (
 )
 from .duplex import duplex_cost
 from .history import Round
+from .memo import Memo
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
+from .seeds import dp_pins, seeds
 
 __all__ = [
     "Round",
@@ -49,10 +51,9 @@ __all__ = [
     "optimize",
     "assign_segments",
     "parse_pins",
-    "baseline_specs",
-    "fsdp_pins",
+    "keeps_ratio_pins",
+    "proven_gap",
     "without_gc",
-    "Memo",
 ]
 
 
@@ -140,80 +141,10 @@ def without_gc(fn: Any) -> Any:
     return wrapper
 
 
-class Memo:
-    """Results of searches and LPs on one theory, keyed by everything they depend on (the cluster, the
-    ratios, the pins, the search options and budget; the program and the ratio pins), for reuse by later
-    :func:`optimize` calls (a searched result is reused only when no time limit could have cut it short).
-    ``reused`` / ``computed`` count the lookups by kind. A table is cleared when it grows past its limit
-    (``limits[kind]``, else ``limit`` entries: an interactive session makes many plans; whole plans are
-    large, so few of them are kept)."""
-
-    def __init__(self, limit: int = 512, limits: Mapping[str, int] | None = None) -> None:
-        self.limit = limit
-        self.limits = {"plan": 32, "shared": 64, **(limits or {})}
-        self.tables: dict[str, dict[Any, Any]] = {}
-        self.reused: dict[str, int] = {}
-        self.computed: dict[str, int] = {}
-
-    def get(self, kind: str, key: Any, make: Any) -> Any:
-        """The value for ``key`` in table ``kind``, made by ``make()`` on a miss (an exception it raises
-        is remembered and raised again on every later lookup of the same key)."""
-        table = self.tables.setdefault(kind, {})
-        if key in table:
-            self.reused[kind] = self.reused.get(kind, 0) + 1
-            value = table[key]
-        else:
-            self.computed[kind] = self.computed.get(kind, 0) + 1
-            try:
-                value = make()
-            except (NoProgramError, ValueError, RuntimeError) as e:
-                value = _Raised(e)
-            if len(table) >= self.limits.get(kind, self.limit):
-                table.clear()
-            table[key] = value
-        if isinstance(value, _Raised):
-            raise value.error
-        return value
-
-    def cost_model(self, th: Theory, cluster: Cluster) -> CostModel:
-        """The :class:`~hapnb.cost.model.CostModel` of ``th`` on ``cluster``, kept for reuse (its caches: each op's
-        times, the lower bound) by the Q/B loop and the plans packaged from it."""
-        return self.get("cost_model", (self.token(cluster), id(th)), lambda: CostModel(th, cluster))
-
-    def peek(self, kind: str, key: Any) -> Any:
-        """The value for ``key`` in table ``kind`` when one was made (None when not, or when its ``make()``
-        raised), without making it or counting a lookup."""
-        value = self.tables.get(kind, {}).get(key)
-        return None if isinstance(value, _Raised) else value
-
-    def token(self, value: Any) -> int:
-        """A small int standing for ``value`` (e.g. a cluster) in keys, hashed once per call instead of once
-        per key; stable for the memo's life (the token table is never cleared)."""
-        tokens = self.tables.setdefault("token", {})
-        return tokens.setdefault(value, len(tokens))
-
-    def shared(self, key: Any) -> dict[str, Any]:
-        """A dict of costs shared by the searches at ``key`` (cluster and ratios, see ``Search(shared=)``; or
-        cluster and ``"per_cluster"``: what does not depend on the ratios)."""
-        table = self.tables.setdefault("shared", {})
-        if key not in table and len(table) >= self.limits["shared"]:  # each holds a cost per op and strategy
-            table.clear()
-        return table.setdefault(key, {})
-
-    def __repr__(self) -> str:
-        kinds = sorted(set(self.reused) | set(self.computed))
-        return (
-            "Memo("
-            + ", ".join(
-                f"{k}: {self.reused.get(k, 0)} reused / {self.computed.get(k, 0)} computed" for k in kinds
-            )
-            + ")"
-        )
-
-
-@dataclass(frozen=True)
-class _Raised:
-    error: BaseException
+#: the search counters the loop sums over its searches
+_COUNTS = ("expansions", "generated", "pruned_dominated", "pruned_bound")
+#: a baseline's search options: no SFB, no grouped collectives (the plain strategies the baseline names)
+_PLAIN = {"sfb": False, "grouped": False}
 
 
 def _frozen(m: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
@@ -292,77 +223,6 @@ def _same_ratios(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], tol
     return all(abs(x - y) <= tol for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def baseline_specs(
-    th: Theory, c: Cluster, user_pins: Mapping[str, Form]
-) -> list[tuple[str, dict[str, Form], tuple[tuple[float, ...], ...], dict[str, bool]]]:
-    """(name, pins, ratios, search options) of the baselines: data parallel with even (``dp_ev``) and
-    throughput-proportional (``dp_cp``) ratios, and Megatron-style tensor parallel (``tp_ev``)."""
-    g = th.graph
-    nseg = 1 + max((op.segment for op in th.graph.ops), default=0)
-    even = tuple(tuple(1.0 / c.n for _ in range(c.n)) for _ in range(nseg))
-    cp = normalize_ratios(None, c, nseg)
-    dp_pins = _dp_pins(th)
-    tp_pins = {t.name: I for t in g.tensors if t.role == "input"}
-    plain = {"sfb": False, "grouped": False}
-    out = []
-    for name, pins, r in (("dp_ev", dp_pins, even), ("dp_cp", dp_pins, cp), ("tp_ev", tp_pins, even)):
-        merged = {**pins, **user_pins}
-        out.append((name, merged, r, plain))
-    return out
-
-
-def _seeds(th: Theory, c: Cluster, user_pins: Mapping[str, Form], mem_on: Sequence[bool]) -> Any:
-    """The baseline seeds of the Q/B loop: :func:`baseline_specs`, then, when memory binds by then
-    (``mem_on[0]``), sharded data parallelism at even ratios: ZeRO-2 (``zero2``: parameters gathered once
-    per step, gradients and optimizer states sharded; about data parallelism's communication) and fully
-    sharded (``fsdp``, ZeRO-3, as :func:`hapnb.compare` builds it). Where memory binds, a sharded program
-    that fits is a candidate of the final pick too, so the plan is never slower than it on the clock it is
-    picked by."""
-    specs = baseline_specs(th, c, user_pins)
-    yield from specs
-    if mem_on[0]:
-        _, _, even, plain = specs[0]
-        yield "zero2", fsdp_pins(th, even[0], user_pins, zero=2), even, plain
-        yield "fsdp", fsdp_pins(th, even[0], user_pins), even, plain
-
-
-def _dp_pins(th: Theory) -> dict[str, Form]:
-    """Data parallel: parameters replicated, inputs split on the batch dim (when they can be)."""
-    out: dict[str, Form] = {}
-    for t in th.graph.tensors:
-        if t.role == "param":
-            out[t.name] = I
-        elif t.role == "input":
-            out[t.name] = G(0) if G(0) in th.forms[t.id] else I
-    return out
-
-
-def fsdp_pins(
-    th: Theory, ratios: Sequence[float], user_pins: Mapping[str, Any] | None = None, zero: int = 3
-) -> dict[str, Any]:
-    """Fully sharded data parallel (ZeRO-3 / PyTorch FSDP's FULL_SHARD): the data-parallel pins with every
-    parameter stored sharded and all-gathered before each use (:func:`~hapnb.ir.forms.FullShard`), on the
-    dim whose largest shard at ``ratios`` (one row) is the smallest (parameters that cannot be split stay
-    replicated); ``user_pins`` win. ``zero=2``: ZeRO-2 / FSDP's SHARD_GRAD_OP instead (gathered once per
-    step and kept until the backward, :func:`~hapnb.ir.forms.ShardGradOp`).
-
-    >>> import hapnb
-    >>> from hapnb.tracing import zoo_graph
-    >>> th = hapnb.theory(zoo_graph("mlp", layers=1, hidden=8, input=6, batch=4)[0])
-    >>> {k: str(v) for k, v in fsdp_pins(th, [0.5, 0.5]).items()}["layers.0.weight"]  # [8, 6]: 4 rows
-    'zero3(0)'
-    """
-    out: dict[str, Any] = dict(_dp_pins(th))
-    for t in th.graph.tensors:
-        gs = [f for f in th.forms[t.id] if f.kind == "G"]
-        if t.role == "param" and gs:
-            best = min(
-                gs, key=lambda f: (max(th.lengths(t.id, f.dim, ratios)) / t.shape[f.dim] * t.numel, f.dim)
-            )
-            out[t.name] = FullShard(best.dim) if zero == 3 else ShardGradOp(best.dim)
-    return {**out, **(user_pins or {})}
-
-
 @dataclass(frozen=True)
 class Optimum:
     """The best program found by the Q/B loop, paired with the ratios balanced for it."""
@@ -438,90 +298,130 @@ def optimize(
     segment, each moved into the ratio pins, keeping its proportions on the free devices) instead of
     throughput-proportional ones; ignored with fixed ratios or when its shape does not fit the cluster.
     """
-    c = cluster
-    ck = None if memo is None else memo.token(c)  # the cluster in memo keys
-    cm = CostModel(th, c) if memo is None else memo.cost_model(th, c)
-    form_pins = dict(pins or {})
-    fixed: tuple[tuple[float, ...], ...] | None = None
-    ratio_pins: tuple[RatioPin, ...] = ()
-    if isinstance(ratios, Mapping):
-        ratio_pins = parse_ratio_pins(ratios, c.names)
-    elif ratios is not None:
-        fixed = normalize_ratios(ratios, c, cm.n_segments)
-    if fixed is None and _fits_shape(start, cm.n_segments, c.n):
-        B = tuple(apply_ratio_pins(tuple(r), ratio_pins, c.names, tuple(r)) for r in start)  # type: ignore[union-attr]
-    elif fixed is None:
-        row = apply_ratio_pins(normalize_ratios(None, c, 1)[0], ratio_pins, c.names, c.flops)
-        B = tuple(row for _ in range(cm.n_segments))
-    else:
-        B = fixed
-    history: list[Round] = []
-    candidates: list[Candidate] = []
-    seen: dict[Any, int] = {}  # a candidate's key -> its index in candidates
-    best: tuple[float, tuple[Step, ...], tuple[Conversion, ...], tuple[tuple[float, ...], ...]] | None = None
-    stats: dict[str, Any] = {
-        "expansions": 0,
-        "generated": 0,
-        "pruned_dominated": 0,
-        "pruned_bound": 0,
-        "search_s": 0.0,
-        "balance_s": 0.0,
-        "optimal": True,
-        "gap": 0.0,
-        "duplex": bool(duplex),
-    }
+    loop = _Loop(
+        th, cluster, pins, ratios, options=dict(options or {}), max_expansions=max_expansions,
+        max_seconds=max_seconds, progress=progress, duplex=duplex, memory=memory, memo=memo,
+    )  # fmt: skip
+    failed: NoProgramError | None = None
+    try:
+        it = loop.alternate(loop.start_ratios(start), 0, max_iterations)
+    except NoProgramError as e:
+        if not (loop.mem_on and seed_baselines and loop.fixed is None):
+            raise
+        failed, it = e, 0  # nothing fits from these ratios: a seed (fsdp at even ratios) still may
+    if seed_baselines and loop.fixed is None:
+        loop.seed_rounds(it, max_iterations)
+    if loop.best is None and failed is not None:
+        raise failed
+    return loop.optimum()
 
-    mem_on = [False]  # memory bound in an earlier search: every later search keeps to memory
 
-    fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
-    linear_memo: dict[tuple[Any, Any], MemoryLinear] = {}
+class _Loop:
+    """The state of one :func:`optimize` call: the searches and LPs run so far, the history of rounds, the
+    candidates and the best program, and whether memory bound (then every later search keeps to it)."""
 
-    def fits(prog: Any, extra: Any, ratios_: Any) -> bool:
-        if not memory:
+    def __init__(
+        self,
+        th: Theory,
+        c: Cluster,
+        pins: Mapping[str, Form] | None,
+        ratios: Any,
+        *,
+        options: dict[str, bool],
+        max_expansions: int | None,
+        max_seconds: float | None,
+        progress: bool,
+        duplex: bool,
+        memory: bool,
+        memo: Memo | None,
+    ) -> None:
+        self.th, self.c, self.memo = th, c, memo
+        self.options, self.max_expansions, self.max_seconds = options, max_expansions, max_seconds
+        self.progress, self.duplex, self.memory = progress, duplex, memory
+        self.ck = None if memo is None else memo.token(c)  # the cluster in memo keys
+        self.cm = CostModel(th, c) if memo is None else memo.cost_model(th, c)
+        self.form_pins = dict(pins or {})
+        self.fixed: tuple[tuple[float, ...], ...] | None = None
+        self.ratio_pins: tuple[RatioPin, ...] = ()
+        if isinstance(ratios, Mapping):
+            self.ratio_pins = parse_ratio_pins(ratios, c.names)
+        elif ratios is not None:
+            self.fixed = normalize_ratios(ratios, c, self.cm.n_segments)
+        self.history: list[Round] = []
+        self.candidates: list[Candidate] = []
+        self.seen: dict[Any, int] = {}  # a candidate's key -> its index in candidates
+        self.best: (
+            tuple[float, tuple[Step, ...], tuple[Conversion, ...], tuple[tuple[float, ...], ...]] | None
+        ) = None
+        self.stats: dict[str, Any] = {
+            "expansions": 0, "generated": 0, "pruned_dominated": 0, "pruned_bound": 0, "search_s": 0.0,
+            "balance_s": 0.0, "optimal": True, "gap": 0.0, "duplex": bool(duplex),
+        }  # fmt: skip
+        self.mem_on = False  # memory bound in an earlier search: every later search keeps to memory
+        self._fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
+        self._linear_memo: dict[tuple[Any, Any], MemoryLinear] = {}
+        # this call's searches: (ratios, pins, options, memory, outcome), for :func:`_subsumes`
+        self._done: list[tuple[Any, dict[str, Any], dict[str, bool], bool, _Searched]] = []
+
+    def start_ratios(self, start: Sequence[Sequence[float]] | None) -> tuple[tuple[float, ...], ...]:
+        """B0: the fixed ratios, the warm start moved into the ratio pins, or throughput-proportional."""
+        c, nseg = self.c, self.cm.n_segments
+        if self.fixed is not None:
+            return self.fixed
+        if _fits_shape(start, nseg, c.n):
+            return tuple(apply_ratio_pins(tuple(r), self.ratio_pins, c.names, tuple(r)) for r in start)  # type: ignore[union-attr]
+        row = apply_ratio_pins(normalize_ratios(None, c, 1)[0], self.ratio_pins, c.names, c.flops)
+        return tuple(row for _ in range(nseg))
+
+    # ------------------------------------------------------------------ searches
+    def fits(self, prog: Any, extra: Any, ratios_: Any) -> bool:
+        """Whether ``prog`` fits every device's memory at ``ratios_`` (always, without ``memory``)."""
+        if not self.memory:
             return True
         # by identity: one round asks for the same objects several times (hashing a program is not cheap);
         # the entry keeps them alive, so their ids stay theirs
         key = (id(prog), id(extra), id(ratios_))
-        hit = fit_memo.get(key)
+        hit = self._fit_memo.get(key)
         if hit is None:
             # the program's memory as a linear function of the ratios, once per program (by value: rounds
             # find the same program again): the checks at other ratios that its upper bound settles skip the
             # breakdown
             pk = (tuple(prog), tuple(extra))
-            lin = linear_memo.get(pk)
+            lin = self._linear_memo.get(pk)
             if lin is None:
-                lin = linear_memo[pk] = memory_linear(cm, prog, extra)
-            hit = fit_memo[key] = (prog, extra, ratios_, memory_fits(cm, prog, extra, ratios_, lin))
+                lin = self._linear_memo[pk] = memory_linear(self.cm, prog, extra)
+            hit = self._fit_memo[key] = (
+                prog,
+                extra,
+                ratios_,
+                memory_fits(self.cm, prog, extra, ratios_, lin),
+            )
         return hit[3]
 
-    # this call's searches: (ratios, pins, options, memory, outcome), for :func:`_subsumes`
-    done: list[tuple[Any, dict[str, Any], dict[str, bool], bool, _Searched]] = []
-
-    def subsumed(ratios_: Any, pins_: Mapping[str, Any], merged: Mapping[str, bool], mem: bool) -> Any:
+    def subsumed(self, ratios_: Any, pins_: Mapping[str, Any], merged: Mapping[str, bool], mem: bool) -> Any:
         """An earlier search of this call whose proven optimum answers this one (:func:`_subsumes`), as
         this search's outcome (no expansions), or None."""
-        if duplex:
+        if self.duplex:
             return None
         key = tuple(map(tuple, ratios_))
-        for r0, p0, o0, m0, out in done:
-            if r0 == key and m0 == mem and _subsumes(th, out.result, p0, o0, pins_, merged):
-                zero = {k: 0 for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
+        for r0, p0, o0, m0, out in self._done:
+            if r0 == key and m0 == mem and _subsumes(self.th, out.result, p0, o0, pins_, merged):
+                zero = {k: 0 for k in _COUNTS}
                 res = replace(out.result, expansions=0, seconds=0.0)  # proven optimal: _subsumes checked
                 return _Searched(res, out.final, tuple(zero.items()), out.ratios)
         return None
 
     def run_search(
-        ratios_: Any,
-        pins_: Mapping[str, Form],
-        merged: Mapping[str, bool],
-        mem: bool,
-        incumbent: Any = None,
-        fallback: Any = None,
-    ) -> _Searched:
-        shared = None if memo is None else memo.shared((ck, tuple(map(tuple, ratios_))))
+        self, ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool,
+        incumbent: Any = None, fallback: Any = None,
+    ) -> _Searched:  # fmt: skip
+        """One A* search (seeded with ``incumbent``; a duplex search with the plain optimum), within the
+        budget; a search stopped at its budget gets ``fallback()``'s program as an incumbent."""
+        th, c, memo, duplex = self.th, self.c, self.memo, self.duplex
+        shared = None if memo is None else memo.shared((self.ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
-            shared.setdefault("per_cluster", memo.shared((ck, "per_cluster")))
-            shared.setdefault("static", memo.shared("static"))  # the theory's search tables
+            shared.setdefault("per_cluster", memo.shared((self.ck, "per_cluster")))  # type: ignore[union-attr]
+            shared.setdefault("static", memo.shared("static"))  # type: ignore[union-attr]  # the theory's tables
         s = Search(
             th, c, ratios=ratios_, pins=pins_, options=merged, duplex=duplex, shared=shared, memory=mem
         )
@@ -532,16 +432,16 @@ def optimize(
             # the plain optimum (a quick search) seeds the duplex search: its duplex time bounds the A*
             # from the start, and a duplex search stopped by a limit is never worse than it
             p = Search(th, c, ratios=ratios_, pins=pins_, options=merged, shared=shared)
-            pres = p.run(max_expansions=max_expansions, max_seconds=max_seconds)
+            pres = p.run(max_expansions=self.max_expansions, max_seconds=self.max_seconds)
             s.seed(pres.program)
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
-        budget, dives = max_expansions, 32
-        if s.memory:  # memory makes proving optimality costly where little is left to gain (see below)
+        budget, dives = self.max_expansions, 32
+        if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
             budget = min(
                 budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
             )
             dives = 1
-        res = s.run(max_expansions=budget, max_seconds=max_seconds, progress=progress, dives=dives)
+        res = s.run(max_expansions=budget, max_seconds=self.max_seconds, progress=self.progress, dives=dives)
         if not res.optimal and fallback is not None and not duplex and not s.memory:
             # stopped at its budget: the data-parallel program at these ratios (a quick, proven search in
             # a smaller space) joins as an incumbent, so the search's program is never worse than it and the
@@ -551,246 +451,239 @@ def optimize(
                 res = replace(s.result(res.seconds), seconds=res.seconds)
         return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
 
+    def _memory_start(self, ratios_: Any, pins_: Mapping[str, Form]) -> Any:
+        """Keeping to memory: ratios where a lean program has room (proportional ratios can leave none)."""
+        ids = resolve_pins(self.th, pins_)
+        row = None
+        for margin in (0.8, 0.9, 1.0):  # the most room a lean program can be given
+            row = memory_start_ratios(self.cm, ids, self.ratio_pins, margin, start=ratios_[0])
+            if row is not None:
+                break
+        if row is None:
+            raise NoProgramError("no program fits in device memory: not even a lean one at any ratios")
+        if row != tuple(ratios_[0]):
+            self.stats["memory_start"] = True
+            ratios_ = tuple(row for _ in ratios_)
+        return ratios_
+
     def search(
+        self,
         ratios_: Any,
         pins_: Mapping[str, Form],
         opts: Mapping[str, bool] | None = None,
         move: bool = False,
         incumbent: Any = None,
     ) -> tuple[Any, _Searched]:
-        merged = {**(options or {}), **(opts or {})}
-        if mem_on[0] and move and fixed is None and len({tuple(r) for r in ratios_}) == 1:
-            # keeping to memory: start where a lean program has room (proportional ratios can leave none)
-            ids = resolve_pins(th, pins_)
-            row = None
-            for margin in (0.8, 0.9, 1.0):  # the most room a lean program can be given
-                row = memory_start_ratios(cm, ids, ratio_pins, margin, start=ratios_[0])
-                if row is not None:
-                    break
-            if row is None:
-                raise NoProgramError("no program fits in device memory: not even a lean one at any ratios")
-            if row != tuple(ratios_[0]):
-                stats["memory_start"] = True
-                ratios_ = tuple(row for _ in ratios_)
-        mem = mem_on[0]
+        """A search at ``ratios_`` (from the memo, or answered by an earlier one of this call), counted in
+        the stats; when its program does not fit, memory binds and it runs again keeping to memory.
+        ``move``: a Q/B round's search (its ratios may move to where a lean program fits; a data-parallel
+        fallback incumbent)."""
+        merged = {**self.options, **(opts or {})}
+        if self.mem_on and move and self.fixed is None and len({tuple(r) for r in ratios_}) == 1:
+            ratios_ = self._memory_start(ratios_, pins_)
+        mem = self.mem_on
         fallback = None
-        if move and not duplex:
+        if move and not self.duplex:
 
             def fallback() -> Any:
                 """The data-parallel program at these ratios (None where there is none)."""
-                dp_pins = {**_dp_pins(th), **{k: v for k, v in pins_.items()}}
                 try:
-                    return search(ratios_, dp_pins, {"sfb": False, "grouped": False})[0].program
+                    return self.search(ratios_, {**dp_pins(self.th), **pins_}, _PLAIN)[0].program
                 except (NoProgramError, ValueError):
                     return None
 
-        found = subsumed(ratios_, pins_, merged, mem)
-        if found is not None:
-            stats["searches_subsumed"] = stats.get("searches_subsumed", 0) + 1
-            return found.result, found
-        if memo is not None and max_seconds is None:
-            key = (
-                ck,
-                tuple(map(tuple, ratios_)),
-                _frozen(pins_),
-                _frozen(merged),
-                duplex,
-                max_expansions,
-                mem,
-                incumbent,
-            )
-            out = memo.get(
-                "search", key, lambda: run_search(ratios_, pins_, merged, mem, incumbent, fallback)
+        out = self.subsumed(ratios_, pins_, merged, mem)
+        if out is not None:
+            self.stats["searches_subsumed"] = self.stats.get("searches_subsumed", 0) + 1
+            return out.result, out
+        if self.memo is not None and self.max_seconds is None:
+            key = (self.ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), self.duplex,
+                   self.max_expansions, mem, incumbent)  # fmt: skip
+            out = self.memo.get(
+                "search", key, lambda: self.run_search(ratios_, pins_, merged, mem, incumbent, fallback)
             )
         else:
-            out = run_search(ratios_, pins_, merged, mem, incumbent, fallback)
-        done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
-        if duplex:
+            out = self.run_search(ratios_, pins_, merged, mem, incumbent, fallback)
+        self._done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
+        self._count(out)
+        res = out.result
+        if not self.duplex and not self.mem_on and not self.fits(res.program, out.final, out.ratios):
+            self.mem_on = self.stats["memory_bound"] = True  # search again, keeping to memory
+            return self.search(ratios_, pins_, opts, move, incumbent)
+        return res, out
+
+    def _count(self, out: _Searched) -> None:
+        """A search's expansions, time and proof in the loop's stats."""
+        stats, res = self.stats, out.result
+        if self.duplex:
             stats["seed_expansions"] = stats.get("seed_expansions", 0) + out.seed_expansions
             stats["search_s"] += out.seed_seconds
         st = dict(out.stats)
-        res = out.result
-        for k in ("expansions", "generated", "pruned_dominated", "pruned_bound"):
+        for k in _COUNTS:
             stats[k] += st[k]
         stats["search_s"] += res.seconds
         stats["optimal"] = stats["optimal"] and res.optimal
         if not res.optimal:  # the least proven lower bound of a search stopped at its budget
             stats["bound_s"] = min(stats.get("bound_s", float("inf")), res.bound)
-        if not duplex and not mem_on[0] and not fits(res.program, out.final, out.ratios):
-            mem_on[0] = stats["memory_bound"] = True  # search again, keeping to memory
-            return search(ratios_, pins_, opts, move, incumbent)
-        return res, out
 
-    def lp(kind: str, what: tuple[Any, ...], make: Any) -> Any:
+    # ------------------------------------------------------------------ balancing and candidates
+    def lp(self, kind: str, what: tuple[Any, ...], make: Any) -> Any:
         """An LP's result (``make()``), from the memo when the same LP was solved before."""
-        if memo is None:
+        if self.memo is None:
             return make()
-        return memo.get(kind, (ck, *what, ratio_pins, duplex), make)
+        return self.memo.get(kind, (self.ck, *what, self.ratio_pins, self.duplex), make)
 
-    def add_candidate(cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
-        # one candidate per program and ratios; ratios equal to 12 decimals count as equal (a baseline at
-        # throughput-proportional ratios and the LP's ratios for the same program often differ in the last
-        # bits only: the same plan, simulated once)
+    def add_candidate(self, cost: float, prog: Any, extra: Any, ratios_: Any, source: str = "search") -> None:
+        """One candidate per program and ratios; ratios equal to 12 decimals count as equal (a baseline at
+        throughput-proportional ratios and the LP's ratios for the same program often differ in the last
+        bits only: the same plan, simulated once)."""
         key = (prog, tuple(tuple(round(x, 12) for x in row) for row in ratios_))
-        if key in seen:
-            k = seen[key]
-            if source != "search" and not candidates[k].baseline:  # a searched one is also this baseline
-                candidates[k] = replace(candidates[k], baseline=source)
-        elif fits(prog, extra, ratios_):
-            seen[key] = len(candidates)
-            candidates.append(Candidate(cost, prog, extra, ratios_, len(history), source))
+        if key in self.seen:
+            k = self.seen[key]
+            if source != "search" and not self.candidates[k].baseline:  # a searched one is also this baseline
+                self.candidates[k] = replace(self.candidates[k], baseline=source)
+        elif self.fits(prog, extra, ratios_):
+            self.seen[key] = len(self.candidates)
+            self.candidates.append(Candidate(cost, prog, extra, ratios_, len(self.history), source))
 
-    def cost_at(prog: Any, ratios_: Any) -> float:
+    def cost_at(self, prog: Any, ratios_: Any) -> float:
         """The loop's objective for ``prog`` at ``ratios_``: the duplex time or the stage cost."""
-        return duplex_cost(cm, prog, ratios_) if duplex else cm.evaluate(prog, ratios_).cost_s
+        return duplex_cost(self.cm, prog, ratios_) if self.duplex else self.cm.evaluate(prog, ratios_).cost_s
 
-    def consider(res: Any, s: _Searched, it: int, source: str = "search") -> bool:
-        nonlocal best
-        prog = res.program
-        if fixed is not None:
-            if not fits(prog, s.final, fixed):
-                return False
-            ratios_k, cost_k, b_sec = fixed, cost_at(prog, fixed), 0.0
-        else:
-            bal = (
-                None if mem_on[0] else lp("lp", (prog,), lambda: balance(cm, prog, ratio_pins, duplex=duplex))
-            )
-            if bal is None or not fits(prog, s.final, bal.ratios):
-                try:  # the LP's ratios overflow a device: balance again with memory caps
-                    bal = lp(
-                        "lp_memory",
-                        (prog, s.final),
-                        lambda: balance_in_memory(cm, prog, s.final, ratio_pins, duplex=duplex),
-                    )
-                except MemoryCapError:
-                    bal = None
-            # keep the ratios the program was found at (when it fits there) where the LP has no ratios (its
-            # linear memory is coarser than the search's integer shards) or clearly costlier ones (a segmented
-            # program's LP prices re-cuts coarsely: a re-cut never starts a stage there)
-            ratios_k, cost_k, b_sec = (
-                (bal.ratios, bal.cost, bal.seconds) if bal is not None else (None, 0.0, 0.0)
-            )
-            worse = bal is not None and res.cost < cost_k * (1 - LP_WORSE)
-            if (bal is None or (worse and keeps_ratio_pins(s.ratios, ratio_pins, c.names))) and fits(
-                prog, s.final, s.ratios
-            ):
-                at = cost_at(prog, s.ratios)
-                if bal is None or at < cost_k * (1 - LP_WORSE):
-                    ratios_k, cost_k = s.ratios, at
-                    kept = "memory_lp_kept_ratios" if bal is None else "lp_kept_ratios"
-                    stats[kept] = stats.get(kept, 0) + 1
-            if ratios_k is None:
-                stats["memory_rejected"] = stats.get("memory_rejected", 0) + 1
-                return False
-            stats["balance_s"] += b_sec
-        accepted = best is None or cost_k < best[0] * (1 - 1e-9)
-        add_candidate(cost_k, prog, s.final, ratios_k)
-        history.append(
-            Round(
-                it,
-                res.cost,
-                cost_k,
-                ratios_k,
-                dict(s.stats)["expansions"],
-                res.seconds,
-                b_sec,
-                len(prog),
-                accepted,
-                source,
-            )
+    def _balanced(self, res: Any, s: _Searched) -> tuple[Any, float, float]:
+        """The LP's ratios, cost and seconds for a searched program (memory-capped where the plain LP's
+        ratios overflow a device; the ratios it was found at where the LP has none or clearly costlier
+        ones); ratios None when nothing fits."""
+        cm, prog, stats = self.cm, res.program, self.stats
+        bal = (
+            None
+            if self.mem_on
+            else self.lp("lp", (prog,), lambda: balance(cm, prog, self.ratio_pins, duplex=self.duplex))
         )
+        if bal is None or not self.fits(prog, s.final, bal.ratios):
+            try:  # the LP's ratios overflow a device: balance again with memory caps
+                bal = self.lp(
+                    "lp_memory",
+                    (prog, s.final),
+                    lambda: balance_in_memory(cm, prog, s.final, self.ratio_pins, duplex=self.duplex),
+                )
+            except MemoryCapError:
+                bal = None
+        # keep the ratios the program was found at (when it fits there) where the LP has no ratios (its
+        # linear memory is coarser than the search's integer shards) or clearly costlier ones (a segmented
+        # program's LP prices re-cuts coarsely: a re-cut never starts a stage there)
+        ratios_k, cost_k, b_sec = (bal.ratios, bal.cost, bal.seconds) if bal is not None else (None, 0.0, 0.0)
+        worse = bal is not None and res.cost < cost_k * (1 - LP_WORSE)
+        if (
+            bal is None or (worse and keeps_ratio_pins(s.ratios, self.ratio_pins, self.c.names))
+        ) and self.fits(prog, s.final, s.ratios):
+            at = self.cost_at(prog, s.ratios)
+            if bal is None or at < cost_k * (1 - LP_WORSE):
+                ratios_k, cost_k = s.ratios, at
+                kept = "memory_lp_kept_ratios" if bal is None else "lp_kept_ratios"
+                stats[kept] = stats.get(kept, 0) + 1
+        return ratios_k, cost_k, b_sec
+
+    def consider(self, res: Any, s: _Searched, it: int, source: str = "search") -> bool:
+        """Balance a searched program, record the round and the candidate; whether it is the new best."""
+        prog = res.program
+        if self.fixed is not None:
+            if not self.fits(prog, s.final, self.fixed):
+                return False
+            ratios_k, cost_k, b_sec = self.fixed, self.cost_at(prog, self.fixed), 0.0
+        else:
+            ratios_k, cost_k, b_sec = self._balanced(res, s)
+            if ratios_k is None:
+                self.stats["memory_rejected"] = self.stats.get("memory_rejected", 0) + 1
+                return False
+            self.stats["balance_s"] += b_sec
+        accepted = self.best is None or cost_k < self.best[0] * (1 - 1e-9)
+        self.add_candidate(cost_k, prog, s.final, ratios_k)
+        self.history.append(
+            Round(it, res.cost, cost_k, ratios_k, dict(s.stats)["expansions"], res.seconds, b_sec, len(prog),
+                  accepted, source)
+        )  # fmt: skip
         if accepted:
-            best = (cost_k, prog, s.final, ratios_k)
+            self.best = (cost_k, prog, s.final, ratios_k)
         return accepted
 
-    def alternate(B: tuple[tuple[float, ...], ...], it: int, limit: int) -> int:
+    # ------------------------------------------------------------------ rounds
+    def alternate(self, B: tuple[tuple[float, ...], ...], it: int, limit: int) -> int:
         """Q/B rounds from ratios B while the cost strictly improves; returns the iteration count."""
         while it < limit:
             it += 1
             # at the best program's own ratios it seeds the search: it bounds the search from the start, and
             # a program that only ties with it does not replace it (no LP for a tie)
+            best = self.best
             inc = best[1] if best is not None and _same_ratios(best[3], B) else None
             try:
-                res, s = search(B, form_pins, move=True, incumbent=inc)
+                res, s = self.search(B, self.form_pins, move=True, incumbent=inc)
             except NoProgramError:
-                if best is None:
+                if self.best is None:
                     raise
                 break  # nothing fits at these ratios: keep the best so far
-            improved = consider(res, s, it)
-            if fixed is not None or not improved:
+            improved = self.consider(res, s, it)
+            if self.fixed is not None or not improved:
                 break
-            if _same_ratios(best[3], s.ratios):  # type: ignore[index]
+            if _same_ratios(self.best[3], s.ratios):  # type: ignore[index]
                 break  # the LP kept the ratios the search ran at: the next search would return the same program
-            B = best[3]  # type: ignore[index]
+            B = self.best[3]  # type: ignore[index]
         return it
 
-    failed: NoProgramError | None = None
-    try:
-        it = alternate(B, 0, max_iterations)
-    except NoProgramError as e:
-        if not (mem_on[0] and seed_baselines and fixed is None):
-            raise
-        failed, it = e, 0  # nothing fits from these ratios: a seed (fsdp at even ratios) still may
-    if seed_baselines and fixed is None:
-        tried = {best[1]} if best is not None else set()
-        for name, bpins, bratios, bopts in _seeds(th, c, form_pins, mem_on):
+    def seed_rounds(self, it: int, max_iterations: int) -> None:
+        """The baseline seeds (:func:`hapnb.synth.seeds.seeds`): each a candidate at its own ratios, and a
+        program not balanced before starts Q/B rounds of its own."""
+        tried = {self.best[1]} if self.best is not None else set()
+        for name, bpins, bratios, bopts in seeds(self.th, self.c, self.form_pins, self.mem_on):
             try:
-                res, s = search(bratios, bpins, bopts)
+                res, s = self.search(bratios, bpins, bopts)
             except (NoProgramError, ValueError):
                 continue
-            own = cost_at(res.program, bratios)
-            keeps = keeps_ratio_pins(bratios, ratio_pins, c.names)
+            own = self.cost_at(res.program, bratios)
+            keeps = keeps_ratio_pins(bratios, self.ratio_pins, self.c.names)
             if keeps:  # a candidate only where it keeps the ratio pins
-                add_candidate(own, res.program, s.final, bratios, f"baseline {name}")
+                self.add_candidate(own, res.program, s.final, bratios, f"baseline {name}")
             if res.program in tried:
                 # the same program was balanced already; at the baseline's own ratios it can still be a hair
                 # cheaper than at the LP's (the LP prices padded collectives and integer shards linearly)
+                best = self.best
                 if (
                     best is not None
                     and own < best[0] * (1 - 1e-9)
                     and keeps
-                    and fits(res.program, s.final, bratios)
+                    and self.fits(res.program, s.final, bratios)
                 ):
                     it += 1
                     exp = dict(s.stats)["expansions"]
-                    history.append(
-                        Round(
-                            it,
-                            res.cost,
-                            own,
-                            bratios,
-                            exp,
-                            res.seconds,
-                            0.0,
-                            len(res.program),
-                            True,
-                            f"seed {name}",
-                        )
-                    )
-                    best = (own, res.program, s.final, bratios)
+                    self.history.append(
+                        Round(it, res.cost, own, bratios, exp, res.seconds, 0.0, len(res.program), True, f"seed {name}")
+                    )  # fmt: skip
+                    self.best = (own, res.program, s.final, bratios)
                 continue
             tried.add(res.program)
             it += 1
-            before = best[0] if best is not None else float("inf")
-            if consider(res, s, it, f"seed {name}"):
-                if mem_on[0] and best[0] > before * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
+            before = self.best[0] if self.best is not None else float("inf")
+            if self.consider(res, s, it, f"seed {name}"):
+                if self.mem_on and self.best[0] > before * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
                     continue  # memory: a seed that gains this little is kept without more rounds
-                it = alternate(best[3], it, it + max_iterations)  # type: ignore[index]
-    if best is None and failed is not None:
-        raise failed
-    if best is None:
-        raise NoProgramError(
-            "no program fits in device memory at any ratios the loop tried"
-            + (f" (fixed ratios {list(fixed[0])})" if fixed is not None else "")
-        )
-    cost, prog, extra, ratios_best = best
-    ranked = tuple(sorted(candidates, key=lambda k: (k.cost_s, k.round, k.source)))
-    stats["gap"] = proven_gap(cost, stats)
-    if not stats["optimal"] and stats.get("bound_s", 0.0) >= cost * (1 - 1e-9):
-        # every search stopped at its budget proved a bound at or above the plan's cost: no program of its
-        # space beats the plan, so the plan is proven optimal all the same
-        stats["optimal"] = stats["optimal_by_bound"] = True
-    return Optimum(cost, prog, extra, ratios_best, tuple(history), stats, ratio_pins, ranked)
+                it = self.alternate(self.best[3], it, it + max_iterations)  # type: ignore[index]
+
+    def optimum(self) -> Optimum:
+        """The best program with its ratios, the rounds, the ranked candidates and the proof."""
+        if self.best is None:
+            raise NoProgramError(
+                "no program fits in device memory at any ratios the loop tried"
+                + (f" (fixed ratios {list(self.fixed[0])})" if self.fixed is not None else "")
+            )
+        stats = self.stats
+        cost, prog, extra, ratios_best = self.best
+        ranked = tuple(sorted(self.candidates, key=lambda k: (k.cost_s, k.round, k.source)))
+        stats["gap"] = proven_gap(cost, stats)
+        if not stats["optimal"] and stats.get("bound_s", 0.0) >= cost * (1 - 1e-9):
+            # every search stopped at its budget proved a bound at or above the plan's cost: no program of its
+            # space beats the plan, so the plan is proven optimal all the same
+            stats["optimal"] = stats["optimal_by_bound"] = True
+        return Optimum(cost, prog, extra, ratios_best, tuple(self.history), stats, self.ratio_pins, ranked)
 
 
 def proven_gap(cost_s: float, stats: Mapping[str, Any]) -> float:

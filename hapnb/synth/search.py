@@ -155,7 +155,7 @@ class Search(Moves):
     ) -> None:
         t0 = time.perf_counter()
         # costs that depend only on the theory, the cluster and the ratios (not on pins or options), shared
-        # by the searches of one re-planning context at the same ratios (hapnb.synth.optimize.Memo.shared)
+        # by the searches of one re-planning context at the same ratios (hapnb.synth.memo.Memo.shared)
         self._shared: dict[str, Any] = {} if shared is None else shared
         self.duplex = bool(duplex)
         self.theory = graph if isinstance(graph, Theory) else build_theory(graph)

@@ -4,7 +4,7 @@
 which properties die after each op, every strategy's needed inputs as bits). None of that depends on the
 ratios, and only the strategy filter depends on the pins, so :func:`theory_tables` builds it once per
 theory and :func:`entries_for` filters it for one search's pins and options, re-checking only the ops that
-touch a pinned tensor. A re-planning context (:class:`hapnb.synth.optimize.Memo`) keeps the tables, so its
+touch a pinned tensor. A re-planning context (:class:`hapnb.synth.memo.Memo`) keeps the tables, so its
 searches (the Q/B loop's, the baseline seeds', a re-plan's) skip this work.
 
 >>> import hapnb
