@@ -26,6 +26,7 @@ module                     tables (families) and the algebra that makes them sou
 :mod:`.cachedir`           where hapnb's on-disk caches live (discovery's and the trace cache's)
 :mod:`.truth`              ground-truth helpers: split per form, reassemble, compare (checker and discovery)
 :mod:`.discover`           ops without a hand rule: strategies found by ground truth (uneven splits)
+:mod:`.cases`              the checker's sample cases per kind of op (besides the families' own samples)
 :mod:`.checker`            the ground-truth checker and ``--check`` CLI body (top)
 ========================== ========================================================================
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,18 +235,8 @@ def profile_device_model(
     import datetime
 
     import torch
-    import torch.nn.functional as F
 
-    from .. import rules
-
-    try:
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    dev = _device(device)
     repeats = repeats or (3 if quick else 7)
     budget = 0.005 if quick else 0.02
     old_threads = torch.get_num_threads()
@@ -261,106 +251,25 @@ def profile_device_model(
         def timed(fn: Any) -> float:
             return time_it(fn, _inner(time_it(fn, 1, 1, 1), budget), repeats)
 
-        chain = 200
-        x = torch.ones(1, device=dev, requires_grad=True)
-
-        def tiny_chain() -> None:
-            y = x
-            for _ in range(chain):
-                y = y * 1.0001
-            y.backward()
-
-        kernel_s = timed(tiny_chain) / (2 * chain)
-
-        def per_layer(make: Any, family: str) -> float:
-            """Seconds per layer of a chain: deep minus shallow (one ``backward()`` call each, so its
-            fixed cost cancels), less the layer's launches on a CPU (the cost model adds them apart)."""
-            t = (timed(make(1 + _CHAIN)) - timed(make(1))) / _CHAIN
-            launches = sum(FAMILY_KERNELS[family]) * kernel_s if dev.type == "cpu" else 0.0
-            return max(t - launches, 0.1 * t, 1e-9)
-
-        mm_points, train_points, conv_points = [], [], []
-        for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
-            with torch.no_grad():
-                a, b, c = (torch.randn(n, n, device=dev) for _ in range(3))
-                bias = torch.randn(n, device=dev)
-                mm_points.append((2.0 * n**3, timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))))
-                addmm = lambda a=a, b=b, c=c, bias=bias: torch.addmm(bias, a, b, out=c)  # noqa: E731
-                mm_points.append((2.0 * n**3, timed(addmm)))
-            for rows, out in ((4 * n, n), (4 * n, 4 * n)):  # tokens x hidden -> hidden, -> 4 hidden
-                step = lambda depth, rows=rows, n=n, out=out: _linear_step(rows, n, out, dev, depth)  # noqa: E731
-                w = rules.flops("aten.linear.default", [(rows, n), (out, n), (out,)], [(rows, out)])
-                train_points.append((w, per_layer(step, "linear") / 3))
-        for batch, channels, side in CONV_PROBES[(dev.type, quick)]:
-            step = lambda depth, b=batch, c=channels, s=side: _conv_step(b, c, s, dev, depth)  # noqa: E731
-            x_shape, w_shape = (batch, channels, side, side), (channels, channels, 3, 3)
-            w = rules.flops("aten.conv2d.default", [x_shape, w_shape, (channels,)], [x_shape])
-            conv_points.append((w, per_layer(step, "conv") / 3))
+        kernel_s = _kernel_seconds(dev, timed)
+        mm_points, train_points, conv_points = _matmul_points(dev, quick, sizes, timed, kernel_s)
         peak = max(w / t for w, t in mm_points)
         rate, half = fit_matmul_curve(train_points)
         conv_rate, conv_half = fit_matmul_curve(conv_points)
         peak = max(peak, rate, conv_rate)
-        with torch.no_grad():
-            n = BANDWIDTH_ELEMENTS[(dev.type, quick)]
-            x, y, z = (torch.randn(n, device=dev) for _ in range(3))
-            bw_point = (3.0 * 4 * n, timed(lambda: torch.add(x, y, out=z)))
-            x = y = z = torch.empty(0)
+        bw_point = _bandwidth_point(dev, quick, timed)
         bandwidth = bw_point[0] / bw_point[1]
-
-        shape = (2, 4, 64, 32) if quick else (4, 8, 128, 64)  # batch, heads, seq, head dim
-        q, k, v = (torch.randn(shape, device=dev, requires_grad=True) for _ in range(3))
-
-        def attention() -> None:
-            F.scaled_dot_product_attention(q, k, v).sum().backward()
-
-        att_flops = 3.0 * rules.flops("aten.scaled_dot_product_attention.default", [shape] * 3, [shape])
-        att_t = timed(attention)
+        att_flops, att_t = _attention_point(dev, quick, timed)
         attention_eff = min(1.0, max(1e-3, att_flops / att_t / peak))
-
-        big = torch.nn.Parameter(torch.zeros(n // 4, device=dev))
-        big.grad = torch.randn_like(big)  # not zeros: Adam on zero gradients runs ~2x slower on a CPU
-        opt = torch.optim.Adam([big], lr=1e-4)
-        adam_big = timed(opt.step)
-        passes = max(1.0, adam_big * bandwidth / (4.0 * big.numel()))
-        one = torch.nn.Parameter(torch.zeros(1, device=dev))
-        one.grad = torch.randn_like(one)
-        opt1 = torch.optim.Adam([one], lr=1e-4)
-        adam_one = timed(opt1.step)
+        adam_point, adam_one = _adam_points(dev, BANDWIDTH_ELEMENTS[(dev.type, quick)] // 4, timed)
+        passes = max(1.0, adam_point[1] * bandwidth / adam_point[0])
         opt_kernels = max(1.0, adam_one / kernel_s)
         vector_flops, vec_point, pool_flops, pool_point, scan_flops, scan_point = (None,) * 6
         if dev.type == "cpu":  # single-tensor Adam: its kernels per parameter tensor
-            many = [torch.nn.Parameter(torch.zeros(1)) for _ in range(33)]
-            for p in many:
-                p.grad = torch.randn_like(p)
-            per_tensor = (timed(torch.optim.Adam(many, lr=1e-4).step) - adam_one) / 32
-            opt_kernels = max(1.0, per_tensor / kernel_s)
-            v = torch.randn(VECTOR_ELEMENTS[quick], requires_grad=True)
-            ones = torch.ones_like(v)
-
-            def transcendental() -> None:
-                v.grad = None
-                F.gelu(v).backward(ones)
-                torch.tanh(v).backward(ones)
-
-            vec_point = (2 * 3.0 * 4 * v.numel(), timed(transcendental))  # the rules: 4 flops/element
+            opt_kernels = max(1.0, _adam_per_tensor(timed, adam_one) / kernel_s)
+            vec_point, pool_point, scan_point = _cpu_rate_points(quick, timed)
             vector_flops = vec_point[0] / vec_point[1]
-            img = torch.randn(POOL_SHAPE[quick], requires_grad=True)
-
-            def pool() -> None:
-                img.grad = None
-                F.max_pool2d(img, 2).sum().backward()
-
-            pool_point = (3.0 * img.numel(), timed(pool))
             pool_flops = pool_point[0] / pool_point[1]
-            seq = torch.randn(SCAN_SHAPE[quick], requires_grad=True)
-            seq_grad = torch.randn_like(seq)
-
-            def scan() -> None:
-                seq.grad = None
-                torch.logcumsumexp(seq, 1).backward(seq_grad)
-
-            scan_fwd = rules.flops("aten.logcumsumexp.default", [seq.shape], [seq.shape], (1,))
-            scan_point = (3.0 * scan_fwd, timed(scan))
             scan_flops = scan_point[0] / scan_point[1]
     finally:
         torch.set_num_threads(old_threads)
@@ -391,11 +300,180 @@ def profile_device_model(
         kernel_s,
         bw_point,
         (att_flops, att_t),
-        (4.0 * big.numel(), adam_big),
+        adam_point,
         vec_point,
         pool_point,
         scan_point,
     )
+
+
+# -------------------------------------------------------------------------------- the probes
+# Each probe builds its tensors on the device and times them with ``timed(fn) -> seconds per call``.
+
+
+def _device(device: str | None) -> Any:
+    """The torch device to profile: ``device``, or CUDA when available, else the CPU."""
+    import torch
+
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    return dev
+
+
+def _kernel_seconds(dev: Any, timed: Callable[[Any], float]) -> float:
+    """Seconds per kernel: a chain of 200 multiplications of one-element tensors, forward + backward (2
+    kernels per op), so autograd's per-op cost is included as in the cost model's kernel counts."""
+    import torch
+
+    chain = 200
+    x = torch.ones(1, device=dev, requires_grad=True)
+
+    def tiny_chain() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.backward()
+
+    return timed(tiny_chain) / (2 * chain)
+
+
+_Points = list[tuple[float, float]]
+
+
+def _matmul_points(
+    dev: Any, quick: bool, sizes: Sequence[int] | None, timed: Callable[[Any], float], kernel_s: float
+) -> tuple[_Points, _Points, _Points]:
+    """(flops, seconds) of square ``mm`` / ``addmm`` calls (for the peak), and (forward flops, seconds / 3)
+    of a Linear layer and of a 3x3 convolution in training (the matmul and conv efficiency curves)."""
+    import torch
+
+    from .. import rules
+
+    def per_layer(make: Any, family: str) -> float:
+        """Seconds per layer of a chain: deep minus shallow (one ``backward()`` call each, so its
+        fixed cost cancels), less the layer's launches on a CPU (the cost model adds them apart)."""
+        t = (timed(make(1 + _CHAIN)) - timed(make(1))) / _CHAIN
+        launches = sum(FAMILY_KERNELS[family]) * kernel_s if dev.type == "cpu" else 0.0
+        return max(t - launches, 0.1 * t, 1e-9)
+
+    mm_points, train_points, conv_points = [], [], []
+    for n in sizes or MATMUL_SIZES[(dev.type, quick)]:
+        with torch.no_grad():
+            a, b, c = (torch.randn(n, n, device=dev) for _ in range(3))
+            bias = torch.randn(n, device=dev)
+            mm_points.append((2.0 * n**3, timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))))
+            addmm = lambda a=a, b=b, c=c, bias=bias: torch.addmm(bias, a, b, out=c)  # noqa: E731
+            mm_points.append((2.0 * n**3, timed(addmm)))
+        for rows, out in ((4 * n, n), (4 * n, 4 * n)):  # tokens x hidden -> hidden, -> 4 hidden
+            step = lambda depth, rows=rows, n=n, out=out: _linear_step(rows, n, out, dev, depth)  # noqa: E731
+            w = rules.flops("aten.linear.default", [(rows, n), (out, n), (out,)], [(rows, out)])
+            train_points.append((w, per_layer(step, "linear") / 3))
+    for batch, channels, side in CONV_PROBES[(dev.type, quick)]:
+        step = lambda depth, b=batch, c=channels, s=side: _conv_step(b, c, s, dev, depth)  # noqa: E731
+        x_shape, w_shape = (batch, channels, side, side), (channels, channels, 3, 3)
+        w = rules.flops("aten.conv2d.default", [x_shape, w_shape, (channels,)], [x_shape])
+        conv_points.append((w, per_layer(step, "conv") / 3))
+    return mm_points, train_points, conv_points
+
+
+def _bandwidth_point(dev: Any, quick: bool, timed: Callable[[Any], float]) -> tuple[float, float]:
+    """(bytes, seconds) of ``c = a + b`` on :data:`BANDWIDTH_ELEMENTS` floats (3 tensors move)."""
+    import torch
+
+    with torch.no_grad():
+        n = BANDWIDTH_ELEMENTS[(dev.type, quick)]
+        x, y, z = (torch.randn(n, device=dev) for _ in range(3))
+        return (3.0 * 4 * n, timed(lambda: torch.add(x, y, out=z)))
+
+
+def _attention_point(dev: Any, quick: bool, timed: Callable[[Any], float]) -> tuple[float, float]:
+    """(training flops in the rules' units, seconds) of one ``scaled_dot_product_attention`` forward +
+    backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from .. import rules
+
+    shape = (2, 4, 64, 32) if quick else (4, 8, 128, 64)  # batch, heads, seq, head dim
+    q, k, v = (torch.randn(shape, device=dev, requires_grad=True) for _ in range(3))
+
+    def attention() -> None:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    att_flops = 3.0 * rules.flops("aten.scaled_dot_product_attention.default", [shape] * 3, [shape])
+    return att_flops, timed(attention)
+
+
+def _adam_points(dev: Any, n: int, timed: Callable[[Any], float]) -> tuple[tuple[float, float], float]:
+    """(parameter bytes, seconds) of an Adam step over one ``n``-element parameter, and the seconds of an
+    Adam step over one one-element parameter."""
+    import torch
+
+    big = torch.nn.Parameter(torch.zeros(n, device=dev))
+    big.grad = torch.randn_like(big)  # not zeros: Adam on zero gradients runs ~2x slower on a CPU
+    opt = torch.optim.Adam([big], lr=1e-4)
+    adam_big = timed(opt.step)
+    one = torch.nn.Parameter(torch.zeros(1, device=dev))
+    one.grad = torch.randn_like(one)
+    opt1 = torch.optim.Adam([one], lr=1e-4)
+    adam_one = timed(opt1.step)
+    return (4.0 * big.numel(), adam_big), adam_one
+
+
+def _adam_per_tensor(timed: Callable[[Any], float], adam_one: float) -> float:
+    """CPU (single-tensor Adam): the extra seconds of a step per extra one-element parameter tensor, from
+    steps over 33 tensors and over one (``adam_one``)."""
+    import torch
+
+    many = [torch.nn.Parameter(torch.zeros(1)) for _ in range(33)]
+    for p in many:
+        p.grad = torch.randn_like(p)
+    return (timed(torch.optim.Adam(many, lr=1e-4).step) - adam_one) / 32
+
+
+def _cpu_rate_points(
+    quick: bool, timed: Callable[[Any], float]
+) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
+    """CPU: (training flops in the rules' units, seconds) of GELU + tanh on :data:`VECTOR_ELEMENTS`
+    floats, of ``max_pool2d`` on :data:`POOL_SHAPE` and of ``logcumsumexp`` on :data:`SCAN_SHAPE`, each
+    forward + backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from .. import rules
+
+    v = torch.randn(VECTOR_ELEMENTS[quick], requires_grad=True)
+    ones = torch.ones_like(v)
+
+    def transcendental() -> None:
+        v.grad = None
+        F.gelu(v).backward(ones)
+        torch.tanh(v).backward(ones)
+
+    vec_point = (2 * 3.0 * 4 * v.numel(), timed(transcendental))  # the rules: 4 flops/element
+    img = torch.randn(POOL_SHAPE[quick], requires_grad=True)
+
+    def pool() -> None:
+        img.grad = None
+        F.max_pool2d(img, 2).sum().backward()
+
+    pool_point = (3.0 * img.numel(), timed(pool))
+    seq = torch.randn(SCAN_SHAPE[quick], requires_grad=True)
+    seq_grad = torch.randn_like(seq)
+
+    def scan() -> None:
+        seq.grad = None
+        torch.logcumsumexp(seq, 1).backward(seq_grad)
+
+    scan_fwd = rules.flops("aten.logcumsumexp.default", [seq.shape], [seq.shape], (1,))
+    scan_point = (3.0 * scan_fwd, timed(scan))
+    return vec_point, pool_point, scan_point
 
 
 def _linear_step(rows: int, inner: int, out: int, dev: Any, depth: int = 1) -> Any:

@@ -85,7 +85,8 @@ def emit_buffer_updates(
     updates = mutated_buffers(program)
     if not updates:
         return []
-    from ..tracing import _live_nodes, module_path
+    from ..tracing import module_path
+    from ..tracing.exported import _live_nodes
 
     sig = program.graph_signature
     weights = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}

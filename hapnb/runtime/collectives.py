@@ -40,19 +40,46 @@ torch.Size([3, 2])
 The ``*_async`` variants start the forward communication and return an :class:`AsyncCollective` whose
 ``wait()`` gives the result; the result is connected to autograd and its backward runs synchronously.
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); only primitives both support are used.
+
+This module holds each collective's autograd function (forward and dual), the public calls, ZeRO-3
+regathering and the async variants. The raw transfers they run are in :mod:`hapnb.runtime.transport`, and
+the argument checks in :mod:`hapnb.runtime.collective_checks`.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hapnb.ir.forms import shard_offsets
+
+from .collective_checks import (
+    _check_full,
+    _check_tensor,
+    _norm_dim,
+    _norm_lengths,
+    _prep_all_to_all,
+    _prep_gather,
+    _prep_reshard,
+    _prep_scatter,
+)
+from .transport import (
+    Group,
+    _Ctx,
+    _Finish,
+    _group_ctx,
+    _raw_all_to_all,
+    _raw_reshard,
+    _run,
+    _start_all_gather,
+    _start_all_reduce,
+    _start_all_to_all,
+    _start_reshard,
+)
+from .transport import _start_reduce_scatter as _start_reduce_scatter_raw
 
 __all__ = [
     "all_gather",
@@ -74,352 +101,24 @@ __all__ = [
     "AsyncCollective",
 ]
 
-Group = Any  # a torch.distributed ProcessGroup or None (the default group)
-
 # Set to True to take the all-reduce + slice path for padded reduce-scatter on every backend (tests use
 # it to exercise the fallback that backends without reduce_scatter take).
 _FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER = False
 
 
-# --------------------------------------------------------------------------------------------------
-# group, argument checks
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Ctx:
-    """Rank, world size and backend of a process group (a single rank when dist is not initialised)."""
-
-    rank: int
-    world: int
-    backend: str
-    group: Group
-
-    def global_rank(self, group_rank: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
-
-
-def _group_ctx(group: Group) -> _Ctx:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError(
-                "a process group was passed but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group first"
-            )
-        return _Ctx(rank=0, world=1, backend="none", group=None)
-    return _Ctx(
-        rank=dist.get_rank(group),
-        world=dist.get_world_size(group),
-        backend=str(dist.get_backend(group)),
-        group=group,
-    )
-
-
-def _check_tensor(op: str, x: torch.Tensor, ctx: _Ctx) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
-    if ctx.backend == "nccl" and x.device.type != "cuda":
-        raise ValueError(
-            f"{op}: the NCCL backend needs CUDA tensors, but rank {ctx.rank} passed a tensor on "
-            f"{x.device}; move it with .cuda() or use the gloo backend for CPU tensors"
-        )
-
-
-def _norm_dim(op: str, x: torch.Tensor, dim: int, what: str = "dim") -> int:
-    nd = x.dim()
-    try:
-        d = operator.index(dim)
-    except TypeError:
-        raise TypeError(f"{op}: {what} must be an int, got {dim!r}") from None
-    if not -nd <= d < nd:
-        raise ValueError(
-            f"{op}: {what}={dim} is out of range for a tensor of shape {tuple(x.shape)} ({nd} dims)"
-        )
-    return d % nd
-
-
-def _norm_lengths(op: str, lengths: Sequence[int], ctx: _Ctx, what: str = "lengths") -> tuple[int, ...]:
-    try:
-        out = tuple(operator.index(n) for n in lengths)
-    except TypeError:
-        raise TypeError(
-            f"{op}: {what} must be a sequence of python ints (one per rank), got {lengths!r}"
-        ) from None
-    if any(n < 0 for n in out):
-        raise ValueError(f"{op}: {what} must be non-negative, got {out}")
-    if len(out) != ctx.world:
-        hint = (
-            " (torch.distributed is not initialised, so this process counts as a single rank)"
-            if ctx.backend == "none"
-            else ""
-        )
-        raise ValueError(
-            f"{op}: len({what})={len(out)} but the process group has {ctx.world} ranks{hint}; "
-            f"pass exactly one shard length per rank, e.g. hapnb.ir.forms.shard_lengths(size, ratios)"
-        )
-    return out
-
-
-def _check_local(op: str, x: torch.Tensor, dim: int, lengths: tuple[int, ...], ctx: _Ctx, what: str) -> None:
-    if x.size(dim) != lengths[ctx.rank]:
-        raise ValueError(
-            f"{op}: rank {ctx.rank} holds a {what} of shape {tuple(x.shape)} whose size on dim {dim} is "
-            f"{x.size(dim)}, but {'lengths' if what == 'shard' else what}[rank]={lengths[ctx.rank]} "
-            f"(lengths={lengths}); pass this rank's own slice, or fix the lengths"
-        )
-
-
-def _check_full(op: str, x: torch.Tensor, dim: int, lengths: tuple[int, ...], ctx: _Ctx, what: str) -> None:
-    if x.size(dim) != sum(lengths):
-        raise ValueError(
-            f"{op}: rank {ctx.rank} holds a {what} tensor of shape {tuple(x.shape)} whose size on dim {dim} "
-            f"is {x.size(dim)}, but sum(lengths)={sum(lengths)} (lengths={lengths}); the lengths must add "
-            f"up to the full size of dim {dim}"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# raw (autograd-free) implementations; each returns (list of pending works, finish callable)
-# --------------------------------------------------------------------------------------------------
-
-_Finish = Callable[[], torch.Tensor]
-
-
-def _sized(x: torch.Tensor, dim: int, n: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] = n
-    return shape
-
-
-def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """A fresh contiguous tensor of size ``n`` on ``dim`` holding ``x`` first and zeros after it."""
-    out = x.new_zeros(_sized(x, dim, n))
-    out.narrow(dim, 0, x.size(dim)).copy_(x)
-    return out
-
-
-def _copies_back(x: torch.Tensor, ctx: _Ctx) -> bool:
-    """Whether the backend writes a broadcast's result into the root's own buffer as a tensor copy
-    (gloo stages CUDA tensors through the host and copies back on every rank, the root included)."""
-    return x.is_cuda and "gloo" in ctx.backend
-
-
-def _start_all_gather(
-    x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, ctx: _Ctx, async_op: bool
-) -> tuple[list[Any], _Finish]:
-    if ctx.world == 1:
-        y = x.contiguous()
-        return [], lambda: y.clone() if y is x else y
-    if padded:
-        m = max(lengths)
-        send = _pad_to(x, dim, m)
-        if send.numel() == 0:  # every rank sees the same static sizes, so all skip together
-            return [], lambda: x.new_empty(_sized(x, dim, sum(lengths)))
-        bufs = [torch.empty_like(send) for _ in range(ctx.world)]
-        work = dist.all_gather(bufs, send, group=ctx.group, async_op=async_op)
-
-        def finish() -> torch.Tensor:
-            return torch.cat([b.narrow(dim, 0, n) for b, n in zip(bufs, lengths)], dim=dim)
-
-        return [work], finish
-    # grouped: one broadcast per rank with exact-size buffers
-    bufs = []
-    works = []
-    for i, n in enumerate(lengths):
-        if i == ctx.rank:  # the root's buffer is only read; clone when async so x may change meanwhile,
-            # and with gloo on CUDA tensors, whose broadcast copies the result back into the root's
-            # buffer too (an in-place write autograd would see on a tensor saved for the backward)
-            b = (
-                x.clone(memory_format=torch.contiguous_format)
-                if async_op or _copies_back(x, ctx)
-                else x.contiguous()
-            )
-        else:
-            b = x.new_empty(_sized(x, dim, n))
-        bufs.append(b)
-        if b.numel() == 0:
-            continue
-        works.append(dist.broadcast(b, src=ctx.global_rank(i), group=ctx.group, async_op=True))
-    if not async_op:
-        for w in works:
-            w.wait()
-        works = []
-    return works, lambda: torch.cat(bufs, dim=dim)
-
-
 def _start_reduce_scatter(
     x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, ctx: _Ctx, async_op: bool
 ) -> tuple[list[Any], _Finish]:
-    offs = shard_offsets(lengths)
-    if ctx.world == 1:
-        y = x.contiguous()
-        return [], lambda: y.clone() if y is x else y
-    if padded:
-        m = max(lengths)
-        if x.numel() == 0 or m == 0:
-            return [], lambda: x.new_zeros(_sized(x, dim, lengths[ctx.rank]))
-        own_off, own_len = offs[ctx.rank], lengths[ctx.rank]
-        if _FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER or "mpi" in ctx.backend:  # no reduce_scatter there
-            buf = x.clone(memory_format=torch.contiguous_format)
-            work = dist.all_reduce(buf, group=ctx.group, async_op=async_op)
-            return [work], lambda: buf.narrow(dim, own_off, own_len).clone(
-                memory_format=torch.contiguous_format
-            )
-        pieces = [_pad_to(x.narrow(dim, o, n), dim, m) for o, n in zip(offs, lengths)]
-        out = torch.empty_like(pieces[0])
-        work = dist.reduce_scatter(out, pieces, group=ctx.group, async_op=async_op)
-
-        def finish() -> torch.Tensor:
-            if own_len == m:
-                return out
-            return out.narrow(dim, 0, own_len).clone(memory_format=torch.contiguous_format)
-
-        return [work], finish
-    # grouped: one reduce per rank; root i receives the sum of slice i
-    works = []
-    mine = None
-    for i, (o, n) in enumerate(zip(offs, lengths)):
-        b = x.narrow(dim, o, n).clone(memory_format=torch.contiguous_format)
-        if i == ctx.rank:
-            mine = b
-        if b.numel() == 0:
-            continue
-        works.append(dist.reduce(b, dst=ctx.global_rank(i), group=ctx.group, async_op=True))
-    if not async_op:
-        for w in works:
-            w.wait()
-        works = []
-    assert mine is not None
-    return works, lambda: mine
-
-
-def _start_all_reduce(x: torch.Tensor, ctx: _Ctx, async_op: bool) -> tuple[list[Any], _Finish]:
-    buf = x.clone(memory_format=torch.contiguous_format)
-    if ctx.world == 1 or buf.numel() == 0:
-        return [], lambda: buf
-    work = dist.all_reduce(buf, group=ctx.group, async_op=async_op)
-    return [work], lambda: buf
-
-
-def _start_exchange(
-    send: list[torch.Tensor],
-    recv_shapes: list[list[int]],
-    total_numel: int,
-    like: torch.Tensor,
-    ctx: _Ctx,
-    async_op: bool,
-) -> tuple[list[Any], Callable[[], list[torch.Tensor]]]:
-    """Send ``send[j]`` to rank j and receive a tensor of ``recv_shapes[i]`` from every rank i.
-
-    ``total_numel`` is the number of elements exchanged over the whole group (the same on every rank);
-    when it is 0 no communication happens. One ``all_to_all_single`` with per-peer split sizes.
-    """
-    if ctx.world == 1:
-        out = [s.clone(memory_format=torch.contiguous_format) for s in send]
-        return [], lambda: out
-    if total_numel == 0:  # every rank computes the same total, so all skip together
-        return [], lambda: [like.new_empty(s) for s in recv_shapes]
-    flat_in = torch.cat([s.reshape(-1) for s in send])
-    in_splits = [s.numel() for s in send]
-    out_splits = [_numel(s) for s in recv_shapes]
-    flat_out = like.new_empty(sum(out_splits))
-    work = dist.all_to_all_single(
-        flat_out, flat_in, out_splits, in_splits, group=ctx.group, async_op=async_op
+    """The transport's reduce-scatter, taking the all-reduce + slice path while the test hook
+    ``_FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER`` is set."""
+    return _start_reduce_scatter_raw(
+        x, dim, lengths, padded, ctx, async_op, all_reduce_only=_FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER
     )
-
-    def finish() -> list[torch.Tensor]:
-        return [piece.view(shape) for piece, shape in zip(flat_out.split(out_splits), recv_shapes)]
-
-    return [work], finish
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _start_all_to_all(
-    x: torch.Tensor,
-    cat_dim: int,
-    split_dim: int,
-    cat_lengths: tuple[int, ...],
-    split_lengths: tuple[int, ...],
-    ctx: _Ctx,
-    async_op: bool = False,
-) -> tuple[list[Any], _Finish]:
-    r = ctx.rank
-    soffs = shard_offsets(split_lengths)
-    send = [x.narrow(split_dim, o, n) for o, n in zip(soffs, split_lengths)]
-    recv_shapes = []
-    for i in range(ctx.world):
-        shape = list(x.shape)
-        shape[cat_dim] = cat_lengths[i]
-        shape[split_dim] = split_lengths[r]
-        recv_shapes.append(shape)
-    other = _numel([s for k, s in enumerate(x.shape) if k not in (cat_dim, split_dim)])
-    total = other * sum(cat_lengths) * sum(split_lengths)
-    works, pieces = _start_exchange(send, recv_shapes, total, x, ctx, async_op)
-    return works, lambda: torch.cat(pieces(), dim=cat_dim)
-
-
-def _start_reshard(
-    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx, async_op: bool = False
-) -> tuple[list[Any], _Finish]:
-    r = ctx.rank
-    ooffs, noffs = shard_offsets(old), shard_offsets(new)
-
-    def overlap(i: int, j: int) -> tuple[int, int]:
-        """(start relative to rank i's old slice, length) of old slice i intersected with new slice j."""
-        lo = max(ooffs[i], noffs[j])
-        n = max(0, min(ooffs[i] + old[i], noffs[j] + new[j]) - lo)
-        return (lo - ooffs[i], n) if n else (0, 0)
-
-    n_world = ctx.world
-    other = _numel([s for k, s in enumerate(x.shape) if k != dim])
-    moved = other * sum(overlap(i, j)[1] for i in range(n_world) for j in range(n_world) if i != j)
-    if moved == 0:  # nothing crosses ranks (the same on every rank): no communication
-        if other == 0:
-            return [], lambda: x.new_empty(_sized(x, dim, new[r]))
-        y = x.narrow(dim, *overlap(r, r)).clone(memory_format=torch.contiguous_format)
-        return [], lambda: y
-    send = [x.narrow(dim, *overlap(r, j)) for j in range(n_world)]
-    recv_shapes = [_sized(x, dim, overlap(i, r)[1]) for i in range(n_world)]
-    works, pieces = _start_exchange(send, recv_shapes, moved, x, ctx, async_op)
-    return works, lambda: torch.cat(pieces(), dim=dim)
-
-
-def _raw_all_to_all(
-    x: torch.Tensor,
-    cat_dim: int,
-    split_dim: int,
-    cat_lengths: tuple[int, ...],
-    split_lengths: tuple[int, ...],
-    ctx: _Ctx,
-) -> torch.Tensor:
-    return _run(_start_all_to_all(x, cat_dim, split_dim, cat_lengths, split_lengths, ctx))
-
-
-def _raw_reshard(
-    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], ctx: _Ctx
-) -> torch.Tensor:
-    return _run(_start_reshard(x, dim, old, new, ctx))
 
 
 # --------------------------------------------------------------------------------------------------
 # autograd functions
 # --------------------------------------------------------------------------------------------------
-
-
-def _run(works_finish: tuple[list[Any], _Finish]) -> torch.Tensor:
-    works, finish = works_finish
-    for w in works:
-        if w is not None:
-            w.wait()
-    return finish()
 
 
 class _AllGather(torch.autograd.Function):
@@ -504,24 +203,6 @@ class _Replicate(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
-def _prep_gather(op: str, x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group):
-    g = _group_ctx(group)
-    _check_tensor(op, x, g)
-    d = _norm_dim(op, x, dim)
-    lens = _norm_lengths(op, lengths, g)
-    _check_local(op, x, d, lens, g, "shard")
-    return g, d, lens
-
-
-def _prep_scatter(op: str, x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group):
-    g = _group_ctx(group)
-    _check_tensor(op, x, g)
-    d = _norm_dim(op, x, dim)
-    lens = _norm_lengths(op, lengths, g)
-    _check_full(op, x, d, lens, g, "partial-sum (R)")
-    return g, d, lens
-
-
 def all_gather(
     x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
 ) -> torch.Tensor:
@@ -576,31 +257,6 @@ def all_to_all(
     return _AllToAll.apply(x, cd, sd, cl, sl, g)
 
 
-def _prep_all_to_all(
-    op: str,
-    x: torch.Tensor,
-    cat_dim: int,
-    split_dim: int,
-    cat_lengths: Sequence[int],
-    split_lengths: Sequence[int],
-    group: Group,
-) -> tuple[_Ctx, int, int, tuple[int, ...], tuple[int, ...]]:
-    g = _group_ctx(group)
-    _check_tensor(op, x, g)
-    cd = _norm_dim(op, x, cat_dim, "cat_dim")
-    sd = _norm_dim(op, x, split_dim, "split_dim")
-    if cd == sd:
-        raise ValueError(
-            f"{op}: cat_dim and split_dim are both {cd}; to change the shard lengths of one dim use "
-            "reshard(x, dim, old_lengths, new_lengths)"
-        )
-    cl = _norm_lengths(op, cat_lengths, g, "cat_lengths")
-    sl = _norm_lengths(op, split_lengths, g, "split_lengths")
-    _check_local(op, x, cd, cl, g, "cat_lengths")
-    _check_full(op, x, sd, sl, g, "input")
-    return g, cd, sd, cl, sl
-
-
 def reshard(
     x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group = None
 ) -> torch.Tensor:
@@ -612,23 +268,6 @@ def reshard(
     """
     g, d, old, new = _prep_reshard("reshard", x, dim, old_lengths, new_lengths, group)
     return _Reshard.apply(x, d, old, new, g)
-
-
-def _prep_reshard(
-    op: str, x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group
-) -> tuple[_Ctx, int, tuple[int, ...], tuple[int, ...]]:
-    g = _group_ctx(group)
-    _check_tensor(op, x, g)
-    d = _norm_dim(op, x, dim)
-    old = _norm_lengths(op, old_lengths, g, "old_lengths")
-    new = _norm_lengths(op, new_lengths, g, "new_lengths")
-    if sum(old) != sum(new):
-        raise ValueError(
-            f"{op}: old_lengths {old} sum to {sum(old)} but new_lengths {new} sum to {sum(new)}; "
-            "both must add up to the full size of the dim"
-        )
-    _check_local(op, x, d, old, g, "old_lengths")
-    return g, d, old, new
 
 
 def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.graph import Graph, TensorArg, TraceError, normalize_args
-from . import _Builder, _input_names, _loss_of, _make_wrapper, module_path
+from .builder import _Builder, _loss_of, module_path
+from .tracer import _input_names, _make_wrapper
 
 __all__ = ["Unsupported", "meta_build", "to_meta", "record", "trace_zoo_meta", "without_dynamo"]
 

@@ -1,0 +1,204 @@
+""":func:`trace`: turn ``loss(model(*inputs), *targets)`` into a Graph. The primary path is torch.export
+(non-strict first, then strict) in train mode, which yields aten-level ops with shapes in
+``node.meta["val"]`` (:mod:`.exported`); the fallback is torch.fx.symbolic_trace + ShapeProp
+(:mod:`.fx_fallback`). When every path fails, the error names the innermost module that was running and
+a hint for the reason. The model and its loss are traced as one module (:func:`_make_wrapper`) whose
+inputs are named after the model's forward (:func:`_input_names`); the meta recorder (:mod:`.record`)
+traces the same wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..ir.graph import Graph, TraceError
+from .builder import module_path
+from .exported import _from_lowered
+from .fx_fallback import _from_fx
+
+_HINTS = (
+    (
+        ("data-dependent", "DataDependent", "GuardOnDataDependent", "control flow", "Could not guard"),
+        "the model branches on tensor values (e.g. `if x.sum() > 0:`); make the branch static "
+        "(depend on shapes or Python flags) or use torch.cond / torch.where",
+    ),
+    (
+        ("Dynamic", "dynamic shape", "SymInt"),
+        "the model uses shapes that depend on data; make them static for the example inputs",
+    ),
+    (("not supported", "Unsupported"), "the model uses a Python feature the tracer cannot capture"),
+)
+
+
+def _hint(reason: str) -> str:
+    for keys, hint in _HINTS:
+        if any(k.lower() in reason.lower() for k in keys):
+            return hint
+    return "simplify the module's forward (no data-dependent Python, no in-place tricks on inputs)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def _make_wrapper(model: Any, loss: Callable[..., Any] | None, n_inputs: int) -> Any:
+    import torch
+
+    class _Traced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            if isinstance(loss, torch.nn.Module):
+                self.loss_fn = loss
+            else:
+                self.__dict__["loss_fn"] = loss
+
+        def forward(self, *args: Any) -> Any:
+            out = self.model(*args[:n_inputs])
+            if self.loss_fn is not None:
+                out = self.loss_fn(out, *args[n_inputs:])
+            return out
+
+    return _Traced()
+
+
+def _input_names(model: Any, n_inputs: int, n_targets: int) -> list[str]:
+    import inspect
+
+    names: list[str] = []
+    try:
+        fwd = model.forward if hasattr(model, "forward") else model
+        params = [
+            p
+            for p in inspect.signature(fwd).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        names = [p.name for p in params[:n_inputs]]
+    except (TypeError, ValueError):
+        pass
+    while len(names) < n_inputs:
+        names.append(f"input{len(names)}")
+    if n_targets == 1:
+        names.append("target")
+    else:
+        names.extend(f"target{i}" for i in range(n_targets))
+    # a target named like an input would clash
+    seen: dict[str, int] = {}
+    out = []
+    for nm in names:
+        k = seen.get(nm, 0)
+        seen[nm] = k + 1
+        out.append(nm if k == 0 else f"{nm}_{k}")
+    return out
+
+
+class _ModuleTracker:
+    """Forward pre/post hooks that keep the stack of executing modules (for error messages)."""
+
+    def __init__(self, root: Any) -> None:
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+        self.at_error: list[str] = []
+        for name, mod in root.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._pre(module_path(name))))
+            self.handles.append(mod.register_forward_hook(self._post()))
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(mod: Any, args: Any) -> None:
+            self.stack.append(name)
+
+        return hook
+
+    def _post(self) -> Callable[..., None]:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if self.stack:
+                self.stack.pop()
+
+        return hook
+
+    def innermost(self) -> str:
+        named = [s for s in self.stack if s]
+        return named[-1] if named else "<top-level model>"
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def trace(
+    model: Any,
+    example_inputs: Sequence[Any],
+    loss: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    targets: Sequence[Any] = (),
+) -> Graph:
+    """Trace ``model`` (plus an optional ``loss(output, *targets)``) into a :class:`Graph`.
+
+    ``model(*example_inputs)`` must return a scalar loss unless ``loss`` is given, in which case the
+    traced program is ``loss(model(*example_inputs), *targets)``. Raises :class:`TraceError` naming the
+    module and the reason when the model cannot be traced.
+
+    torch.export (non-strict, then strict) runs in train mode; if both fail, torch.fx.symbolic_trace with
+    ShapeProp is tried (it covers torch functions, Tensor methods and common leaf modules).
+    ``model`` may also be a ``torch.export.ExportedProgram`` that returns the scalar loss.
+    """
+    import torch
+
+    from .lower import cumulative_batch_norm
+
+    if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
+        specs = model.graph_signature.user_inputs
+        return _from_lowered(model, list(specs), name or "model")
+    if not isinstance(example_inputs, (list, tuple)):
+        example_inputs = (example_inputs,)
+    inputs = tuple(example_inputs)
+    targets = tuple(targets)
+    gname = name or type(model).__name__
+    n_in = len(inputs)
+    wrapper = _make_wrapper(model, loss, n_in)
+    names = _input_names(model, n_in, len(targets))
+    example = inputs + targets
+    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    wrapper.train()
+    errors: list[str] = []
+    where = "<top-level model>"
+    try:
+        tracker = _ModuleTracker(wrapper)
+        try:
+            with cumulative_batch_norm(wrapper):
+                ep = torch.export.export(wrapper, example, strict=False)
+            return _from_lowered(ep, names, gname)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported below
+            where = tracker.innermost()
+            errors.append(f"torch.export (non-strict): {_first_line(exc)}")
+        finally:
+            tracker.remove()
+        try:
+            with cumulative_batch_norm(wrapper):
+                ep = torch.export.export(wrapper, example, strict=True)
+            return _from_lowered(ep, names, gname)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"torch.export (strict): {_first_line(exc)}")
+        try:
+            return _from_fx(wrapper, example, names, gname)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"torch.fx.symbolic_trace: {_first_line(exc)}")
+    finally:
+        for m, mode in modes:  # restore every submodule's own train/eval flag
+            m.training = mode
+    reason = errors[0]
+    raise TraceError(
+        f"cannot trace {gname}: module {where!r} failed — {reason}\n"
+        f"  hint: {_hint(reason)}\n  all attempts:\n    " + "\n    ".join(errors)
+    )
