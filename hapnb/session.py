@@ -21,20 +21,34 @@ True
 
 Methods raise clear exceptions (naming the pin, device or collective); a re-synthesis or a cluster apply
 that fails changes nothing (the plan, cluster and cursor stay as they were). Long work takes an optional ``progress`` callback that receives :class:`Progress` values.
+
+Views listen: ``s.subscribe(fn)`` calls ``fn(change)`` with a :class:`Change` after every change of the
+session's state (``kind`` one of :data:`CHANGES`: the search cursor moved, a new plan, pins, ratios,
+the draft or the applied cluster changed, a verify report or the launch moved on), before long work
+(``"busy"``, with a line to show) and as it progresses (``"progress"``, when no ``progress`` callback is
+given). The Explorer is such a view.
+
+>>> seen = []
+>>> unsubscribe = s.subscribe(lambda change: seen.append(change.kind))
+>>> _ = s.step(); _ = s.set_pin("x", None); unsubscribe(); _ = s.step()
+>>> seen
+['search', 'pins']
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import display
 from .hardware.cluster import Cluster
 from .hardware.parts import Collective, Device
 from .ir.forms import Form, Storage, parse_pin
+from .plans.diff import AUTO, PlanDiff, diff_plans
 from .plans.explain import WhatIf, rebuild_graph, what_if
 from .plans.packaging import make_plan
 from .plans.plan import Plan, freeze_mapping
@@ -45,12 +59,16 @@ from .synth.search import NoProgramError, PinError, Search, SearchEvent, SearchN
 from .synth.spec import pin_choices
 from .triples import Theory, theory
 
-if TYPE_CHECKING:  # the run layer loads torch: imported inside the methods that need it
-    from .run.launch import Job, JobResult
+if TYPE_CHECKING:  # the run layer starts processes: imported inside the methods that need it
+    from .run.launch import Job, JobResult, JobState
 
-__all__ = ["Session", "Progress", "PlanDiff", "JobState", "UnknownPinError", "AUTO", "diff_plans"]
+__all__ = ["Session", "Progress", "Change", "CHANGES", "UnknownPinError", "AUTO", "PlanDiff", "diff_plans"]
 
-AUTO = "auto"
+#: what a :class:`Change` says happened: the search cursor moved (``search``), a new current plan
+#: (``plan``), the pins / the ratio values or locks / the draft cluster / the applied cluster changed,
+#: a verify report (``verify``), the launch moved on (``job``); long work is starting (``busy``) or
+#: progressing (``progress``)
+CHANGES = ("search", "plan", "pins", "ratios", "draft", "cluster", "verify", "job", "busy", "progress")
 """The pin value that means "no pin: the search chooses"."""
 
 
@@ -76,142 +94,13 @@ ProgressFn = Callable[[Progress], None]
 
 
 @dataclass(frozen=True)
-class PlanDiff:
-    """How plan ``new`` differs from plan ``old``: cost, pins, forms per tensor, ratios per device.
+class Change:
+    """What changed in a :class:`Session` (``kind``, one of :data:`CHANGES`); ``progress`` for
+    ``"progress"``, ``text`` (a line to show) for ``"busy"``."""
 
-    ``pins``/``forms``/``ratios`` list only what changed: ``(tensor, old pin, new pin)`` (``None`` =
-    not pinned), ``(tensor, old forms, new forms)`` in program order, ``(device, old ratio, new ratio)``
-    of the first segment (old ``None`` for a device the old cluster lacks).
-    """
-
-    old_cost_s: float
-    new_cost_s: float
-    pins: tuple[tuple[str, str | None, str | None], ...]
-    forms: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]
-    ratios: tuple[tuple[str, float | None, float], ...]
-    cluster: tuple[str, str] | None  # (old name, new name) when the cluster changed
-    stages: tuple[int, int]
-    instructions: tuple[int, int]
-    same_program: bool
-    old: Plan = field(compare=False, repr=False)
-    new: Plan = field(compare=False, repr=False)
-
-    @property
-    def delta_s(self) -> float:
-        return self.new_cost_s - self.old_cost_s
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Tensors whose pin or forms changed."""
-        return tuple(dict.fromkeys([p[0] for p in self.pins] + [f[0] for f in self.forms]))
-
-    def summary(self) -> str:
-        """One line: cost change, then what changed.
-
-        >>> from hapnb.plans.synthesis import synthesize
-        >>> a = synthesize("mlp", "2xV100+2xP100", layers=2, hidden=32, input=16, batch=8)
-        >>> diff_plans(a, a).summary()  # doctest: +ELLIPSIS
-        'cost ... ms -> ... ms (+0 ms, +0.0%); same program'
-        """
-        rel = self.delta_s / self.old_cost_s if self.old_cost_s else 0.0
-        parts = [
-            f"cost {self.old_cost_s * 1e3:.4g} ms -> {self.new_cost_s * 1e3:.4g} ms "
-            f"({'+' if self.delta_s >= 0 else ''}{self.delta_s * 1e3:.3g} ms, {rel:+.1%})"
-        ]
-        if self.cluster:
-            parts.append(f"cluster {self.cluster[0]} -> {self.cluster[1]}")
-        if self.pins:
-            parts.append("pins " + ", ".join(f"{t}: {a or AUTO} -> {b or AUTO}" for t, a, b in self.pins))
-        if self.ratios:
-            parts.append(
-                "ratios "
-                + ", ".join(f"{d}: {'-' if a is None else f'{a:.3f}'} -> {b:.3f}" for d, a, b in self.ratios)
-            )
-        if self.forms:
-            shown = ", ".join(
-                f"{t}: {'/'.join(a) or '-'} -> {'/'.join(b) or '-'}" for t, a, b in self.forms[:8]
-            )
-            more = f" (+{len(self.forms) - 8} more)" if len(self.forms) > 8 else ""
-            parts.append(f"forms {shown}{more}")
-        parts.append("same program" if self.same_program else f"stages {self.stages[0]} -> {self.stages[1]}")
-        return "; ".join(parts)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def _repr_html_(self) -> str:
-        return display.safe_html(display.plan_diff_html, self.old, self.new)
-
-
-def diff_plans(old: Plan, new: Plan) -> PlanDiff:
-    """The :class:`PlanDiff` from ``old`` to ``new``."""
-    po, pn = dict(old.pins), dict(new.pins)
-    pins = tuple((t, po.get(t), pn.get(t)) for t in dict.fromkeys([*po, *pn]) if po.get(t) != pn.get(t))
-    fo, fn = display.forms_by_tensor(old), display.forms_by_tensor(new)
-    forms = tuple(
-        (t, fo.get(t, ()), fn.get(t, ())) for t in dict.fromkeys([*fo, *fn]) if fo.get(t) != fn.get(t)
-    )
-    names_old = old.cluster.names
-    ratios = []
-    for j, d in enumerate(new.cluster.names):
-        a = old.ratios[0][names_old.index(d)] if d in names_old else None
-        b = new.ratios[0][j]
-        if a is None or abs(a - b) > 5e-4:
-            ratios.append((d, a, b))
-    return PlanDiff(
-        old.cost_s,
-        new.cost_s,
-        pins,
-        forms,
-        tuple(ratios),
-        (old.cluster.name, new.cluster.name) if old.cluster != new.cluster else None,
-        (len(old.stages), len(new.stages)),
-        (len(old.program), len(new.program)),
-        [str(i) for i in old.program] == [str(i) for i in new.program],
-        old,
-        new,
-    )
-
-
-@dataclass(frozen=True)
-class JobState:
-    """A snapshot of the launch: metrics lines so far, per-step times, and the result once it ended.
-
-    ``step_times``: per step, the slowest rank's ``step_s`` (what one iteration took). ``result`` is
-    the launch's ``JobResult`` once the job ended, else ``None``.
-    """
-
-    running: bool
-    metrics: tuple[Mapping[str, Any], ...]
-    step_times: tuple[float, ...]
-    steps: int  # steps asked for
-    predicted_s: float  # the launched plan's cost per iteration
-    result: Any = None
-
-    @property
-    def started(self) -> bool:
-        return self.running or self.result is not None or bool(self.metrics)
-
-    @property
-    def mean_step_s(self) -> float | None:
-        return sum(self.step_times) / len(self.step_times) if self.step_times else None
-
-    def summary(self) -> str:
-        if not self.started:
-            return "no launch yet"
-        if self.result is not None:
-            return f"launch finished: {self.result.summary()}"
-        return f"running: {len(self.step_times)}/{self.steps} steps"
-
-
-def _step_times(metrics: Iterable[Mapping[str, Any]]) -> tuple[float, ...]:
-    per_step: dict[Any, float] = {}
-    for m in metrics:
-        s, t = m.get("step"), m.get("step_s")
-        if s is None or isinstance(t, bool) or not isinstance(t, (int, float)):
-            continue
-        per_step[s] = max(per_step.get(s, float("-inf")), float(t))
-    return tuple(per_step[s] for s in sorted(per_step, key=lambda s: (not isinstance(s, (int, float)), s)))
+    kind: str
+    progress: Progress | None = None
+    text: str = ""
 
 
 # ============================================================================================ session
@@ -240,6 +129,7 @@ class Session:
         **zoo_options: Any,
     ) -> None:
         self.max_iterations = max_iterations
+        self._listeners: list[Callable[[Change], None]] = []
         #: why the current plan ignores memory (no program fits every device), else ""
         self.memory_note = ""
         self._model_spec: tuple[tuple[str, Any], ...] = ()
@@ -375,7 +265,35 @@ class Session:
         self.search = self._new_search()
         self.event = None
         self.current = 0
+        self._emit("plan")
         return plan
+
+    # ============================================================================ change events
+    def subscribe(self, listener: Callable[[Change], None]) -> Callable[[], None]:
+        """Call ``listener(change)`` after every change (see the module docstring); returns a function
+        that unsubscribes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _emit(self, kind: str, progress: Progress | None = None, text: str = "") -> None:
+        change = Change(kind, progress, text)
+        for listener in list(self._listeners):
+            listener(change)
+
+    @contextlib.contextmanager
+    def _busy(self, text: str) -> Iterator[None]:
+        """``"busy"`` with ``text`` before long work, and with ``""`` after it (done or failed)."""
+        self._emit("busy", text=text)
+        try:
+            yield
+        finally:
+            self._emit("busy")
+
+    def _progress(self, progress: ProgressFn | None) -> ProgressFn | None:
+        """The callback long work reports to: the caller's, else the listeners' (``"progress"``)."""
+        if progress is not None or not self._listeners:
+            return progress
+        return lambda p: self._emit("progress", p)
 
     # ============================================================================ search cursor
     @property
@@ -412,38 +330,45 @@ class Session:
         """Expand one node (the cheapest open program); the popped node becomes the current node."""
         ev = self.search.step()
         self._after_step(ev)
+        self._emit("search")
         return ev
 
     def step_n(self, n: int, progress: ProgressFn | None = None) -> SearchEvent | None:
         """Expand up to ``n`` nodes (fewer when the search ends); returns the last event."""
         if n < 0:
             raise ValueError(f"step_n needs n >= 0, got {n}")
+        progress = self._progress(progress)
         ev = None
         for k in range(n):
             if self.search.done:
                 break
-            ev = self.step()
+            ev = self.search.step()
+            self._after_step(ev)
             if progress is not None and k % 25 == 0:
                 progress(Progress(k, n, self.status))
         if progress is not None:
             progress(Progress(n, n, self.status))
+        self._emit("search")
         return ev
 
     def run_to_complete(
         self, max_steps: int = 100_000, progress: ProgressFn | None = None
     ) -> SearchEvent | None:
         """Step until an expansion produces a complete program (or the search is done)."""
+        progress = self._progress(progress)
         ev = None
         for k in range(max_steps):
             if self.search.done:
                 break
-            ev = self.step()
+            ev = self.search.step()
+            self._after_step(ev)
             if progress is not None and k % 50 == 0:
                 progress(Progress(k, 0, self.status))
             if any(c.complete for c in ev.children):
                 break
         if progress is not None:
             progress(Progress(1, 1, self.status))
+        self._emit("search")
         return ev
 
     def run(
@@ -452,6 +377,7 @@ class Session:
         """Run the search to its end (the best program proven optimal), ``chunk`` expansions at a time;
         the best node becomes the current node. Raises NoProgramError when no program exists."""
         t0 = time.perf_counter()
+        progress = self._progress(progress)
         while not self.search.done:
             try:
                 self.search.run(max_expansions=chunk, dives=0)
@@ -470,6 +396,7 @@ class Session:
         best = self.search.best
         if best is not None:
             self.current = best.id
+        self._emit("search")
         return best
 
     def reset(self) -> Search:
@@ -477,6 +404,7 @@ class Session:
         self.search = self._new_search()
         self.event = None
         self.current = 0
+        self._emit("search")
         return self.search
 
     def select(self, node_id: int) -> SearchNode:
@@ -485,6 +413,7 @@ class Session:
         if not isinstance(node_id, int) or not 0 <= node_id < n:
             raise IndexError(f"no search node #{node_id}: the search tree has nodes #0..#{n - 1}")
         self.current = node_id
+        self._emit("search")
         return self.search.node(node_id)
 
     def enabled(self) -> set[int]:
@@ -559,14 +488,18 @@ class Session:
         pin = self._checked_pin(name, form)
         if pin:
             self._pins.update(pin)
+            self._emit("pins")
             return pin[name]
         if name not in self._pins and name not in self.pinnable():
             self.pin_options(name)  # unknown name: raises
         self._pins.pop(name, None)
+        self._emit("pins")
         return AUTO
 
     def clear_pins(self) -> None:
+        """Unpin every tensor."""
         self._pins.clear()
+        self._emit("pins")
 
     # ============================================================================ ratios
     @property
@@ -604,6 +537,7 @@ class Session:
             self._locks[device] = v
         else:
             self._locks.pop(device, None)
+        self._emit("ratios")
 
     def unlock(self, device: str | None = None) -> None:
         """Remove the lock of ``device`` (all locks when ``None``)."""
@@ -611,6 +545,7 @@ class Session:
             self._locks.clear()
         else:
             self._locks.pop(self._device(device), None)
+        self._emit("ratios")
 
     # ============================================================================ plans
     @property
@@ -622,7 +557,8 @@ class Session:
         """Re-plan with the pins, the locked ratios and the cluster (:meth:`hapnb.plans.plan.Plan.replan`, fast:
         from the current plan's ratios, reusing what did not change); the new plan becomes the current one
         (the old one is ``previous_plan``, see :attr:`diff`). On error nothing changes."""
-        return self._set_plan(self._synthesize(self.cluster))
+        with self._busy("synthesizing..."):
+            return self._set_plan(self._synthesize(self.cluster))
 
     # ============================================================================ tuning
     def why_not(self, pins: Mapping[str, Form | Storage | str]) -> WhyNot:
@@ -693,6 +629,7 @@ class Session:
     def load_cluster(self, cluster: Cluster | str) -> Cluster:
         """Put a cluster (object, preset name, JSON path or inline spec) in the draft (not applied)."""
         self._draft = Cluster.resolve(cluster)
+        self._emit("draft")
         return self._draft
 
     def set_cluster(self, cluster: Cluster | str, apply: bool = True) -> Cluster:
@@ -728,6 +665,7 @@ class Session:
         if new != d:
             devices[j] = new
             self._draft = self._edited(devices=tuple(devices))
+            self._emit("draft")
         return new
 
     def set_collective(
@@ -751,11 +689,13 @@ class Session:
         if new != old:
             colls[kind] = new
             self._draft = self._edited(collectives=colls)
+            self._emit("draft")
         return new
 
     def discard_draft(self) -> Cluster:
         """Forget the draft's edits."""
         self._draft = self.cluster
+        self._emit("draft")
         return self._draft
 
     def apply_cluster(self) -> Plan:
@@ -763,10 +703,13 @@ class Session:
         On error (e.g. an unsatisfiable lock) the cluster and the plan stay as they were."""
         c = self._draft
         locks = {k: v for k, v in self._locks.items() if k in c.names}
-        plan = self._synthesize(c, locks)
+        with self._busy("synthesizing..."):
+            plan = self._synthesize(c, locks)
         self.cluster = c
         self._locks = locks
-        return self._set_plan(plan)
+        self._set_plan(plan)
+        self._emit("cluster")
+        return plan
 
     # ============================================================================ verify and launch
     def verify(self, nproc: int | None = None, **options: Any) -> Any:
@@ -775,8 +718,12 @@ class Session:
         from .run.verify import verify
 
         self.verify_report = None
-        report = verify(self.plan, nproc=nproc, **options)
-        self.verify_report = report
+        try:
+            with self._busy(f"verifying on {nproc or self.cluster.gpus} local ranks..."):
+                self.verify_report = verify(self.plan, nproc=nproc, **options)
+        finally:
+            self._emit("verify")  # verify_report None: it failed
+        report = self.verify_report
         return report
 
     @property
@@ -793,6 +740,7 @@ class Session:
             raise RuntimeError("a launch is still running: stop it first (stop())")
         job = launch(self.plan, nproc=nproc, backend=backend, steps=steps, **options)
         self._job, self._job_plan, self._job_steps = job, self.plan, steps
+        self._emit("job")
         return job
 
     @property
@@ -805,39 +753,50 @@ class Session:
         """Per-step times of the last launch, when it ran the current plan (else empty)."""
         if self._job is None or self._job_plan is not self.plan:
             return []
-        return list(_step_times(self._job.steps))
+        from .run.launch import step_times
+
+        return step_times(self._job.steps)
 
     def poll(self) -> JobState:
         """A snapshot of the launch now (never blocks)."""
+        from .run.launch import JobState, step_times
+
         job = self._job
         if job is None:
             return JobState(False, (), (), 0, self.plan.cost_s)
         metrics = tuple(job.steps)
         cost = self._job_plan.cost_s if self._job_plan is not None else self.plan.cost_s
-        return JobState(job.running, metrics, _step_times(metrics), self._job_steps, cost, job.result)
+        return JobState(job.running, metrics, tuple(step_times(metrics)), self._job_steps, cost, job.result)
 
     def follow(
         self, on_update: Callable[[JobState], None] | None = None, interval_s: float = 0.1
     ) -> JobResult:
-        """Block until the launch ends, calling ``on_update`` with a :class:`JobState` as metrics arrive
-        (at most every ``interval_s``, and once at the end); returns the job's result."""
+        """Block until the launch ends, calling ``on_update`` with a :class:`JobState` (and the listeners
+        with a ``"job"`` change) as metrics arrive (at most every ``interval_s``, and once at the end);
+        returns the job's result."""
         job = self._job
         if job is None:
             raise RuntimeError("nothing launched yet: launch() first")
         last = 0.0
         for _ in job.metrics():
             now = time.monotonic()
-            if on_update is not None and now - last >= interval_s:
+            if now - last >= interval_s:
                 last = now
-                on_update(self.poll())
+                self._job_moved(on_update)
         result = job.wait()
+        self._job_moved(on_update)
+        return result
+
+    def _job_moved(self, on_update: Callable[[JobState], None] | None) -> None:
         if on_update is not None:
             on_update(self.poll())
-        return result
+        self._emit("job")
 
     def stop(self) -> JobResult | None:
         """Stop a running launch (no-op when none runs); returns its result."""
-        return self._job.stop() if self._job is not None else None
+        result = self._job.stop() if self._job is not None else None
+        self._emit("job")
+        return result
 
     # ============================================================================ display
     def __repr__(self) -> str:

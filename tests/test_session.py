@@ -15,7 +15,8 @@ import synthetic  # noqa: E402
 from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.ir.forms import FullShard  # noqa: E402
 from hapnb.plans.plan import Plan  # noqa: E402
-from hapnb.session import AUTO, JobState, PlanDiff, Progress, Session, UnknownPinError  # noqa: E402
+from hapnb.run.launch import JobState  # noqa: E402
+from hapnb.session import AUTO, PlanDiff, Progress, Session, UnknownPinError  # noqa: E402
 from hapnb.synth.search import PinError, Search  # noqa: E402
 from hapnb.triples import theory  # noqa: E402
 

@@ -71,6 +71,33 @@ def test_step_updates_frontier_and_tree(ex):
     assert f"#{ex.current}" in ex.outputs["tree"].value
 
 
+def test_the_panel_follows_changes_made_to_its_session_by_a_script(ex):
+    """The Explorer is a view: it listens to the session's change events, whoever makes the change."""
+    before = ex.outputs["tree"].value
+    ex.session.step()
+    assert ex.outputs["tree"].value != before and ex.controls["node"].value == ex.session.current
+    ex.session.set_pin("w0", "G1")
+    assert ex.controls["pin:w0"].value == "G1" and "w0=G1" in ex.outputs["header"].value
+    ex.session.set_ratio("v100-1", 0.3)
+    assert ex.controls["ratio:v100-1"].value == pytest.approx(0.3) and ex.controls["lock:v100-1"].value
+    ex.session.edit_device("p100-0", flops=20e12)
+    assert (
+        ex.controls["flops:p100-0"].value == pytest.approx(20.0)
+        and "not applied" in ex.outputs["draft"].value
+    )
+    old = ex.outputs["plan"].value
+    plan = ex.session.resynthesize()
+    assert (
+        ex.plan is plan
+        and ex.outputs["plan"].value != old
+        and "synthesizing" not in ex.controls["progress_label"].value
+    )
+    # the Explorer's names are the session's, not copies
+    assert ex.step.__self__ is ex.session and ex.pins == ex.session.pins
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ex.nope  # noqa: B018
+
+
 def test_run_to_next_complete_and_run_find_the_optimum(ex, th):
     ex.buttons["run_to_complete"].click()
     assert ex.last_error is None

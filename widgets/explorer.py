@@ -38,14 +38,15 @@ Tabs
 * **Launch**: Verify (``hapnb.run.verify.verify``) and Launch (``hapnb.run.launch.launch``) with
   per-step time and loss streamed into a table.
 
-State for scripts and tests lives in ``ex.session``; the Explorer mirrors it read-only as ``ex.search``,
-``ex.plan``, ``ex.previous_plan``, ``ex.plans``, ``ex.event``, ``ex.current``, ``ex.pins``,
-``ex.ratio_locks``, ``ex.cluster``, ``ex.metrics``, ``ex.measured``; ``ex.last_error`` is the error the
-panel shows. Widgets are in ``ex.buttons[name]``, ``ex.controls[name]`` and ``ex.outputs[name]``.
-Methods (the buttons' actions): ``step``, ``step_n``, ``run_to_complete``, ``run``, ``reset``,
-``select``, ``use_best``, ``set_pin``, ``set_ratio``, ``resynthesize``, ``why_not``, ``set_cluster``,
-``edit_device``, ``set_collective``, ``apply_cluster``, ``show_sensitivity``, ``what_if``, ``verify``,
-``launch``, ``stop``, ``filter_triples``. Methods raise on bad input; the buttons show the error in the panel instead.
+State for scripts and tests lives in ``ex.session``; the panel subscribes to its change events
+(:meth:`hapnb.session.Session.subscribe`) and re-renders the part that changed, whoever changed it: a button,
+a script calling ``ex.session.set_pin(...)``, or another view. The session's state and verbs are readable
+on the Explorer by name, without a copy (:data:`SESSION_STATE`: ``ex.plan``, ``ex.search``, ``ex.pins``,
+...; :data:`SESSION_VERBS`: ``ex.step()``, ``ex.set_pin(...)``, ``ex.resynthesize()``, ``ex.verify()``,
+...). The Explorer's own methods ask and show: ``why_not``, ``show_sensitivity``, ``what_if`` (their
+answers render in the panel), ``filter_triples``, ``launch`` (follows the job) and ``refresh``.
+``ex.last_error`` is the error the panel shows. Widgets are in ``ex.buttons[name]``, ``ex.controls[name]``
+and ``ex.outputs[name]``. Methods raise on bad input; the buttons show the error in the panel instead.
 """
 
 from __future__ import annotations
@@ -62,10 +63,19 @@ from hapnb.hardware.cluster import PRESETS, Cluster
 from hapnb.ir.forms import Form
 from hapnb.plans.explain import INTRA_MACHINE
 from hapnb.plans.plan import Plan
-from hapnb.session import AUTO, JobState, Progress, Session
-from hapnb.synth.search import Search, SearchEvent, SearchNode
+from hapnb.run.launch import JobState
+from hapnb.session import AUTO, Change, Progress, Session
 
-__all__ = ["Explorer"]
+__all__ = ["Explorer", "SESSION_STATE", "SESSION_VERBS"]
+
+#: the session's state the panel shows, readable on the Explorer by name (``ex.plan`` is ``ex.session.plan``)
+SESSION_STATE = ("search", "plan", "previous_plan", "plans", "event", "current", "pins", "ratio_locks",
+                 "cluster", "metrics", "measured", "theory", "graph")  # fmt: skip
+#: the session's verbs, callable on the Explorer by name (``ex.step()`` is ``ex.session.step()``); the
+#: panel follows every change through the session's change events, whoever made it
+SESSION_VERBS = ("step", "step_n", "run_to_complete", "run", "reset", "select", "use_best", "enabled", "set_pin",
+                 "set_ratio", "resynthesize", "set_cluster", "edit_device", "set_collective", "apply_cluster",
+                 "verify", "stop")  # fmt: skip
 
 GiB = 2**30
 _CLUSTER_TAB = 4  # index of the Cluster tab (its sensitivity is computed when it is shown)
@@ -127,144 +137,52 @@ class Explorer:
         self.outputs: dict[str, Any] = {}
         self.widget = self._build()
         self.refresh()
+        self.session.subscribe(self._on_change)
 
-    # ============================================================================ the session's state
-    @property
-    def search(self) -> Search:
-        """The session's search cursor."""
-        return self.session.search
+    # ============================================================================ the session, by name
+    def __getattr__(self, name: str) -> Any:
+        """The session's state and verbs by name (:data:`SESSION_STATE`, :data:`SESSION_VERBS`):
+        ``ex.plan`` is ``ex.session.plan``, ``ex.step()`` is ``ex.session.step()``."""
+        if name in SESSION_STATE or name in SESSION_VERBS:
+            return getattr(self.session, name)
+        raise AttributeError(f"'Explorer' object has no attribute {name!r}")
 
-    @property
-    def plan(self) -> Plan:
-        """The current plan."""
-        return self.session.plan
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *SESSION_STATE, *SESSION_VERBS})
 
-    @property
-    def previous_plan(self) -> Plan | None:
-        """The plan before the current one."""
-        return self.session.previous_plan
-
-    @property
-    def plans(self) -> list[Plan]:
-        """Every plan made, oldest first."""
-        return self.session.plans
-
-    @property
-    def event(self) -> SearchEvent | None:
-        """What the last step did."""
-        return self.session.event
-
-    @property
-    def current(self) -> int:
-        """The selected search node."""
-        return self.session.current
-
-    @property
-    def pins(self) -> dict[str, str]:
-        """Pinned forms by tensor name."""
-        return self.session.pins
-
-    @property
-    def ratio_locks(self) -> dict[str, float]:
-        """Locked ratios by device."""
-        return self.session.ratio_locks
-
-    @property
-    def cluster(self) -> Cluster:
-        """The applied cluster."""
-        return self.session.cluster
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        """The launch's metrics lines."""
-        return self.session.metrics
-
-    @property
-    def measured(self) -> list[float]:
-        """Measured step times of the current plan's launch."""
-        return self.session.measured
-
-    @property
-    def theory(self) -> Any:
-        """The program's theory."""
-        return self.session.theory
-
-    @property
-    def graph(self) -> Any:
-        """The program's graph."""
-        return self.session.graph
-
-    # ============================================================================ search
-    def step(self) -> SearchEvent:
-        """Expand one node of the search (the Step button); returns the SearchEvent."""
-        ev = self.session.step()
-        self._refresh_search()
-        return ev
-
-    def step_n(self, n: int | None = None) -> SearchEvent | None:
-        """Expand ``n`` nodes (default: the "N" field), refreshing the views once at the end."""
-        n = int(self.controls["step_n"].value if n is None else n)
-        ev = self.session.step_n(n, progress=self._progress)
-        self._refresh_search()
-        return ev
-
-    def run_to_complete(self, max_steps: int = 100_000) -> SearchEvent | None:
-        """Step until an expansion produces a complete program (or the search is done)."""
-        ev = self.session.run_to_complete(max_steps, progress=self._progress)
-        self._refresh_search()
-        return ev
-
-    def run(self, chunk: int = 200, max_seconds: float | None = None) -> SearchNode | None:
-        """Run the search to the end (the best program proven optimal), in chunks with progress."""
-        best = self.session.run(chunk, max_seconds, progress=self._progress)
-        self._refresh_search()
-        return best
-
-    def reset(self) -> Search:
-        """A fresh search at the current plan's ratios and the current pins."""
-        s = self.session.reset()
-        self._refresh_search()
-        return s
-
-    def select(self, node_id: int) -> SearchNode:
-        """Centre the tree drawing and the triple highlighting on one search node."""
-        node = self.session.select(int(node_id))
-        self._refresh_search()
-        return node
-
-    def use_best(self) -> Plan:
-        """Make the search's best complete program (at the search's ratios) the current plan."""
-        plan = self.session.use_best()
-        self.refresh()
-        return plan
-
-    def enabled(self) -> set[int]:
-        """Ids of the triples enabled at the current node."""
-        return self.session.enabled()
-
-    # ============================================================================ pins and ratios
-    def set_pin(self, name: str, form: Form | str | None) -> str:
-        """Pin tensor ``name`` to ``form`` (``"G1"``, ``hapnb.Shard(1)``, ...); ``None``/"auto" unpins."""
-        value = self.session.set_pin(name, form)
-        self._sync_pins()
-        self._refresh_header()
-        return value
-
-    def set_ratio(self, device: str, value: float, lock: bool = True) -> None:
-        """Set a device's ratio slider and (by default) lock it, so re-synthesis keeps that ratio."""
-        self.session.set_ratio(device, value, lock=lock)
-        self._sync_ratios()
-
-    def resynthesize(self) -> Plan:
-        """Re-run ``synthesize`` with the pins, locked ratios and cluster; shows the cost and the diff."""
-        self.controls["progress_label"].value = "synthesizing..."
+    def _on_change(self, change: Change) -> None:
+        """The session changed (whoever changed it): re-render what shows that part of its state."""
         try:
-            plan = self.session.resynthesize()
-        finally:
-            self._refresh_status()
-        self.refresh()
-        return plan
+            kind = change.kind
+            if kind == "search":
+                self._refresh_search()
+            elif kind == "plan":
+                self.refresh()
+            elif kind == "pins":
+                self._sync_pins()
+                self._refresh_header()
+            elif kind == "ratios":
+                self._sync_ratios()
+            elif kind in ("draft", "cluster"):
+                self._sync_cluster_fields()
+            elif kind == "busy":
+                if change.text:
+                    self.controls["progress_label"].value = html.escape(change.text)
+                else:
+                    self._refresh_status()
+            elif kind == "progress" and change.progress is not None:
+                self._progress(change.progress)
+            elif kind == "verify":
+                self._show_verify(self.session.verify_report)
+            elif kind == "job":
+                state = self.session.poll()
+                self._show_job(state)
+                if state.result is not None:
+                    self._refresh_plan()  # the measured overlay
+        except Exception as e:  # noqa: BLE001 - a view never breaks the session's verb; shown in the panel
+            self._error(e)
 
+    # ============================================================================ questions
     def why_not(self, pins: Mapping[str, Form | str] | None = None) -> Any:
         """Why the plan does not use these forms (default: the "Why not?" tensor and form fields): shows
         and returns the session's :class:`hapnb.plans.whynot.WhyNot`; the plan does not change."""
@@ -277,39 +195,6 @@ class Explorer:
             self._refresh_status()
         self.outputs["why_not"].value = _scroll(display.safe_html(display.why_not_html, answer))
         return answer
-
-    # ============================================================================ cluster
-    def set_cluster(self, cluster: Cluster | str, apply: bool = True) -> Cluster:
-        """Load a cluster (object, preset name, JSON path or inline spec) into the editor; re-synthesize."""
-        c = self.session.load_cluster(cluster)
-        self._sync_cluster_fields()
-        if apply:
-            self.apply_cluster()
-        return c
-
-    def edit_device(
-        self, name: str, *, flops: float | None = None, memory_bytes: float | None = None
-    ) -> None:
-        """Edit a device's throughput (flop/s) or memory (bytes) in the cluster editor (not applied yet)."""
-        self.session.edit_device(name, flops=flops, memory_bytes=memory_bytes)
-        self._sync_cluster_fields()
-
-    def set_collective(
-        self, kind: str, *, bandwidth_Bps: float | None = None, latency_s: float | None = None
-    ) -> None:
-        """Edit a collective's bandwidth (bytes/s) or latency (s) in the cluster editor (not applied yet)."""
-        self.session.set_collective(kind, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s)
-        self._sync_cluster_fields()
-
-    def apply_cluster(self) -> Plan:
-        """Make the edited cluster the cluster and re-synthesize on it."""
-        self.controls["progress_label"].value = "synthesizing..."
-        try:
-            plan = self.session.apply_cluster()
-        finally:
-            self._refresh_status()
-        self.refresh()
-        return plan
 
     def show_sensitivity(self) -> Any:
         """Compute and show what bounds the plan's step (the Cluster tab does when it is shown)."""
@@ -364,22 +249,16 @@ class Explorer:
         return self.outputs["triples"].value
 
     # ============================================================================ verify and launch
-    def verify(self, nproc: int | None = None) -> Any:
-        """Verify the plan on ``nproc`` local ranks (default: the "nproc" field) and show the report."""
-        nproc = int(self.controls["nproc"].value if nproc is None else nproc)
-        self._launch_status(html.escape(f"verifying on {nproc} local ranks..."))
-        try:
-            report = self.session.verify(nproc=nproc)
-        except BaseException:
+    def _show_verify(self, report: Any) -> None:
+        if report is None:
             self._launch_status("verify failed (see the error above)")
-            raise
+            return
         color = "#060" if report.ok else "#a00"
         self._launch_status(
             f"<span style='color:{color}'>verify: {html.escape(report.summary())}</span>"
             f"<details><summary>per tensor</summary>{display.safe_html(lambda r: r._repr_html_(), report)}"
             "</details>"
         )
-        return report
 
     def launch(self, nproc: int | None = None, steps: int | None = None, *, wait: bool = True) -> Any:
         """Launch the plan and stream per-step time and loss into the panel; returns the job.
@@ -389,29 +268,18 @@ class Explorer:
         nproc = int(self.controls["nproc"].value if nproc is None else nproc)
         steps = int(self.controls["steps"].value if steps is None else steps)
         backend = self.controls["backend"].value
-        job = self.session.launch(nproc=nproc, steps=steps, backend=backend)
         self._launch_status(html.escape(f"launching {nproc} ranks, {steps} steps ({backend})..."))
-        self._show_job(self.session.poll())
+        job = self.session.launch(nproc=nproc, steps=steps, backend=backend)
         if wait:
-            self._follow()
+            self.session.follow()
         else:
             self._launch_thread = threading.Thread(target=self._follow_guarded, daemon=True)
             self._launch_thread.start()
         return job
 
-    def stop(self) -> Any:
-        """Stop a running launch; returns its result (None when nothing was launched)."""
-        result = self.session.stop()
-        self._show_job(self.session.poll())
-        return result
-
-    def _follow(self) -> None:
-        self.session.follow(self._show_job)
-        self._refresh_plan()  # the measured overlay
-
     def _follow_guarded(self) -> None:
         try:
-            self._follow()
+            self.session.follow()
         except Exception as e:  # noqa: BLE001 - shown in the panel (a thread cannot raise to the cell)
             self._error(e)
 
@@ -495,17 +363,19 @@ class Explorer:
         c["depth"] = W.BoundedIntText(
             value=2, min=0, max=6, description="depth", layout=W.Layout(width="140px")
         )
-        self._observe(c["node"], lambda v: self.select(int(v)))
+        self._observe(c["node"], lambda v: self.session.select(int(v)))
         self._observe(c["depth"], lambda _: self._refresh_tree())
         row = W.HBox(
             [
-                self._button("step", "Step", self.step, icon="step-forward"),
-                self._button("step_n", "Step ×N", self.step_n),
+                self._button("step", "Step", lambda: self.session.step(), icon="step-forward"),
+                self._button("step_n", "Step ×N", lambda: self.session.step_n(int(c["step_n"].value))),
                 c["step_n"],
-                self._button("run_to_complete", "Run to next complete", self.run_to_complete),
-                self._button("run", "Run", self.run, icon="play"),
-                self._button("reset", "Reset", self.reset, icon="refresh"),
-                self._button("use_best", "Use best program", self.use_best),
+                self._button(
+                    "run_to_complete", "Run to next complete", lambda: self.session.run_to_complete()
+                ),
+                self._button("run", "Run", lambda: self.session.run(), icon="play"),
+                self._button("reset", "Reset", lambda: self.session.reset(), icon="refresh"),
+                self._button("use_best", "Use best program", lambda: self.session.use_best()),
             ],
             layout=W.Layout(flex_flow="row wrap"),
         )
@@ -593,7 +463,9 @@ class Explorer:
                 self.outputs["locks"],
                 W.HBox(
                     [
-                        self._button("resynthesize", "Re-synthesize", self.resynthesize, icon="cogs"),
+                        self._button(
+                            "resynthesize", "Re-synthesize", lambda: self.session.resynthesize(), icon="cogs"
+                        ),
                         c["auto_resynth"],
                     ]
                 ),
@@ -609,16 +481,15 @@ class Explorer:
 
     def _on_pin(self, name: str, value: str) -> None:
         self.session.set_pin(name, value)
-        self._refresh_header()
         if self.controls["auto_resynth"].value:
-            self.resynthesize()
+            self.session.resynthesize()
 
     def _on_ratio(self, device: str, value: float | None = None, lock: bool = True) -> None:
         if value is None:
             value = float(self.controls[f"ratio:{device}"].value)
-        self.set_ratio(device, value, lock=lock)
+        self.session.set_ratio(device, value, lock=lock)
         if lock and self.controls["auto_resynth"].value:
-            self.resynthesize()
+            self.session.resynthesize()
 
     def _build_ratio_rows(self) -> None:
         c = self.controls
@@ -656,7 +527,9 @@ class Explorer:
         c["spec"] = W.Text(
             value="", placeholder="2xV100+6xP100 or a JSON path", description="spec", continuous_update=False
         )
-        self._observe(c["preset"], lambda v: self.set_cluster(v, apply=False) if v != "(current)" else None)
+        self._observe(
+            c["preset"], lambda v: self.session.set_cluster(v, apply=False) if v != "(current)" else None
+        )
         self.outputs["cluster_fields"] = W.VBox()
         self._build_cluster_fields()
         self.outputs["draft"] = _html()
@@ -673,7 +546,9 @@ class Explorer:
                 W.HBox([c["preset"], c["spec"], self._button("load_spec", "Load", self._load_spec)]),
                 self.outputs["cluster_fields"],
                 self.outputs["draft"],
-                self._button("apply_cluster", "Apply (re-plan)", self.apply_cluster, icon="check"),
+                self._button(
+                    "apply_cluster", "Apply (re-plan)", lambda: self.session.apply_cluster(), icon="check"
+                ),
                 self.outputs["cluster"],
                 self.outputs["sensitivity"],
                 W.HBox([c["what_if"], c["what_if_pct"], self._button("what_if", "What if?", self.what_if)]),
@@ -691,7 +566,7 @@ class Explorer:
         spec = self.controls["spec"].value.strip()
         if not spec:
             raise ValueError("type a cluster spec (e.g. 2xV100+6xP100), a preset name or a JSON path first")
-        self.set_cluster(spec, apply=False)
+        self.session.set_cluster(spec, apply=False)
 
     def _build_cluster_fields(self) -> None:
         """One row per device (TFLOP/s, GiB) and per collective (GB/s, latency) of the draft cluster."""
@@ -704,8 +579,8 @@ class Explorer:
         for d in cl.devices:
             f = W.FloatText(description="TFLOP/s", layout=W.Layout(width="200px"))
             m = W.FloatText(description="GiB", layout=W.Layout(width="180px"))
-            self._observe(f, lambda v, n=d.name: self._edit(s.edit_device, n, flops=float(v) * 1e12))
-            self._observe(m, lambda v, n=d.name: self._edit(s.edit_device, n, memory_bytes=float(v) * GiB))
+            self._observe(f, lambda v, n=d.name: s.edit_device(n, flops=float(v) * 1e12))
+            self._observe(m, lambda v, n=d.name: s.edit_device(n, memory_bytes=float(v) * GiB))
             c[f"flops:{d.name}"], c[f"memory:{d.name}"] = f, m
             rows.append(
                 W.HBox([W.Label(f"{d.name} ({d.kind}, {d.machine})", layout=W.Layout(width="220px")), f, m])
@@ -713,17 +588,12 @@ class Explorer:
         for k, _ in cl.collectives:
             bw = W.FloatText(description="GB/s", layout=W.Layout(width="200px"))
             lat = W.FloatText(description="latency us", layout=W.Layout(width="220px"))
-            self._observe(bw, lambda v, k=k: self._edit(s.set_collective, k, bandwidth_Bps=float(v) * 1e9))
-            self._observe(lat, lambda v, k=k: self._edit(s.set_collective, k, latency_s=float(v) * 1e-6))
+            self._observe(bw, lambda v, k=k: s.set_collective(k, bandwidth_Bps=float(v) * 1e9))
+            self._observe(lat, lambda v, k=k: s.set_collective(k, latency_s=float(v) * 1e-6))
             c[f"bw:{k}"], c[f"lat:{k}"] = bw, lat
             rows.append(W.HBox([W.Label(k, layout=W.Layout(width="220px")), bw, lat]))
         self.outputs["cluster_fields"].children = rows
         self._field_names = (cl.names, tuple(k for k, _ in cl.collectives))
-
-    def _edit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """A field of the cluster editor changed: edit the session's draft (field units -> SI)."""
-        method(*args, **kwargs)
-        self._show_draft()
 
     def _build_launch(self) -> W.Widget:
         c = self.controls
@@ -746,9 +616,14 @@ class Explorer:
                         c["nproc"],
                         c["steps"],
                         c["backend"],
-                        self._button("verify", "Verify", self.verify, icon="check-circle"),
+                        self._button(
+                            "verify",
+                            "Verify",
+                            lambda: self.session.verify(nproc=int(c["nproc"].value)),
+                            icon="check-circle",
+                        ),
                         self._button("launch", "Launch", lambda: self.launch(wait=False), icon="rocket"),
-                        self._button("stop", "Stop", self.stop, icon="stop"),
+                        self._button("stop", "Stop", lambda: self.session.stop(), icon="stop"),
                     ],
                     layout=W.Layout(flex_flow="row wrap"),
                 ),  # fmt: skip

@@ -66,6 +66,7 @@ __all__ = [
     "DEFAULT_WORKER",
     "Job",
     "JobResult",
+    "JobState",
     "LaunchError",
     "default_backend",
     "launch",
@@ -112,6 +113,37 @@ def step_times(metrics: Sequence[Mapping[str, Any]], warmup: int = 0) -> list[fl
     order = sorted(per_step, key=lambda s: (not isinstance(s, (int, float)), s))
     times = [per_step[s] for s in order]
     return times[warmup:] if len(times) > warmup else times
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A snapshot of the launch: metrics lines so far, per-step times, and the result once it ended.
+
+    ``step_times``: per step, the slowest rank's ``step_s`` (what one iteration took). ``result`` is
+    the launch's ``JobResult`` once the job ended, else ``None``.
+    """
+
+    running: bool
+    metrics: tuple[Mapping[str, Any], ...]
+    step_times: tuple[float, ...]
+    steps: int  # steps asked for
+    predicted_s: float  # the launched plan's cost per iteration
+    result: Any = None
+
+    @property
+    def started(self) -> bool:
+        return self.running or self.result is not None or bool(self.metrics)
+
+    @property
+    def mean_step_s(self) -> float | None:
+        return sum(self.step_times) / len(self.step_times) if self.step_times else None
+
+    def summary(self) -> str:
+        if not self.started:
+            return "no launch yet"
+        if self.result is not None:
+            return f"launch finished: {self.result.summary()}"
+        return f"running: {len(self.step_times)}/{self.steps} steps"
 
 
 @dataclass(frozen=True)
