@@ -1,24 +1,22 @@
 """The ``hapnb`` command line (docs/architecture.md §4): plan, compare, pipeline, simulate, verify, launch, profile,
 calibrate, theory, demo.
 
-Every subcommand's argument parsing lives here; the library modules it calls take plain Python
-arguments. Flags and JSON keys are a stable contract; ``python -m hapnb`` is the same program.
+Every subcommand's argument parsing lives here, with the program itself (:func:`main`, :func:`run`); what
+each subcommand does (``cmd_NAME``) is in :mod:`hapnb.cli_commands`, and the library modules those call
+take plain Python arguments. Flags and JSON keys are a stable contract; ``python -m hapnb`` is the same
+program.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "run", "build_parser"]
+from . import cli_commands as _c
 
-DEMO_MODEL = "bert"
-DEMO_CLUSTER = "paper-hetero-8"
+__all__ = ["main", "run", "build_parser"]
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -101,15 +99,6 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _runtime_argv(ns: argparse.Namespace) -> list[str]:
-    """The worker arguments of :func:`_runtime_args`' flags (only those not at their defaults)."""
-    from .run.worker import runtime_argv
-
-    return runtime_argv(
-        ns.grad_sync, ns.bucket_cap_bytes, ns.first_bucket_cap_bytes, not ns.no_interleave, ns.device
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hapnb",
@@ -136,8 +125,13 @@ def _plan_commands(sub: Any) -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the DP-EV/DP-CP baselines")
     p.add_argument(
         "--duplex",
-        action="store_true",
-        help="HiDup's duplex schedule: two micro-batches, one computing while the other communicates",
+        nargs="?",
+        const="on",
+        choices=["on", "auto"],
+        default=None,
+        help="HiDup's duplex schedule: two micro-batches, one computing while the other communicates; the "
+        "plain plan's time is reported beside it. --duplex auto keeps duplex only where it is predicted "
+        "faster (on the --pick clock) and says which plan it kept",
     )
     _pick_arg(p)
 
@@ -167,7 +161,13 @@ def _plan_commands(sub: Any) -> None:
     _model_args(p)
     _cluster_args(p)
     p.add_argument("--micro-batches", type=int, help="micro-batches per batch (default: micro-batches of 4)")
-    p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
+    p.add_argument(
+        "--schedule",
+        choices=["1F1B", "GPipe"],
+        default=None,
+        help="default: 1F1B where it runs (at least as many micro-batches as stages: with the default "
+        "micro-batches, more of them if needed), else GPipe, whichever is faster; the plan says which",
+    )
     p.add_argument(
         "--method",
         choices=["dp", "greedy", "exhaustive"],
@@ -217,7 +217,14 @@ def _plan_commands(sub: Any) -> None:
 
 def _run_commands(sub: Any) -> None:
     """The subcommands verify, launch, profile, calibrate: running plans on ranks and measuring devices."""
-    p = sub.add_parser("verify", help="run the plan on local ranks and compare with one device")
+    p = sub.add_parser(
+        "verify",
+        help="run the plan on local ranks and compare with one device",
+        description="Run a plan (--plan, or one synthesized from --model and --cluster) on local ranks and "
+        "compare it with one device. With --plan, --batch and --seq re-derive the plan's program (the same "
+        "forms and ratios) at that size, e.g. to check a paper-size plan on a CPU machine; the other model, "
+        "cluster and pin flags apply to --model only.",
+    )
     p.add_argument("--plan", help="a plan JSON, SPMD or pipeline (the plan records how to rebuild its model)")
     _model_args(p, required=False)
     _cluster_args(p, required=False)
@@ -323,381 +330,6 @@ def _tool_commands(sub: Any) -> None:
     p.add_argument("--no-verify", action="store_true")
 
 
-def _options(ns: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for k in ("layers", "batch", "seq"):
-        v = getattr(ns, k, None)
-        if v is not None:
-            opts[k] = v
-    for item in getattr(ns, "set", []) or []:
-        if "=" not in item:
-            raise SystemExit(f"hapnb: --set {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        opts[k.strip()] = _value(v.strip())
-    return opts
-
-
-def _value(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
-
-
-def _pins(ns: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    from .ir.forms import parse_pin
-
-    pins = {}
-    for item in ns.pin or []:
-        if "=" not in item:
-            raise SystemExit(f"hapnb: --pin {item!r}: expected NAME=FORM, e.g. layers.0.fc1.weight=G1")
-        k, v = item.rsplit("=", 1)
-        try:
-            pins[k] = parse_pin(v)
-        except ValueError as e:
-            raise SystemExit(f"hapnb: --pin {item!r}: {e}") from None
-    ratios: Any = None
-    if ns.ratios:
-        ratios = [float(x) for x in ns.ratios.split(",")]
-    if ns.ratio_pin:
-        if ratios is not None:
-            raise SystemExit("hapnb: use either --ratios (fixed) or --ratio-pin (bounds), not both")
-        ratios = {}
-        for item in ns.ratio_pin:
-            k, v = item.split("=", 1)
-            ratios[k] = tuple(float(x) for x in v.split(":")) if ":" in v else float(v)
-    return pins, ratios
-
-
-def _synthesize(ns: argparse.Namespace) -> tuple[Any, Any, float]:
-    from .hardware.cluster import Cluster
-    from .plans.synthesis import synthesize
-
-    c = Cluster.resolve(ns.cluster)
-    pins, ratios = _pins(ns) if hasattr(ns, "pin") else ({}, None)
-    duplex = bool(getattr(ns, "duplex", False))
-    pick = getattr(ns, "pick", "simulated")
-    plan = synthesize(ns.model, c, pins=pins, ratios=ratios, duplex=duplex, pick=pick, **_options(ns))
-    return plan, c, plan.synthesis_s
-
-
-def cmd_plan(ns: argparse.Namespace) -> int:
-    from .plans.synthesis import baselines
-
-    plan, c, synth_s = _synthesize(ns)
-    t_done = time.perf_counter()
-    base = {} if ns.no_baselines else baselines(plan.graph, c)
-    if ns.output:
-        plan.save(ns.output)
-    if ns.report:
-        from . import display
-        from .plans.simulation import simulate
-
-        timeline = simulate(plan) if plan.costed else None
-        Path(ns.report).write_text(display.report_html(plan, baselines=base, timeline=timeline))
-    if ns.json:
-        out = {
-            "cost_s": plan.cost_s,
-            "lower_bound_s": plan.lower_bound_s,
-            "synthesis_s": synth_s,
-            "expansions": plan.stats.get("expansions", 0),
-            "optimal": plan.stats.get("optimal"),  # every search proved its program optimal
-            "optimal_gap": plan.stats.get("gap", 0.0),  # else: how far the best may be from the A* bound
-            "iterations": len(plan.history),
-            "ratios": [list(r) for r in plan.ratios],
-            "program": [str(i) for i in plan.program],
-            "stages": len(plan.stages),
-            "baselines": {k: v.cost_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
-            "devices": list(plan.devices),
-            "memory_bytes": list(plan.memory_bytes),  # predicted peak per device (breakdown in the plan file)
-            "simulated_s": plan.simulated_s,  # the overlap simulator's iteration time (hapnb.simulate)
-            "duplex": plan.duplex,
-            "baselines_simulated_s": {k: v.simulated_s for k, v in base.items() if k in ("dp_ev", "dp_cp")},
-            "baselines_unavailable": dict(getattr(base, "unavailable", {})),  # {name: why}
-            "fallback_ops": [list(p) for p in plan.fallback_ops],  # [op, target]: no rule, run replicated
-        }
-        # where the command's time went (benchmarks/command.py): building and tracing the model (0 build
-        # when the trace cache had it), synthesis (search_s and balance_s of it), and after synthesis
-        phases = {k: plan.stats[k] for k in ("build_s", "trace_s", "trace_path", "search_s", "balance_s")
-                  if k in plan.stats}  # fmt: skip
-        out["phases"] = {**phases, "synthesis_s": synth_s, "after_s": time.perf_counter() - t_done}
-        print(json.dumps(out))
-    else:
-        print(plan.summary())
-        for k, v in base.items():
-            print(
-                f"  baseline {k}: {v.cost_s * 1e3:.3f} ms ({v.cost_s / plan.cost_s:.2f}x the plan); simulated "
-                f"{v.simulated_s * 1e3:.3f} ms ({v.simulated_s / plan.simulated_s:.2f}x the plan's)"
-            )
-        for k, why in getattr(base, "unavailable", {}).items():
-            print(f"  baseline {k}: not available: {why}")
-        if ns.output:
-            print(f"  plan written to {ns.output}")
-        if ns.report:
-            print(f"  report written to {ns.report}")
-    return 0
-
-
-def cmd_compare(ns: argparse.Namespace) -> int:
-    from .plans.comparison import compare
-
-    cmp = compare(
-        ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_options(ns)
-    )
-    if ns.json:
-        out = cmp.to_json() if ns.detail else cmp.times("simulated" if ns.simulated else "stage")
-        print(json.dumps(out))
-    else:
-        print(cmp)
-    return 0
-
-
-def cmd_pipeline(ns: argparse.Namespace) -> int:
-    from .pipelines.planner import pipeline, plan_json_summary
-
-    plan = pipeline(
-        ns.model,
-        ns.cluster,
-        micro_batches=ns.micro_batches,
-        schedule=ns.schedule,
-        method=ns.method,
-        exhaustive_search=ns.exhaustive,
-        budget_s=ns.budget,
-        prune=not ns.no_prune,
-        fold_comm=ns.fold == "comm",
-        **_options(ns),
-    )
-    if ns.output:
-        plan.save(ns.output)
-    if ns.json:
-        print(json.dumps(plan_json_summary(plan)))
-        return 0
-    print(plan)
-    st = plan.stats
-    for k in ("dp", "greedy"):
-        if f"{k}_iteration_s" in st:
-            print(
-                f"  {k} recovery: {st[f'{k}_iteration_s'] * 1e3:.3f} ms, planned in {st[f'{k}_planning_s']:.3f} s"
-            )
-    ex = st.get("exhaustive")
-    if ex is not None:
-        state = (
-            "optimal"
-            if ex["finished"]
-            else f"stopped at unit {ex['stopped_at']} after {ex['planning_s']:.1f} s"
-        )
-        t = ex["iteration_s"]
-        print(
-            f"  exhaustive: {'-' if t is None else f'{t * 1e3:.3f} ms'} ({state}; full unpruned run "
-            f"~{ex['extrapolated_s']:.3g} s)"
-        )
-    print(f"  layer costs in {st['costs_s']:.2f} s ({st['costs_source']})")
-    if ns.output:
-        print(f"  pipeline plan written to {ns.output}")
-    return 0
-
-
-def cmd_simulate(ns: argparse.Namespace) -> int:
-    from .plans.plan import Plan
-    from .plans.simulation import simulate
-
-    tl = simulate(
-        Plan.load(ns.plan),
-        overlap=not ns.no_overlap,
-        bandwidth_sharing=not ns.no_sharing,
-        slowdown=ns.slowdown,
-    )
-    if ns.gantt:
-        from bokeh.embed import file_html
-        from bokeh.resources import INLINE
-
-        Path(ns.gantt).write_text(
-            file_html(tl.gantt(), resources=INLINE, title=f"hapnb simulated: {tl.plan_name}")
-        )
-    if ns.json:
-        print(json.dumps(tl.to_json()))
-    else:
-        print(tl)
-    return 0
-
-
-class _VerifyProgress:
-    """``hapnb verify``'s progress lines on stderr: each phase (of each step) when the first rank enters
-    it, each step when every rank has finished it, and the single-device run's steps."""
-
-    def __init__(self, nproc: int, steps: int) -> None:
-        self.nproc, self.steps = nproc, steps
-        self.t0 = time.monotonic()
-        self.seen: set[tuple[Any, ...]] = set()
-        self.done: dict[Any, set[Any]] = {}
-
-    def __call__(self, ev: dict[str, Any]) -> None:
-        step, phase = ev.get("step"), ev.get("phase")
-        if phase == "reference":
-            self._say(f"single-device run: step {step + 1}/{self.steps}")
-        elif phase is not None:
-            key = (phase, step)
-            if key not in self.seen:
-                self.seen.add(key)
-                self._say(f"ranks: {phase}" if step is None else f"step {step + 1}/{self.steps}: {phase}")
-        elif step is not None:
-            ranks = self.done.setdefault(step, set())
-            ranks.add(ev.get("rank"))
-            if len(ranks) == self.nproc:
-                self._say(f"step {step + 1}/{self.steps} done on all {self.nproc} ranks")
-
-    def _say(self, text: str) -> None:
-        print(f"hapnb verify: [{time.monotonic() - self.t0:6.1f} s] {text}", file=sys.stderr, flush=True)
-
-
-def cmd_verify(ns: argparse.Namespace) -> int:
-    from .pipelines import PipelinePlan, is_pipeline_json
-    from .plans.plan import Plan
-    from .run.bundle import BundleError
-    from .run.pipelined import PipelineError
-    from .run.verify import VerifyError, verify
-    from .runtime.program import CodegenError
-
-    if ns.plan:
-        pipeline = is_pipeline_json(_read_json(ns.plan))
-        plan: Any = PipelinePlan.load(ns.plan) if pipeline else Plan.load(ns.plan)
-    elif ns.model and ns.cluster:
-        plan, _, _ = _synthesize(ns)
-    else:
-        raise SystemExit("hapnb verify: give --plan PLAN, or --model NAME and --cluster SPEC")
-    nproc = ns.nproc or (len(plan.devices) if isinstance(plan, PipelinePlan) else plan.cluster.gpus)
-    try:
-        rep = verify(
-            plan,
-            nproc=nproc,
-            steps=ns.steps,
-            backend=ns.backend,
-            dtype=ns.dtype,
-            timeout=ns.timeout,
-            stall_timeout=ns.stall_timeout,
-            progress=None if ns.quiet else _VerifyProgress(nproc, ns.steps),
-            grad_sync=ns.grad_sync,
-            bucket_cap=ns.bucket_cap_bytes,
-            first_bucket_cap=ns.first_bucket_cap_bytes,
-            interleave=not ns.no_interleave,
-            device=ns.device,
-        )
-    except (VerifyError, BundleError, CodegenError, PipelineError) as e:
-        print(f"hapnb verify: {e}", file=sys.stderr)
-        return 1
-    print(rep)
-    return 0 if rep.ok else 1
-
-
-def _read_json(path: str) -> Any:
-    """The JSON in ``path`` (None when unreadable: the plan loader then says why)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _worker_argv(worker: str) -> tuple[str, ...]:
-    """``--worker``: a module name (run with ``-m``) or a ``.py`` file."""
-    return (worker,) if worker.endswith(".py") else ("-m", worker)
-
-
-def _format_metric(m: dict[str, Any]) -> str:
-    parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
-    if "stage" in m:  # a pipeline plan's rank
-        parts.insert(1, f"stage {m['stage']}")
-    for key, label in (("loss", "loss"), ("global_loss", "global")):
-        if isinstance(m.get(key), (int, float)):
-            parts.append(f"{label} {m[key]:.6g}")
-    if isinstance(m.get("step_s"), (int, float)):
-        parts.append(f"{m['step_s'] * 1e3:.2f} ms")
-    if isinstance(m.get("max_memory_bytes"), (int, float)):
-        parts.append(f"mem {m['max_memory_bytes'] / 2**20:.1f} MiB")
-    return "  ".join(parts)
-
-
-def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
-    from .run.launch import launch_commands, plan_bundle, slurm_script, worker_for
-
-    src = Path(ns.plan)
-    worker = worker_for(src, worker)  # a pipeline plan runs hapnb.run.pipelined
-    target = (Path(ns.bundle_dir) if ns.bundle_dir else src.with_suffix(".bundle")) if src.is_file() else None
-    bundle, devices = plan_bundle(src, target)
-    per_node = ns.nproc or (devices // ns.nnodes if devices else None)
-    if not per_node:
-        print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
-        return 2
-    if ns.slurm:
-        print(
-            slurm_script(
-                bundle,
-                ns.nnodes,
-                per_node,
-                steps=ns.steps,
-                backend=backend,
-                worker=worker,
-                extra_args=_runtime_argv(ns),
-            )
-        )
-    else:
-        rdzv = ns.rdzv if (ns.rdzv or ns.nnodes == 1) else "NODE0_HOST:29500"
-        for cmd in launch_commands(
-            bundle,
-            ns.nnodes,
-            per_node,
-            rdzv,
-            steps=ns.steps,
-            backend=backend,
-            worker=worker,
-            extra_args=_runtime_argv(ns),
-        ):
-            print(cmd)
-    return 0
-
-
-def cmd_launch(ns: argparse.Namespace) -> int:
-    from .run.launch import default_backend, launch
-
-    backend = ns.backend or default_backend()
-    worker = _worker_argv(ns.worker)
-    if ns.print_commands or ns.slurm:
-        return _print_commands(ns, backend, worker)
-    try:
-        job = launch(
-            ns.plan,
-            ns.nproc,
-            backend,
-            ns.steps,
-            nnodes=ns.nnodes,
-            node_rank=ns.node_rank,
-            rdzv=ns.rdzv,
-            timeout_s=ns.timeout,
-            wall_timeout_s=ns.wall_timeout,
-            worker=worker,
-            extra_args=_runtime_argv(ns),
-            bundle_dir=ns.bundle_dir,
-        )
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"hapnb launch: {e}", file=sys.stderr)
-        return 2
-    with job:
-        for m in job.metrics():
-            print(json.dumps(m) if ns.json else _format_metric(m), flush=True)
-        result = job.wait()
-    if ns.json:
-        keys = {"ok": result.ok, "returncode": result.returncode, "median_step_s": result.median_step_s}
-        keys.update(final_loss=result.final_loss, steps=len(result.step_times(0)), wall_s=result.wall_s)
-        print(json.dumps({**keys, "error": result.error}))
-    else:
-        print(result.summary())
-    if not result.ok:
-        print(f"hapnb launch: {result.error}", file=sys.stderr)
-        return result.returncode or 1
-    return 0
-
-
 def _sizes(text: str) -> list[int]:
     """``--sizes 64K,1M,16M`` -> bytes."""
     out = []
@@ -713,157 +345,12 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
-def cmd_profile(ns: argparse.Namespace) -> int:
-    from .run.profile import ProfileError, profile_cluster
-
-    try:
-        cluster = profile_cluster(
-            ns.nproc,
-            ns.backend,
-            ns.name,
-            quick=ns.quick,
-            sizes=ns.sizes,
-            repeats=ns.repeats,
-            timeout_s=ns.timeout,
-            threads=ns.threads,
-        )
-    except (ProfileError, ValueError) as e:
-        print(f"hapnb profile: {e}", file=sys.stderr)
-        return 1
-    if ns.output:
-        cluster.save(ns.output)
-        print(cluster)
-        for kind, c in cluster.collectives:
-            print(f"  {kind}: {c}")
-        print(f"wrote {ns.output}")
-    else:
-        print(json.dumps(cluster.to_json(), indent=2))
-    return 0
-
-
-def cmd_calibrate(ns: argparse.Namespace) -> int:
-    from .run.calibrate import calibrate_launch, fit_device_model
-    from .run.launch import LaunchError, default_backend
-
-    if ns.measured:
-        try:
-            fit = fit_device_model(ns.measured, ns.kind, loo=not ns.no_loo)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"hapnb calibrate: {e}", file=sys.stderr)
-            return 2
-        if ns.output:
-            fit.cluster().save(ns.output)
-        print(json.dumps(fit.to_json()) if ns.json else fit.summary())
-        if ns.output and not ns.json:
-            print(f"wrote {ns.output}")
-        return 0
-    if not ns.plan:
-        print(
-            "hapnb calibrate: give a plan (or bundle) to launch, or --measured [RUNS_JSON] to fit",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        report = calibrate_launch(
-            ns.plan,
-            ns.nproc,
-            ns.backend or default_backend(),
-            ns.steps,
-            warmup=ns.warmup,
-            timeout_s=ns.timeout,
-            worker=_worker_argv(ns.worker),
-        )
-    except LaunchError as e:
-        print(f"hapnb calibrate: {e}", file=sys.stderr)
-        return (e.result.returncode if e.result is not None else 0) or 1
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hapnb calibrate: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_json()) if ns.json else report.summary())
-    return 0
-
-
-def cmd_theory(ns: argparse.Namespace) -> int:
-    from . import rules
-
-    if ns.coverage:
-        return _coverage(ns)
-    if ns.check:
-        return rules.main(["--check", *ns.ops])
-    table = rules.registered()
-    rows = [(t, fam, why) for t, (fam, why) in table.items() if not ns.ops or any(o in t for o in ns.ops)]
-    if not rows:
-        print(f"hapnb theory: no rule matches {' '.join(ns.ops)} (`hapnb theory` lists all)", file=sys.stderr)
-        return 2
-    if ns.json:
-        print(json.dumps({t: {"family": fam, "reason": why} for t, fam, why in rows}))
-    else:
-        for t, fam, why in rows:
-            print(f"{fam:14s} {t:44s} {why}")
-    return 0
-
-
-def _coverage(ns: argparse.Namespace) -> int:
-    from .hardware.cluster import Cluster
-    from .tracing import resolve_model
-    from .triples import coverage, theory
-
-    if not ns.model:
-        print(
-            "hapnb theory --coverage: needs --model NAME (a zoo name or package.module:factory)",
-            file=sys.stderr,
-        )
-        return 2
-    g, _ = resolve_model(ns.model, Cluster.parse("2xV100"), **_options(ns))
-    cov = coverage(theory(g))
-    print(json.dumps(cov.to_json()) if ns.json else cov.summary())
-    return 0
-
-
-def cmd_demo(ns: argparse.Namespace) -> int:
-    from . import display
-    from .hardware.cluster import Cluster
-    from .plans.synthesis import baselines, synthesize
-
-    c = Cluster.preset(DEMO_CLUSTER)
-    print(
-        f"hapnb demo: planning {DEMO_MODEL} (paper configuration: 12 layers, hidden 768, seq 128, batch "
-        f"{32 * c.n}) on {DEMO_CLUSTER}: {c}"
-    )
-    t0 = time.perf_counter()
-    plan = synthesize(DEMO_MODEL, c)
-    print(f"(trace + synthesis {time.perf_counter() - t0:.1f} s)")
-    print(plan.summary())
-    base = baselines(plan.graph, c)
-    for k, v in base.items():
-        print(
-            f"  baseline {k}: {v.cost_s * 1e3:.3f} ms -> the plan is {v.cost_s / plan.cost_s:.2f}x faster; "
-            f"simulated with overlap {v.simulated_s * 1e3:.3f} ms -> {v.simulated_s / plan.simulated_s:.2f}x"
-        )
-    from .plans.simulation import simulate
-
-    Path(ns.report).write_text(display.report_html(plan, baselines=base, timeline=simulate(plan)))
-    print(f"report written to {ns.report}")
-    if ns.no_verify:
-        return 0
-    from .run.verify import verify
-
-    small = Cluster.parse("1xV100+3xP100")
-    print(
-        f"\nverifying a small {DEMO_MODEL} (2 layers, hidden 32) planned on {small} against one device "
-        "(4 local gloo ranks, float64)..."
-    )
-    splan = synthesize(DEMO_MODEL, small, layers=2, hidden=32, heads=4, seq=16, vocab=128, batch=8)
-    rep = verify(splan, nproc=small.n, steps=2)
-    print(rep)
-    return 0 if rep.ok else 1
-
-
+#: subcommand -> its implementation in :mod:`hapnb.cli_commands`
 COMMANDS = {
-    "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate, "verify": cmd_verify,
-    "launch": cmd_launch, "profile": cmd_profile, "calibrate": cmd_calibrate, "theory": cmd_theory,
-    "demo": cmd_demo,
-    "pipeline": cmd_pipeline,
+    "plan": _c.cmd_plan, "compare": _c.cmd_compare, "simulate": _c.cmd_simulate, "verify": _c.cmd_verify,
+    "launch": _c.cmd_launch, "profile": _c.cmd_profile, "calibrate": _c.cmd_calibrate, "theory": _c.cmd_theory,
+    "demo": _c.cmd_demo,
+    "pipeline": _c.cmd_pipeline,
 }  # fmt: skip
 
 

@@ -134,7 +134,8 @@ def test_run_subcommand_flags():
 
 def test_runtime_flags_reach_the_workers(capsys, tmp_path):
     """--grad-sync/--bucket-cap-bytes/--no-interleave become worker arguments (launch commands, Slurm)."""
-    from hapnb.cli import _runtime_argv, build_parser
+    from hapnb.cli import build_parser
+    from hapnb.cli_commands import _runtime_argv
 
     ap = build_parser()
     assert _runtime_argv(ap.parse_args(["launch", "b"])) == []
@@ -157,3 +158,21 @@ def test_plan_duplex_json_and_verify(capsys, tmp_path):
     assert rc == 0 and json.loads(plan_path.read_text())["duplex"] is True
     rc, out, _ = run(capsys, "verify", "--plan", str(plan_path), "--nproc", "2", "--steps", "2", "--quiet")
     assert rc == 0, out
+
+
+def test_plan_duplex_reports_the_plain_plan_and_auto_keeps_the_faster(capsys):
+    """Issue 20: --duplex prints the plain plan's time beside the duplex plan's (JSON: added keys), and
+    --duplex auto keeps duplex only where it is predicted faster and says which it kept."""
+    base = ["plan", *SMALL, "--cluster", "2xV100+2xP100", "--no-baselines"]
+    rc, out, _ = run(capsys, *base, "--json", "--duplex", "auto")
+    d = json.loads(out)
+    assert rc == 0 and set(d) == PLAN_KEYS | {"plain_cost_s", "plain_simulated_s", "duplex_cost_s",
+                                              "duplex_simulated_s", "duplex_faster"}  # fmt: skip
+    assert d["duplex"] is d["duplex_faster"] and d["duplex_faster"] == (
+        d["duplex_simulated_s"] < d["plain_simulated_s"]
+    )
+    kept = "duplex" if d["duplex"] else "plain"
+    assert d["simulated_s"] == d[f"{kept}_simulated_s"] and d["cost_s"] == d[f"{kept}_cost_s"]
+    rc, out, _ = run(capsys, *base, "--duplex")  # plain --duplex: the duplex plan, whichever is faster
+    assert rc == 0 and "duplex: " in out and "against the plain plan's" in out
+    assert ("predicted" in out) and ("--duplex auto" in out) == (not d["duplex_faster"])

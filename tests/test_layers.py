@@ -27,8 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("synth",),  # the search, its bounds and tables, memory pruning, the ratio LP, the Q/B loop, duplex
     ("plans", "pipelines"),  # the Plan value, synthesize, the simulator, explanations, comparison; Ditto
     ("runtime", "run"),  # rank programs, collectives, buffer updates, virtual devices; processes
-    ("session",),
-    ("cli",),
+    ("session", "teach"),  # the notebook-facing model of a plan being tuned; exercises graded by the theory
+    ("cli", "cli_commands"),  # the parser and the program; what each subcommand does
     ("widgets",),
     ("__main__", "__init__"),
 )

@@ -264,3 +264,23 @@ def test_greedy_without_a_template_says_why_and_what_to_use() -> None:
     ):
         pipeline("gpt", "ditto-ex2", layers=8, method="greedy")
     assert pipeline("gpt", "ditto-ex2", layers=8, method="dp").iteration_s > 0
+
+
+def test_plans_always_run_1f1b_takes_more_micro_batches_or_gpipe():
+    """Issue 20: the default plan runs (1F1B needs at least as many micro-batches as stages) and says what
+    it picked; an explicit 1F1B with fixed micro-batches that cannot run is refused with the fix."""
+    from hapnb.pipelines.planner import runnable
+    from hapnb.run.pipelined import prepare
+
+    small = dict(layers=4, batch=8, seq=16, hidden=32, heads=4)
+    p = pipeline("gpt", "1xV100+2xP100", **small)  # 2 default micro-batches, the 1F1B plan has 3 stages
+    assert runnable(p) and len(p.stages) == 3 and p.micro_batches >= 3
+    assert "needs at least as many micro-batches as stages; picked" in p.stats["schedule_note"]
+    prepare(p, len(p.devices), trace=False)  # the runtime's own checks accept it
+    fixed = pipeline("gpt", "1xV100+2xP100", micro_batches=2, **small)  # fixed micro-batches: GPipe
+    assert fixed.schedule == "GPipe" and fixed.micro_batches == 2 and runnable(fixed)
+    assert "picked GPipe with 2 micro-batches" in fixed.stats["schedule_note"]
+    with pytest.raises(NoPipelineError, match="pass at least 3 micro-batches.*--schedule GPipe"):
+        pipeline("gpt", "1xV100+2xP100", micro_batches=2, schedule="1F1B", **small)
+    plain = pipeline("gpt", "1xV100+2xP100", micro_batches=4, **small)  # runs as planned: no note
+    assert plain.schedule == "1F1B" and "schedule_note" not in plain.stats

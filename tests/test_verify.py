@@ -245,3 +245,39 @@ def test_progress_past_the_time_limit_is_slow(dp_plan: Plan, standin: str) -> No
     )
     assert "raise timeout (--timeout)" in msg
     assert_gone(_pids(events))
+
+
+# ============================================================================ a plan at a smaller size
+
+
+def test_verify_plan_at_a_smaller_batch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 20: ``verify --plan P --batch B`` re-derives the same program (every form, the ratios) at the
+    smaller batch, cuts it again from the ratios and verifies that; a batch too small to keep every device
+    of the batch busy is refused with one that is not; flags that would change the model are refused."""
+    from hapnb.run.pipelined import manual_plan
+    from hapnb.run.verify import batch_rows, resize
+
+    plan = _mlp("2xV100", [0.75, 0.25], batch=16)
+    small = resize(plan, batch=4)
+    assert [str(i) for i in small.program] == [str(i) for i in plan.program] and small.ratios == plan.ratios
+    assert small.model_spec["options"]["batch"] == 4 and batch_rows(small) == [3, 1]
+    assert batch_rows(plan) == [12, 4]
+    for (t, d, old), (t2, d2, new) in zip(plan.lengths, small.lengths):
+        assert (t, d) == (t2, d2) and sum(new) == (sum(old) // 4 if sum(old) == 16 else sum(old))
+    with pytest.raises(ValueError, match="v100-1 would hold none.*use --batch 3 or more"):
+        resize(plan, batch=1)
+    with pytest.raises(ValueError, match="has no sequence length; drop --seq"):
+        resize(plan, seq=8)
+    path = plan.save(tmp_path / "plan.json")
+    code = cli_main(["verify", "--plan", str(path), "--batch", "4", "--steps", "1", "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "OK on 2 ranks" in out and "re-derived at --batch 4" in err, out + err
+    with pytest.raises(SystemExit, match="--layers, --set hidden=8 do not apply with --plan"):
+        cli_main(["verify", "--plan", str(path), "--set", "hidden=8", "--layers", "3"])
+    # a pipeline plan keeps its stages, shares and micro-batches; the batch must split into them
+    pp = manual_plan("gpt", {**zoo.TINY["gpt"], "batch": 8}, ("(input)", "blocks.0", "blocks.1"),
+                     [(0, 2, (1.0,)), (2, 3, (0.5, 0.5))], "GPipe", 2)  # fmt: skip
+    half = resize(pp, batch=4)
+    assert (half.batch, half.micro_batch_size, half.stages) == (4, 2, pp.stages)
+    with pytest.raises(ValueError, match="does not split into 2 equal ones. Use --batch 4"):
+        resize(pp, batch=3)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..hardware.cluster import Cluster
@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MICRO_BATCH",
     "default_micro_batches",
     "METHODS",
+    "runnable",
 ]
 
 #: Samples per micro-batch when the number of micro-batches is not given (the smallest divisor of the
@@ -84,19 +85,34 @@ def pipeline(
     ``micro_batches`` (default :func:`default_micro_batches`). ``options``: how to plan — the keywords of
     :func:`plan_pipeline` (``schedule``, ``method``, ``exhaustive_search``, ``budget_s``, ``prune``,
     ``fold_comm``, ``refine``) — and the rest the model's (zoo options such as ``hidden=64``).
+
+    The plan always runs (:func:`runnable`). When the 1F1B pipeline has more stages than micro-batches,
+    a zoo model with the default micro-batches also tries 1F1B with more of them (the smallest divisor of
+    the batch at least the stages), and the default schedule (None) also GPipe; the fastest is returned and
+    ``plan.stats["schedule_note"]`` says what was picked over what.
     """
     planning = {k: options.pop(k) for k in _PLANNING if k in options}
     if planning.get("method", "dp") not in METHODS:
         raise ValueError(f"method {planning['method']!r} is not one of {', '.join(METHODS)}")
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
     t0 = time.perf_counter()
+    micro_batches_given = micro_batches
     costs, batch, micro_batches = _costs(
         model, c, layers, batch, seq, micro_batches, example_inputs, loss, seed, options
     )
     name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
-    return plan_pipeline(
-        costs, c, micro_batches, name=f"{name}@{c.name}", costs_s=time.perf_counter() - t0, **planning
-    )
+    kw = {**planning, "name": f"{name}@{c.name}", "costs_s": time.perf_counter() - t0}
+    schedule = kw.pop("schedule", None)
+    known = {micro_batches: costs}
+
+    def costs_for(k: int) -> LayerCosts:  # a zoo model's costs at another micro-batch count
+        if k not in known:
+            known[k] = _zoo_costs(model, c, batch, k, layers, seq, seed, options)
+        return known[k]
+
+    # a zoo model with the default micro-batches may take more of them for 1F1B to run
+    free = isinstance(model, str) and micro_batches_given is None
+    return _pick_runnable(costs_for, c, micro_batches, schedule, batch if free else None, kw)
 
 
 def plan_pipeline(
@@ -104,7 +120,7 @@ def plan_pipeline(
     c: Cluster,
     micro_batches: int,
     *,
-    schedule: str = "1F1B",
+    schedule: str | None = None,
     method: str = "dp",
     exhaustive_search: bool = False,
     budget_s: float | None = 60.0,
@@ -116,6 +132,10 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """:func:`pipeline` from layer costs already computed (one micro-batch of ``costs.micro_batch``).
 
+    ``schedule``: ``"1F1B"``, ``"GPipe"``, or None (default): 1F1B where it runs, else GPipe. A plan
+    always runs (:func:`runnable`): 1F1B needs at least as many micro-batches as stages, so when the 1F1B
+    plan has more stages than ``micro_batches`` the default plans GPipe instead (``stats["schedule_note"]``
+    says so), and an explicit ``"1F1B"`` raises :class:`NoPipelineError`.
     ``method``: the plan returned — ``"dp"`` (Ditto's DP recovery), ``"greedy"`` or ``"exhaustive"``.
     ``exhaustive_search=True`` also runs the exhaustive search (within ``budget_s`` seconds; ``prune``: its
     branch and bound) and fills ``exhaustive_iteration_s`` / ``exhaustive_planning_s``. ``fold_comm``:
@@ -124,6 +144,89 @@ def plan_pipeline(
     recoveries' times (``dp_paper_iteration_s``, ``greedy_paper_iteration_s``) beside the result's. The
     greedy recovery runs when it is the method or the exhaustive search is asked for (to compare).
     """
+    kw: dict[str, Any] = dict(method=method, exhaustive_search=exhaustive_search, budget_s=budget_s, prune=prune,
+              fold_comm=fold_comm, refine=refine, name=name, costs_s=costs_s)  # fmt: skip
+    return _pick_runnable(lambda _k: costs, c, micro_batches, schedule, None, kw)
+
+
+def runnable(plan: PipelinePlan) -> bool:
+    """Whether the plan's schedule runs as torch.distributed.pipelining runs it: GPipe always, 1F1B with at
+    least as many micro-batches as stages."""
+    return plan.schedule != "1F1B" or plan.micro_batches >= len(plan.stages)
+
+
+def _pick_runnable(
+    costs_for: Callable[[int], LayerCosts],
+    c: Cluster,
+    k: int,
+    schedule: str | None,
+    batch: int | None,
+    kw: dict[str, Any],
+) -> PipelinePlan:
+    """The plan for ``k`` micro-batches under ``schedule`` when it runs (:func:`runnable`). A 1F1B plan with
+    more stages than micro-batches does not: then the fastest of 1F1B with more micro-batches (when
+    ``batch`` is given: the micro-batch count may change; the smallest divisor of it that is at least the
+    stages) and, when ``schedule`` is None, GPipe with ``k``; ``stats["schedule_note"]`` says which."""
+    first = _plan_fixed(costs_for(k), c, k, schedule or "1F1B", **kw)
+    if runnable(first):
+        return first
+    S = len(first.stages)
+    tried: list[str] = []
+    options: list[PipelinePlan] = []
+    if batch is not None:
+        for k2 in [d for d in range(S, batch + 1) if batch % d == 0][:3]:
+            try:
+                more = _plan_fixed(costs_for(k2), c, k2, "1F1B", **kw)
+            except NoPipelineError as e:
+                tried.append(f"1F1B with {k2} micro-batches: {e}")
+                continue
+            if runnable(more):
+                options.append(more)
+                break
+            tried.append(f"1F1B with {k2} micro-batches plans {len(more.stages)} stages")
+    if schedule is None:
+        try:
+            options.append(_plan_fixed(costs_for(k), c, k, "GPipe", **kw))
+        except NoPipelineError as e:
+            tried.append(f"GPipe with {k} micro-batches: {e}")
+    why = (
+        f"{kw['name']}: the best 1F1B pipeline for {k} micro-batch{'es' * (k != 1)} has {S} stages, and 1F1B "
+        f"needs at least as many micro-batches as stages"
+    )
+    if not options:
+        if batch is None:
+            fix = f"pass at least {S} micro-batches (micro_batches= / --micro-batches)"
+        else:
+            fix = f"use a batch with a divisor of at least {S} (its micro-batches)"
+        if schedule == "1F1B":
+            fix += ", or the GPipe schedule (schedule='GPipe' / --schedule GPipe)"
+        done = "; ".join(tried) or f"the {k} micro-batches are fixed"
+        raise NoPipelineError(f"{why} ({done}). Fix: {fix}")
+    best = min(options, key=lambda p: p.iteration_s)
+    picked = " over ".join(
+        f"{p.schedule} with {p.micro_batches} micro-batches ({p.iteration_s * 1e3:.3f} ms)"
+        for p in sorted(options, key=lambda p: p.iteration_s)
+    )
+    note = f"{why}; picked {picked}"
+    return _with(best, search=_freeze({**best.stats, "schedule_note": note}))
+
+
+def _plan_fixed(
+    costs: LayerCosts,
+    c: Cluster,
+    micro_batches: int,
+    schedule: str,
+    *,
+    method: str = "dp",
+    exhaustive_search: bool = False,
+    budget_s: float | None = 60.0,
+    prune: bool = True,
+    fold_comm: bool = False,
+    refine: bool = True,
+    name: str = "pipeline",
+    costs_s: float = 0.0,
+) -> PipelinePlan:
+    """One planning run under ``schedule`` (see :func:`plan_pipeline`), runnable or not."""
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
     batch = costs.micro_batch * micro_batches
@@ -247,12 +350,7 @@ def _costs(
             raise ValueError(
                 f"batch {batch} does not split into {k} equal micro-batches; choose --micro-batches dividing it"
             )
-        opts = dict(options)
-        for key, v in (("layers", layers), ("seq", seq)):
-            if v is not None:
-                opts[key] = v
-        lc = model_costs(model, c, micro_batch=batch // k, batch=batch, seed=seed, **opts)
-        return lc, batch, k
+        return _zoo_costs(model, c, batch, k, layers, seq, seed, options), batch, k
     if isinstance(model, Graph):
         g = model
     else:
@@ -267,6 +365,24 @@ def _costs(
     lc = layer_costs(g, c)
     k = micro_batches if micro_batches is not None else 1
     return lc, lc.micro_batch * k, k
+
+
+def _zoo_costs(
+    model: str,
+    c: Cluster,
+    batch: int,
+    k: int,
+    layers: int | None,
+    seq: int | None,
+    seed: int,
+    options: dict[str, Any],
+) -> LayerCosts:
+    """The layer costs of a zoo (or preset) model at ``batch`` cut into ``k`` micro-batches."""
+    opts = dict(options)
+    for key, v in (("layers", layers), ("seq", seq)):
+        if v is not None:
+            opts[key] = v
+    return model_costs(model, c, micro_batch=batch // k, batch=batch, seed=seed, **opts)
 
 
 def _place(pricer: Pricer, stages: Sequence[tuple[int, int, tuple[int, ...]]]) -> list[list[str]]:
@@ -389,6 +505,7 @@ def plan_json_summary(plan: PipelinePlan) -> dict[str, Any]:
         "greedy_iteration_s": st.get("greedy_iteration_s"),
         "fold": st.get("fold"),
         "simulated_s": st.get("simulated_s"),
+        "schedule_note": st.get("schedule_note"),  # why the schedule or micro-batches differ from the asked
     }
     if plan.exhaustive_planning_s is not None:
         out["exhaustive_iteration_s"] = plan.exhaustive_iteration_s

@@ -209,7 +209,8 @@ def _check_job(plan: PipelinePlan, nproc: int | None) -> None:
     if plan.schedule == "1F1B" and plan.micro_batches < len(plan.stages):
         raise PipelineError(
             f"pipeline plan {plan.name}: the 1F1B schedule needs at least as many micro-batches as stages "
-            f"({plan.micro_batches} < {len(plan.stages)}); raise micro_batches or use GPipe"
+            f"({plan.micro_batches} < {len(plan.stages)}); raise micro_batches or use GPipe (hapnb pipeline "
+            "and hapnb.pipeline plan a schedule that runs by default: plan it again)"
         )
 
 
@@ -333,8 +334,7 @@ def _train(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..runtime.program import tied_groups
-    from .pipestage import Peers, ShardedStage, Sharding, StageProgram, remote_keys, serve
+    from .pipestage import Peers, ShardedStage, StageProgram, remote_keys, serve
     from .worker import _peak_memory, make_optimizer
 
     all_roles = roles(plan)
@@ -366,23 +366,11 @@ def _train(
         assert split is not None
         program = StageProgram(split, s, on_forward).to(device)
     peers = Peers(role.ranks, group, device) if group is not None else None
-    what = f"pipeline plan {plan.name}"
     # which boundary values are batch-sized: the leader compares its traces, then tells the others
     keys = tuple(sorted(set(program.feeds) | set(program.produces))) if program is not None else ()
     sharding = None
     if group is not None and program is not None:
-        if role.is_leader:
-            assert full is not None and own is not None
-            weights = [n / plan.micro_batch_size if full.reduction == "mean" else 1.0 for n in role.rows]
-            sharding = Sharding.compare(full, own, keys, role.rows, weights, what)
-            code = torch.tensor([v for _, d in sharding.dims for v in (d or (-1, 0))], dtype=torch.int64)
-        else:
-            code = torch.zeros(2 * len(keys), dtype=torch.int64)
-        code = code.to(device)
-        dist.broadcast(code, src=role.ranks[role.leader], group=group)
-        pairs = code.view(-1, 2).tolist()
-        dims = tuple((k, None if d < 0 else (d, p)) for k, (d, p) in zip(keys, pairs))
-        sharding = sharding or Sharding(role.rows, dims, ())
+        sharding = _agree_sharding(plan, role, full, own, keys, group, device)
         _broadcast_params(program, role, group)
 
     lib_module = None
@@ -464,21 +452,72 @@ def _train(
         sink(rec)
     if verify_out is not None:
         phase("save")
-        named = dict(model.named_parameters(remove_duplicate=False))
-        tied = tied_groups({n: p.detach() for n, p in named.items()}, list(named))
-        weights = {n: p.detach().cpu().clone() for n, p in params.items()}
-        for table in (grads, weights):  # a tied parameter under each of its names, as the reference has it
-            for n in list(table):
-                for alias in tied.get(n, ()):
-                    table.setdefault(alias, table[n])
-        d = Path(verify_out)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".rank{role.rank}.pt.tmp"
-        torch.save({"rank": role.rank, "stage": s, "losses": losses, "grads": grads, "weights": weights}, tmp)
-        tmp.replace(d / f"rank{role.rank}.pt")
+        _save_verify_record(verify_out, role, model, params, losses, grads)
     if created:
         dist.barrier()
     return out
+
+
+def _agree_sharding(
+    plan: PipelinePlan,
+    role: Role,
+    full: Split | None,
+    own: Split | None,
+    keys: tuple[str, ...],
+    group: Any,
+    device: Any,
+) -> Any:
+    """Which boundary values of a stage on several devices are batch-sized (and on which dim): the leader
+    compares its traces at the full micro-batch and at its own rows (:meth:`Sharding.compare`) and
+    broadcasts the answer to the stage's other devices."""
+    import torch
+    import torch.distributed as dist
+
+    from .pipestage import Sharding
+
+    sharding = None
+    if role.is_leader:
+        assert full is not None and own is not None
+        weights = [n / plan.micro_batch_size if full.reduction == "mean" else 1.0 for n in role.rows]
+        sharding = Sharding.compare(full, own, keys, role.rows, weights, f"pipeline plan {plan.name}")
+        code = torch.tensor([v for _, d in sharding.dims for v in (d or (-1, 0))], dtype=torch.int64)
+    else:
+        code = torch.zeros(2 * len(keys), dtype=torch.int64)
+    code = code.to(device)
+    dist.broadcast(code, src=role.ranks[role.leader], group=group)
+    pairs = code.view(-1, 2).tolist()
+    dims = tuple((k, None if d < 0 else (d, p)) for k, (d, p) in zip(keys, pairs))
+    return sharding or Sharding(role.rows, dims, ())
+
+
+def _save_verify_record(
+    verify_out: Any,
+    role: Role,
+    model: Any,
+    params: Mapping[str, Any],
+    losses: list[float],
+    grads: dict[str, Any],
+) -> None:
+    """Write ``rank<r>.pt`` for :func:`hapnb.verify`: the global loss per step, this rank's gradients after
+    the first step and weights after the last, by model parameter name (a tied one under each name)."""
+    import torch
+
+    from ..runtime.program import tied_groups
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    tied = tied_groups({n: p.detach() for n, p in named.items()}, list(named))
+    weights = {n: p.detach().cpu().clone() for n, p in params.items()}
+    for table in (grads, weights):  # a tied parameter under each of its names, as the reference has it
+        for n in list(table):
+            for alias in tied.get(n, ()):
+                table.setdefault(alias, table[n])
+    d = Path(verify_out)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".rank{role.rank}.pt.tmp"
+    torch.save(
+        {"rank": role.rank, "stage": role.stage, "losses": losses, "grads": grads, "weights": weights}, tmp
+    )
+    tmp.replace(d / f"rank{role.rank}.pt")
 
 
 def _broadcast_params(program: Any, role: Role, group: Any) -> None:

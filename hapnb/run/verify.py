@@ -16,9 +16,11 @@ OK: 3 steps on 2 ranks (float64), max relative error 1.2e-16 (worst: grad layers
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,12 +37,21 @@ from ..runtime.codegen import generate
 from ..runtime.expand import expand_virtual, has_virtual
 from ..runtime.program import program_weights
 from ..runtime.reference import reference_module, reference_params
-from ..tracing import module_path
+from ..tracing import module_path, trace
 from .bundle import load_bundle, write_bundle
 from .supervisor import Outcome, run_local
 from .worker import WORKER_ARGV, device_kind, duplex_program, make_optimizer, runtime_argv
 
-__all__ = ["TensorCheck", "VerifyError", "VerifyReport", "run_reference", "verify"]
+__all__ = [
+    "ProgressLines",
+    "TensorCheck",
+    "VerifyError",
+    "VerifyReport",
+    "batch_rows",
+    "resize",
+    "run_reference",
+    "verify",
+]
 
 #: Progress events passed to ``verify(progress=...)``: worker heartbeats (``{"rank": r, "phase": ...}``
 #: or a step's metrics ``{"rank": r, "step": s, ...}``) and the single-device run's
@@ -327,6 +338,205 @@ def _checks(
     return checks
 
 
+class ProgressLines:
+    """``hapnb verify``'s progress lines on stderr (a :data:`ProgressFn`): each phase (of each step) when
+    the first rank enters it, each step when every rank has finished it, and the single-device run's
+    steps."""
+
+    def __init__(self, nproc: int, steps: int) -> None:
+        self.nproc, self.steps = nproc, steps
+        self.t0 = time.monotonic()
+        self.seen: set[tuple[Any, ...]] = set()
+        self.done: dict[Any, set[Any]] = {}
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        step, phase = ev.get("step"), ev.get("phase")
+        if phase == "reference":
+            self._say(f"single-device run: step {step + 1}/{self.steps}")
+        elif phase is not None:
+            key = (phase, step)
+            if key not in self.seen:
+                self.seen.add(key)
+                self._say(f"ranks: {phase}" if step is None else f"step {step + 1}/{self.steps}: {phase}")
+        elif step is not None:
+            ranks = self.done.setdefault(step, set())
+            ranks.add(ev.get("rank"))
+            if len(ranks) == self.nproc:
+                self._say(f"step {step + 1}/{self.steps} done on all {self.nproc} ranks")
+
+    def _say(self, text: str) -> None:
+        print(f"hapnb verify: [{time.monotonic() - self.t0:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+# ============================================================================================ resize
+
+
+def resize(
+    plan: Plan | PipelinePlan, batch: int | None = None, seq: int | None = None
+) -> Plan | PipelinePlan:
+    """The same program as ``plan`` at another ``batch`` and/or sequence length ``seq``, to verify a
+    paper-size plan on a small machine (``hapnb verify --plan P --batch B --seq S``).
+
+    The model is rebuilt from the plan's spec with the new sizes and traced again. An SPMD plan keeps its
+    program (every instruction and form) and its ratios; every shard length is cut again from the same
+    ratios at the new sizes, exactly as synthesis cuts them (:meth:`hapnb.triples.Theory.lengths`: whole
+    rows, whole heads). A pipeline plan keeps its stages, shares, schedule and micro-batch count. A size
+    at which a device that holds rows of the plan's batch would get none is not the same program: the
+    ValueError says so and names the smallest batch that keeps every such device busy.
+    """
+    if batch is None and seq is None:
+        return plan
+    for flag, v in (("--batch", batch), ("--seq", seq)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} {v}: a size is at least 1")
+    spec = plan.model_spec
+    if not spec:
+        raise ValueError(
+            f"plan {plan.name} records no model spec (it was made from an nn.Module), so it cannot be "
+            "re-derived at another size; plan the small size from your model with the plan's ratios "
+            "(hapnb.synthesize(model, cluster, example_inputs=..., ratios=plan.ratios))"
+        )
+    options = dict(spec.get("options") or {})
+    _check_size_options(plan.name, str(spec.get("name")), options, seq)
+    if batch is not None:
+        options["batch"] = batch
+    if seq is not None:
+        options["seq"] = seq
+    new_spec = {**spec, "options": options}
+    if isinstance(plan, PipelinePlan):
+        return _resize_pipeline(plan, new_spec, batch)
+    return _resize_spmd(plan, new_spec, batch)
+
+
+def _check_size_options(name: str, model: str, options: Mapping[str, Any], seq: int | None) -> None:
+    from .. import zoo
+
+    if seq is not None and model in zoo.ZOO_NAMES and "seq" not in zoo.zoo_options(model):
+        raise ValueError(f"plan {name}: its model {model} has no sequence length; drop --seq")
+
+
+def _resize_spmd(plan: Plan, spec: dict[str, Any], batch: int | None) -> Plan:
+    from .. import zoo
+    from ..ir.forms import parse_form
+    from ..triples import theory
+
+    what = f"plan {plan.name} at {_sizes_text(spec)}"
+    if len(plan.ratios) != 1:
+        raise ValueError(
+            f"{what}: the plan has {len(plan.ratios)} ratio rows (one per segment); re-deriving it at "
+            "another size supports one ratio row only: verify it at its own size"
+        )
+    model, inputs = zoo.rebuild(spec)
+    g = trace(model, inputs, name=plan.name)
+    th = theory(g)
+    row = tuple(plan.ratios[0])
+    by_name = {t.name: t for t in g.tensors}
+
+    def cut(t: str, d: int, old: Sequence[int]) -> list[int]:
+        ref = by_name.get(t)
+        if ref is None or d >= len(ref.shape):
+            raise ValueError(
+                f"{what}: the model traces to another graph (no tensor {t} with a dim {d}); only the "
+                "batch and sequence length may change"
+            )
+        new = th.lengths(ref.id, d, row)
+        idle = [dev for dev, a, b in zip(plan.devices, old, new) if a > 0 and b == 0]
+        if idle:
+            raise ValueError(
+                f"{what}: the plan's ratios cut {t} dim {d} ({ref.shape[d]} long) as {list(new)}, so "
+                f"{', '.join(idle)} would hold none of what the plan gives {'them' if len(idle) > 1 else 'it'} "
+                f"({list(old)}): not the same program. {_batch_hint(th, ref, d, old, row, inputs[0].shape[0])}"
+            )
+        return list(new)
+
+    d = plan.to_json()
+    d["model"] = spec
+    d["graph_fingerprint"] = g.fingerprint
+    d["lengths"] = [[t, dim, cut(t, dim, ls)] for t, dim, ls in plan.lengths]
+    for ins, out in zip(plan.program, d["program"]):
+        if ins.lengths:
+            out["lengths"] = cut(ins.tensor, parse_form(ins.form).dim, ins.lengths)
+    return dataclasses.replace(Plan.from_json(d, source=what), graph=g)
+
+
+def _batch_hint(th: Any, ref: Any, dim: int, old: Sequence[int], row: Sequence[float], batch: int) -> str:
+    """How large tensor ``ref``'s ``dim`` must be for every device the plan gives a share of it to keep
+    one, and the batch that makes it so when the dim grows with the batch."""
+    from ..ir.forms import shard_lengths
+
+    size = ref.shape[dim]
+    unit, _ = th.units.get((ref.id, dim), (1, size))
+    base = next(
+        (
+            b
+            for b in range(1, sum(old) // unit + 1)
+            if all(n > 0 for n, o in zip(shard_lengths(b, row), old) if o)
+        ),
+        None,
+    )
+    if base is None:
+        return "Verify it at its own size."
+    need = base * unit
+    if size % batch == 0:  # k rows of the dim per sample: the batch sets it
+        k = size // batch
+        return f"It needs {ref.name} dim {dim} at least {need} long: use --batch {-(-need // k)} or more."
+    return f"It needs {ref.name} dim {dim} at least {need} long: raise --seq (or --batch) until it is."
+
+
+def batch_rows(plan: Plan) -> list[int] | None:
+    """Rows of the batch each device holds: its slice of a batch-loaded input, else the cut of the first
+    tensor whose dim 0 is the batch (None when neither is known: no graph, or the batch is never cut)."""
+    rows = [plan.batch_slice(r) for r in range(len(plan.devices))]
+    if all(s.start is not None for s in rows):
+        return [s.stop - s.start for s in rows]
+    g = plan.graph
+    inputs = [t for t in g.tensors if t.role == "input" and t.shape] if g is not None else []
+    if not inputs:
+        return None
+    batch = inputs[0].shape[0]
+    names = {t.name: t for t in g.tensors}
+    for t, d, ls in plan.lengths:
+        if d == 0 and t in names and names[t].shape[0] == batch and sum(ls) == batch:
+            return list(ls)
+    return None
+
+
+def _sizes_text(spec: Mapping[str, Any]) -> str:
+    opts = spec.get("options") or {}
+    return " ".join(f"{k} {opts[k]}" for k in ("batch", "seq") if k in opts)
+
+
+def _resize_pipeline(plan: PipelinePlan, spec: dict[str, Any], batch: int | None) -> PipelinePlan:
+    from ..ir.forms import shard_lengths
+
+    b, m = batch if batch is not None else plan.batch, plan.micro_batches
+    what = f"pipeline plan {plan.name} at {_sizes_text(spec)}"
+
+    def keeps_rows(total: int) -> bool:
+        return total % m == 0 and all(
+            n > 0
+            for st in plan.stages
+            for n, o in zip(
+                shard_lengths(total // m, st.shares), shard_lengths(plan.micro_batch_size, st.shares)
+            )
+            if o > 0
+        )
+
+    if not keeps_rows(b):
+        good = next((x for x in range(m, plan.batch + 1, m) if keeps_rows(x)), plan.batch)
+        why = (
+            f"it runs {m} micro-batches, and {b} does not split into {m} equal ones"
+            if b % m
+            else "a device of a stage would get no rows of a micro-batch"
+        )
+        raise ValueError(
+            f"{what}: not the same program: {why}. Use --batch {good} (or a larger multiple of {m})"
+        )
+    d = plan.to_json()
+    d["model"], d["batch"] = spec, b
+    return PipelinePlan.from_json(d, source=what)
+
+
 # ============================================================================================ verify
 
 
@@ -494,7 +704,6 @@ def _verify_pipeline(
 ) -> VerifyReport:  # fmt: skip
     """:func:`verify` for a pipeline plan: its ranks (:func:`hapnb.run.pipelined.run_ranks`) against the
     single-device program of the same model and batch."""
-    from ..tracing import trace
     from .pipelined import prepare, run_ranks
 
     t0 = time.perf_counter()

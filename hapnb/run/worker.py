@@ -239,7 +239,6 @@ def run_worker(
     from ..runtime import collectives as C
     from ..runtime.codegen import generate
     from ..runtime.expand import physical_plan
-    from .buckets import GradBuckets
     from .bundle import load_bundle
 
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
@@ -276,12 +275,7 @@ def run_worker(
         opt = make_optimizer(optimizer, params, lr)
         buckets = None
         if grad_sync == "buckets":
-            # a process group of its own: the buckets' all-reduces never interleave with the feature
-            # collectives the backward runs on the default group
-            group = dist.new_group(list(range(world_size))) if world_size > 1 else None
-            caps = {k: v for k, v in (("cap", bucket_cap), ("first_cap", first_bucket_cap)) if v is not None}
-            named = [(nm, module.get_parameter(nm)) for nm in prog.grad_sync]
-            buckets = GradBuckets(named, group=group, **caps)
+            buckets = _grad_buckets(module, prog, world_size, bucket_cap, first_bucket_cap)
         out: list[dict[str, Any]] = []
         losses: list[float] = []
         global_losses: list[float] = []
@@ -323,25 +317,7 @@ def run_worker(
             sink(m)
         if verify_out is not None:
             phase("save")
-            state = dict(module.named_parameters())
-            state.update(dict(module.named_buffers()))
-            weights = {p.local_name: state[p.local_name].detach().cpu().clone() for p in prog.params}
-            rec = {
-                "rank": rank,
-                "losses": losses,
-                "global_losses": global_losses,
-                "grads": grads,
-                "weights": weights,
-                "params": [
-                    [p.local_name, p.name, p.kind, p.dim, p.start, p.length, list(p.lengths)]
-                    for p in prog.params
-                ],
-            }
-            d = Path(verify_out)
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f".rank{rank}.pt.tmp"
-            torch.save(rec, tmp)
-            tmp.replace(d / f"rank{rank}.pt")
+            _save_verify_record(verify_out, rank, prog, module, losses, global_losses, grads)
         if created:
             dist.barrier()  # no rank tears the group down while a peer still uses it
         return out
@@ -349,6 +325,53 @@ def run_worker(
         sink.close()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _grad_buckets(module: Any, prog: Any, world_size: int, cap: int | None, first_cap: int | None) -> Any:
+    """The rank program's replicated gradients in DDP-like buckets (:class:`hapnb.run.buckets.GradBuckets`)."""
+    import torch.distributed as dist
+
+    from .buckets import GradBuckets
+
+    # a process group of its own: the buckets' all-reduces never interleave with the feature
+    # collectives the backward runs on the default group
+    group = dist.new_group(list(range(world_size))) if world_size > 1 else None
+    caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
+    named = [(nm, module.get_parameter(nm)) for nm in prog.grad_sync]
+    return GradBuckets(named, group=group, **caps)
+
+
+def _save_verify_record(
+    verify_out: str | os.PathLike[str],
+    rank: int,
+    prog: Any,
+    module: Any,
+    losses: list[float],
+    global_losses: list[float],
+    grads: dict[str, Any],
+) -> None:
+    """Write ``rank<r>.pt`` for :func:`hapnb.verify`: the losses per step, the first step's gradients, the
+    weights and buffers after the last step, and how each local parameter maps to the model's."""
+    import torch
+
+    state = dict(module.named_parameters())
+    state.update(dict(module.named_buffers()))
+    weights = {p.local_name: state[p.local_name].detach().cpu().clone() for p in prog.params}
+    rec = {
+        "rank": rank,
+        "losses": losses,
+        "global_losses": global_losses,
+        "grads": grads,
+        "weights": weights,
+        "params": [
+            [p.local_name, p.name, p.kind, p.dim, p.start, p.length, list(p.lengths)] for p in prog.params
+        ],
+    }
+    d = Path(verify_out)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".rank{rank}.pt.tmp"
+    torch.save(rec, tmp)
+    tmp.replace(d / f"rank{rank}.pt")
 
 
 def init_group(backend: str, rank: int, world_size: int, timeout_s: float) -> bool:
