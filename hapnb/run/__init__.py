@@ -2,7 +2,8 @@
 
 One module per job, imports pointing down this list: :mod:`~hapnb.run.calibrate` (predicted vs measured
 time) over :mod:`~hapnb.run.launch` (``hapnb launch``), :mod:`~hapnb.run.verify` (against one device),
-:mod:`~hapnb.run.distribute` (``distribute`` under torchrun), :mod:`~hapnb.run.profile` (devices and
+:mod:`~hapnb.run.distribute` (``distribute`` under torchrun) over :mod:`~hapnb.run.training` (its data sampler,
+global loss and gradient clipping, the rank agreement check), :mod:`~hapnb.run.profile` (devices and
 collectives -> cluster JSON), :mod:`~hapnb.run.worker` (one rank of a bundle), :mod:`~hapnb.run.bundle`
 (plan + exported program in a folder), and at the bottom :mod:`~hapnb.run.supervisor`, the one process
 supervisor that starts and watches every rank process. Pipeline plans run through

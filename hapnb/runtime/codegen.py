@@ -43,15 +43,18 @@ from .bufferupdates import BufferUpdateError, emit_buffer_updates
 from .program import (
     DROPOUT_TARGETS,
     NATIVE_DROPOUT,
+    TRAINING_FLAG,
     CodegenError,
     LocalParam,
     RankProgram,
     as_run,
     device_anchor,
+    has_dropout,
     ident,
     program_weights,
     run_constants,
     tied_groups,
+    when_training,
 )
 
 __all__ = ["generate"]
@@ -112,9 +115,10 @@ def generate(
 
     ``inputs="full"``: the module takes the full global batch and slices it itself; ``"local"``: it takes
     the rank's slice of every ``G``-loaded input (see :meth:`RankProgram.local_inputs`). ``dropout=False``
-    replaces dropout by identity (exact verification). ``dtype`` (e.g. ``torch.float64``) casts floating
-    weights and float32 dtype constants in op arguments. ``weights`` overrides the weights taken from
-    ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
+    replaces dropout by identity (exact verification); with ``True`` dropout runs while the module trains
+    and is off after ``module.eval()`` (it reads ``module.training``). ``dtype`` (e.g. ``torch.float64``)
+    casts floating weights and float32 dtype constants in op arguments. ``weights`` overrides the weights
+    taken from ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
     A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.runtime.expand.expand_virtual`):
     ``rank`` then counts physical GPUs. ``grad_sync="sync"``: a replicated parameter is wrapped in
     :func:`hapnb.runtime.collectives.replicate` (its gradient is all-reduced inside autograd); ``"buckets"``: it is
@@ -200,6 +204,7 @@ class _RankBuilder:
         self.repl_nodes: dict[str, fx.Node] = {}
         self.bucketed: list[str] = []
         self.device_node: fx.Node | None = None
+        self.training_node: fx.Node | None = None
         # what is loaded in which forms (ZeRO: the stored shard), and whether any load is ZeRO-3
         self.load_forms: dict[str, list[tuple[Form, bool]]] = {}
         self.zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
@@ -252,6 +257,12 @@ class _RankBuilder:
             self.device_node = device_anchor(self.root, self.fxg)
         return self.device_node
 
+    def training(self) -> fx.Node:
+        """The node of the module's ``training`` flag (what dropout reads at run time)."""
+        if self.training_node is None:
+            self.training_node = self.fxg.get_attr(TRAINING_FLAG)
+        return self.training_node
+
     def constants(self, value: Any) -> Any:
         """An argument tree's traced constants as this program runs them (dtype, device)."""
         return run_constants(value, self.dtype, self.runtime_device)
@@ -261,6 +272,8 @@ class _RankBuilder:
         fn, args, kwargs = as_run(
             fn, args, kwargs, dtype=self.dtype, dropout=self.dropout, device=self.runtime_device
         )
+        if self.dropout and has_dropout(fn):  # dropout as traced while training, none after module.eval()
+            fn, args = when_training(fn), (self.training(), *args)
         return self.emit(C.regathered(fn) if self.zero3 else fn, args, kwargs, name)
 
     def need(self, tid: int, f: Form, where: str) -> fx.Node:
@@ -325,13 +338,18 @@ class _RankBuilder:
         for tid in g.params:
             t = g.tensors[tid]
             members = tied.get(t.name, [t.name])
+            aliases = tuple(m for m in members if m != t.name)
             if members[0] != t.name:  # a later name of a tied parameter: the first name's local parameter
-                self.records[t.name] = dataclasses.replace(self.records[members[0]], name=t.name)
+                self.records[t.name] = dataclasses.replace(
+                    self.records[members[0]], name=t.name, aliases=aliases
+                )
                 continue
             full = weights[t.name].detach()
             if self.dtype is not None and full.is_floating_point():
                 full = full.to(self.dtype)
             loaded = [m for m in members if m in self.load_forms]
+            if aliases:
+                self.check_tied_pins(members, loaded)
             forms = [f for m in loaded for f in self.load_forms[m]]
             forms = [f for k, f in enumerate(forms) if f not in forms[:k]]
             trainable = t.role == "param" and t.requires_grad
@@ -345,11 +363,13 @@ class _RankBuilder:
                 start = shard_offsets(ls)[self.rank]
                 local = full.narrow(d, start, ls[self.rank]).clone().contiguous()
                 rec = LocalParam(
-                    lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[self.rank], ls, trainable
+                    lname, t.name, t.role, str(G(d)), t.shape, d, start, ls[self.rank], ls, trainable, aliases
                 )
             else:
                 local = full.clone()
-                rec = LocalParam(lname, t.name, t.role, "I", t.shape, requires_grad=trainable)
+                rec = LocalParam(
+                    lname, t.name, t.role, "I", t.shape, requires_grad=trainable, aliases=aliases
+                )
             if t.role == "param":
                 self.root.register_parameter(lname, torch.nn.Parameter(local, requires_grad=trainable))
             else:
@@ -360,6 +380,19 @@ class _RankBuilder:
             for m, fs in self.load_forms.items()
             if m in self.records and any(b for _, b in fs)
         }
+
+    def check_tied_pins(self, members: Sequence[str], loaded: Sequence[str]) -> None:
+        """A pin on a name of a tied parameter that the program never loads (it uses the tensor under
+        another name) would be silently ignored: refuse it, naming both names."""
+        pins = dict(getattr(self.plan, "pins", ()) or ())
+        for m in members:
+            if m in pins and m not in loaded and loaded and any(pins.get(u) != pins[m] for u in loaded):
+                used = " and ".join(loaded)
+                raise CodegenError(
+                    f"plan {self.plan.name} pins {m}={pins[m]}, but {m} is tied to {used} (one tensor) and "
+                    f"the program uses it only as {used}, so the pin has no effect; pin {loaded[0]}={pins[m]} "
+                    f"instead (or pin both names alike)"
+                )
 
     # ------------------------------------------------------------------ instructions
     def load(self, ins: Any, where: str) -> None:
@@ -549,6 +582,7 @@ class _RankBuilder:
             fingerprint=g.fingerprint,
             notes=tuple(self.notes),
             grad_sync=tuple(self.bucketed),
+            input_shapes=tuple(tuple(g.tensors[t].shape) for t in g.inputs),
         )
 
 

@@ -20,7 +20,8 @@ from . import collectives as C
 __all__ = [
     "CodegenError", "LocalParam", "RankProgram", "COLLECTIVE_FUNCTIONS", "DROPOUT_TARGETS", "NATIVE_DROPOUT",
     "DEVICE_ANCHOR", "STRIDE_FREE", "count_collectives", "program_weights", "tied_groups", "ident", "retype",
-    "redevice", "zero_dropout", "strip_prefix", "device_anchor", "as_run", "run_constants",
+    "redevice", "zero_dropout", "strip_prefix", "device_anchor", "as_run", "run_constants", "has_dropout",
+    "when_training", "TRAINING_FLAG",
 ]  # fmt: skip
 
 
@@ -42,7 +43,9 @@ class LocalParam:
     ``local_name`` is the attribute in the rank's GraphModule, ``name`` the model's FQN (graph tensor
     name), ``kind`` ``param``/``buffer``/``const``. ``form`` is ``"I"`` when the rank holds the full tensor
     and ``"G<d>"`` when it holds the slice ``[start, start + length)`` of dim ``dim``; ``lengths`` are
-    every rank's slice lengths on that dim (empty for full tensors).
+    every rank's slice lengths on that dim (empty for full tensors). ``aliases`` are the model's other
+    names of the same tensor (tied parameters, e.g. GPT-2's ``wte.weight`` and ``lm_head.weight``): one
+    local weight, listed once in :attr:`RankProgram.unique_params`.
     """
 
     local_name: str
@@ -55,6 +58,12 @@ class LocalParam:
     length: int = 0
     lengths: tuple[int, ...] = ()
     requires_grad: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every model name of this weight: ``name`` first, then its tied ``aliases``."""
+        return (self.name, *self.aliases)
 
     @property
     def sharded(self) -> bool:
@@ -71,7 +80,9 @@ class LocalParam:
 class RankProgram:
     """The program one rank runs: ``module(*inputs)`` returns the rank's partial loss (R form).
 
-    ``params`` maps every local weight to its model FQN and slice (see :class:`LocalParam`);
+    ``params`` maps every model weight name to its local weight and slice (see :class:`LocalParam`; a
+    tied parameter once per name, every record naming the one local weight); :attr:`unique_params`
+    lists each local weight once (what an optimizer or a norm must see);
     ``input_names`` are the placeholders in order; ``input_slices`` gives, per input, ``(dim, start,
     length)`` of the slice the program expects when ``inputs == "local"`` (``dim == -1``: the full input).
     """
@@ -90,26 +101,53 @@ class RankProgram:
     #: all-reduced by the runtime (``grad_sync="buckets"``, :class:`hapnb.run.buckets.GradBuckets`), in
     #: order of first use in the forward; empty with ``grad_sync="sync"`` (the program all-reduces them)
     grad_sync: tuple[str, ...] = ()
+    #: the global shape of every input the program was made for (empty: not recorded)
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def code(self) -> str:
         """The generated Python source of the rank's forward."""
         return self.module.code
 
+    @property
+    def unique_params(self) -> tuple[LocalParam, ...]:
+        """One record per local weight, in ``params`` order: a tied parameter once, under its first name
+        with the others as ``aliases``."""
+        seen: set[str] = set()
+        out = []
+        for p in self.params:
+            if p.local_name not in seen:
+                seen.add(p.local_name)
+                out.append(p)
+        return tuple(out)
+
     def param(self, name: str) -> LocalParam:
-        """The local parameter record of model tensor ``name`` (FQN) or of local attribute ``name``."""
+        """The local parameter record of model tensor ``name`` (FQN, a tied alias included) or of local
+        attribute ``name``."""
         for p in self.params:
             if p.name == name or p.local_name == name:
+                return p
+        for p in self.params:
+            if name in p.aliases:
                 return p
         raise KeyError(f"rank {self.rank} program has no parameter {name!r}")
 
     def local_inputs(self, *full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Cut the full global inputs to what this program expects (identity when ``inputs='full'``)."""
+        """Cut the full global inputs to what this program expects (identity when ``inputs='full'``); a
+        global batch of another shape than planned is refused (it would be cut short or fail on some
+        ranks only)."""
         if len(full) != len(self.input_names):
             raise TypeError(
                 f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
                 f"got {len(full)}"
             )
+        for name, x, want in zip(self.input_names, full, self.input_shapes):
+            if tuple(x.shape) != tuple(want):
+                raise ValueError(
+                    f"rank {self.rank}: input {name} has shape {tuple(x.shape)}, but the program takes the global "
+                    f"batch as {tuple(want)} (its shapes and loss scale are fixed when it is planned); feed "
+                    "batches of the planned shape, or synthesize a plan for this batch"
+                )
         if self.inputs == "full":
             return tuple(full)
         out = []
@@ -274,15 +312,56 @@ def as_run(
     return STRIDE_FREE.get(fn, fn), args, kwargs
 
 
-def zero_dropout(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Set an op's ``dropout_p`` argument (scaled_dot_product_attention and friends) to 0."""
+#: the attribute of a rank program's module that says whether it trains (``nn.Module.training``): what
+#: the program's dropout reads at run time (:func:`when_training`)
+TRAINING_FLAG = "training"
+
+
+def has_dropout(fn: Any) -> bool:
+    """Whether op ``fn`` drops out: an aten dropout (a ``train`` argument) or an attention with
+    ``dropout_p``."""
+    schema = getattr(fn, "_schema", None)
+    return schema is not None and any(a.name in ("train", "dropout_p") for a in schema.arguments)
+
+
+_WHEN_TRAINING: dict[Any, Callable[..., Any]] = {}
+
+
+def when_training(fn: Any) -> Callable[..., Any]:
+    """``fn`` with a leading ``training`` flag: as traced while the module trains, without dropout when it
+    does not (``train=False``, ``dropout_p=0``), so ``module.eval()`` switches a rank program's dropout
+    off as it does the model's (one named function per ``fn``, callable as an fx op).
+
+    >>> f = when_training(torch.ops.aten.dropout.default)
+    >>> x = torch.ones(4)
+    >>> f.__name__, torch.equal(f(False, x, 0.5, True), x)
+    ('when_training_dropout_default', True)
+    """
+    w = _WHEN_TRAINING.get(fn)
+    if w is None:
+
+        def w(training: bool, *args: Any, **kwargs: Any) -> Any:
+            if not training:
+                args, kwargs = zero_dropout(fn, args, kwargs, all_dropout=True)
+            return fn(*args, **kwargs)
+
+        name = "when_training_" + "".join(ch if ch.isalnum() else "_" for ch in getattr(fn, "__name__", "op"))
+        w.__name__ = w.__qualname__ = name
+        _WHEN_TRAINING[fn] = w
+    return w
+
+
+def zero_dropout(fn: Any, args: tuple, kwargs: dict, *, all_dropout: bool = False) -> tuple[tuple, dict]:
+    """Set an op's ``dropout_p`` argument (scaled_dot_product_attention and friends) to 0, and with
+    ``all_dropout`` also a dropout's ``train`` argument to False (the op is then the identity)."""
     schema = getattr(fn, "_schema", None)
     if schema is None:
         return args, kwargs
+    zeroed = {"dropout_p": 0.0, **({"train": False} if all_dropout else {})}
     for k, a in enumerate(schema.arguments):
-        if a.name == "dropout_p":
+        if a.name in zeroed:
             if a.name in kwargs:
-                kwargs = {**kwargs, a.name: 0.0}
+                kwargs = {**kwargs, a.name: zeroed[a.name]}
             elif k < len(args) and not a.kwarg_only:
-                args = (*args[:k], 0.0, *args[k + 1 :])
+                args = (*args[:k], zeroed[a.name], *args[k + 1 :])
     return args, kwargs
