@@ -599,32 +599,7 @@ class Session:
     @property
     def draft_changes(self) -> tuple[str, ...]:
         """What applying the draft would change, one line each (``"v100-0: 15.7 -> 7.85 TFLOP/s"``)."""
-        a, b = self.cluster, self._draft
-        if a.names != b.names:
-            return (f"devices {', '.join(a.names)} -> {', '.join(b.names)}",)
-        out = []
-        for x, y in zip(a.devices, b.devices):
-            if x.flops != y.flops:
-                out.append(f"{x.name}: {x.flops / 1e12:.4g} -> {y.flops / 1e12:.4g} TFLOP/s")
-            if x.memory_bytes != y.memory_bytes:
-                out.append(f"{x.name}: {x.memory_bytes / 2**30:.4g} -> {y.memory_bytes / 2**30:.4g} GiB")
-        old = dict(a.collectives)
-        for k, y in b.collectives:
-            x = old.get(k)
-            if x is None:
-                out.append(f"{k}: new")
-                continue
-            if x.bandwidth_Bps != y.bandwidth_Bps:
-                out.append(f"{k}: {x.bandwidth_Bps / 1e9:.4g} -> {y.bandwidth_Bps / 1e9:.4g} GB/s")
-            if x.latency_s != y.latency_s:
-                out.append(f"{k}: {x.latency_s * 1e6:.4g} -> {y.latency_s * 1e6:.4g} us latency")
-        for attr, unit in (
-            ("intra_machine_Bps", "B/s within a machine"),
-            ("dtype_bytes", "bytes per element"),
-        ):
-            if getattr(a, attr) != getattr(b, attr):
-                out.append(f"{getattr(a, attr):g} -> {getattr(b, attr):g} {unit}")
-        return tuple(out)
+        return self.cluster.changes_to(self._draft)
 
     def load_cluster(self, cluster: Cluster | str) -> Cluster:
         """Put a cluster (object, preset name, JSON path or inline spec) in the draft (not applied)."""
@@ -639,58 +614,28 @@ class Session:
             self.apply_cluster()
         return c
 
-    def _edited(self, **changes: Any) -> Cluster:
-        base = self._draft
-        name = base.name if base.name.endswith("(edited)") else f"{base.name} (edited)"
-        return base.replace(name=name, **changes)
+    def _set_draft(self, draft: Cluster) -> None:
+        if draft is not self._draft:
+            self._draft = draft
+            self._emit("draft")
 
     def edit_device(
         self, name: str, *, flops: float | None = None, memory_bytes: float | None = None
     ) -> Device:
         """Change a device's throughput (flop/s) or memory (bytes) in the draft; returns the device."""
-        devices = list(self._draft.devices)
         if name not in self._draft.names:
             raise KeyError(
                 f"no device {name!r} in the draft cluster; devices: {', '.join(self._draft.names)}"
             )
-        j = self._draft.names.index(name)
-        d = devices[j]
-        new = dataclasses.replace(
-            d,
-            flops=d.flops if flops is None or _close(flops, d.flops) else flops,
-            memory_bytes=d.memory_bytes
-            if memory_bytes is None or _close(memory_bytes, d.memory_bytes)
-            else int(memory_bytes),
-        )
-        if new != d:
-            devices[j] = new
-            self._draft = self._edited(devices=tuple(devices))
-            self._emit("draft")
-        return new
+        self._set_draft(self._draft.with_device(name, flops=flops, memory_bytes=memory_bytes))
+        return self._draft.devices[self._draft.index(name)]
 
     def set_collective(
         self, kind: str, *, bandwidth_Bps: float | None = None, latency_s: float | None = None
     ) -> Collective:
         """Change a collective's bandwidth (bytes/s) or latency (s) in the draft; returns its model."""
-        colls = dict(self._draft.collectives)
-        if kind not in colls:
-            raise KeyError(f"unknown collective {kind!r}; kinds: {', '.join(colls)}")
-        old = colls[kind]
-        bw = (
-            old.bandwidth_Bps
-            if bandwidth_Bps is None or _close(bandwidth_Bps, old.bandwidth_Bps)
-            else bandwidth_Bps
-        )
-        lat = old.latency_s if latency_s is None or abs(latency_s - old.latency_s) <= 1e-12 else latency_s
-        try:
-            new = Collective(lat, bw)
-        except ValueError as e:
-            raise ValueError(f"collective {kind}: {e}") from None
-        if new != old:
-            colls[kind] = new
-            self._draft = self._edited(collectives=colls)
-            self._emit("draft")
-        return new
+        self._set_draft(self._draft.with_collective(kind, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s))
+        return self._draft.collective(kind)
 
     def discard_draft(self) -> Cluster:
         """Forget the draft's edits."""
@@ -817,7 +762,3 @@ class Session:
             + (f"<div>{display.esc(diff.summary())}</div>" if diff is not None else "")
             + display.safe_html(display.search_html, self.search, self.event)
         )
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(float(a) - float(b)) <= 1e-9 * max(abs(float(b)), 1e-300)

@@ -250,15 +250,7 @@ class Explorer:
 
     # ============================================================================ verify and launch
     def _show_verify(self, report: Any) -> None:
-        if report is None:
-            self._launch_status("verify failed (see the error above)")
-            return
-        color = "#060" if report.ok else "#a00"
-        self._launch_status(
-            f"<span style='color:{color}'>verify: {html.escape(report.summary())}</span>"
-            f"<details><summary>per tensor</summary>{display.safe_html(lambda r: r._repr_html_(), report)}"
-            "</details>"
-        )
+        self._launch_status(display.verify_status_html(report))
 
     def launch(self, nproc: int | None = None, steps: int | None = None, *, wait: bool = True) -> Any:
         """Launch the plan and stream per-step time and loss into the panel; returns the job.
@@ -778,41 +770,16 @@ class Explorer:
         self.outputs["history"].value = _scroll(display.safe_html(display.history_html, p))
         if prev is not None:
             self.outputs["diff"].value = _scroll(display.safe_html(display.plan_diff_html, prev, p))
-        self.outputs["gantt"].value = self._gantt_html()
-
-    def _gantt_html(self) -> str:
-        measured = self.measured
-        try:
-            page = display.gantt_html(self.plan, measured or None, width=860)
-        except Exception:  # noqa: BLE001 - no bokeh: the static timeline
-            return _scroll(display.safe_html(display.gantt_svg, self.plan))
-        height = 110 + 28 * (self.cluster.n + (2 if measured else 0))
-        return (
-            f'<iframe srcdoc="{html.escape(page, quote=True)}" '
-            f"style='width:100%;height:{height}px;border:0' "
-            "sandbox='allow-scripts'></iframe>"
-        )
+        self.outputs["gantt"].value = display.gantt_frame(self.plan, self.measured)
 
     def _show_job(self, state: JobState) -> None:
         """Render a launch snapshot: progress, the last metrics lines, predicted vs measured."""
+        self.outputs["metrics"].value = display.launch_html(state)
         if not state.started:
-            self.outputs["metrics"].value = "<div>no launch yet</div>"
             return
         bar = self.controls["progress"]
         bar.max = max(state.steps, 1)
         bar.value = min(len(state.step_times), bar.max)
-        rows = "".join(
-            f"<tr><td>{m.get('rank', '')}</td><td>{m.get('step', '')}</td><td>{_num(m.get('loss'))}</td>"
-            f"<td>{_num(m.get('step_s'), 1e3)}</td></tr>"
-            for m in state.metrics[-30:]
-        )
-        mean = state.mean_step_s
-        self.outputs["metrics"].value = (
-            f"<div>{len(state.metrics)} metric lines; predicted {state.predicted_s * 1e3:.4g} ms/step"
-            + (f", measured mean {mean * 1e3:.4g} ms (slowest rank per step)" if mean is not None else "")
-            + "</div><table style='font-family:monospace;font-size:12px'><tr><th>rank</th><th>step</th>"
-            f"<th>loss</th><th>step ms</th></tr>{rows}</table>"
-        )
         if state.result is not None:
             color = "#060" if state.result.ok else "#a00"
             self._launch_status(f"<span style='color:{color}'>{html.escape(state.summary())}</span>")
@@ -823,7 +790,3 @@ class Explorer:
 
     def __repr__(self) -> str:
         return f"Explorer({self.plan.name} on {self.cluster.name}: plan {self.plan.cost_s * 1e3:.4g} ms, {self.search!r})"
-
-
-def _num(x: Any, scale: float = 1.0) -> str:
-    return f"{float(x) * scale:.5g}" if isinstance(x, (int, float)) else ""

@@ -48,12 +48,12 @@ A drawing returned without the ``dot`` program still displays in a notebook (as 
 from __future__ import annotations
 
 from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_unit
-from .charts import gantt, gantt_html
+from .charts import gantt, gantt_frame, gantt_html
 from .comparison import comparison_chart, comparison_html
 from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
 from .pipeline_views import pipeline_dot, pipeline_gantt, pipeline_html
 from .plans import forms_by_tensor, gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
-from .report import report_html
+from .report import launch_html, report_html, verify_status_html
 from .tables import (
     cluster_html,
     enabled_triples,
@@ -81,8 +81,11 @@ __all__ = [
     "sharding_html",
     "gantt",
     "gantt_html",
+    "gantt_frame",
     "gantt_svg",
     "report_html",
+    "launch_html",
+    "verify_status_html",
     "sensitivity_html",
     "why_not_html",
     "what_if_html",

@@ -1,4 +1,4 @@
-"""A whole self-contained HTML report of a plan."""
+"""Reports: a whole self-contained HTML page of a plan, and the status lines of a verify and of a launch."""
 
 from __future__ import annotations
 
@@ -86,3 +86,41 @@ def report_html(
         "<style>body{font-family:Helvetica,Arial,sans-serif;margin:16px} h2{margin-top:24px}</style>"
         f"</head><body>{body}</body></html>\n"
     )
+
+
+# ============================================================================================ runs
+
+
+def verify_status_html(report: Any) -> str:
+    """A verify report as one coloured line with its per-tensor table folded under it (``None``: the
+    verify failed, its error shown elsewhere)."""
+    if report is None:
+        return "verify failed (see the error above)"
+    color = "#060" if report.ok else "#a00"
+    return (
+        f"<span style='color:{color}'>verify: {esc(report.summary())}</span>"
+        f"<details><summary>per tensor</summary>{safe_html(lambda r: r._repr_html_(), report)}</details>"
+    )
+
+
+def launch_html(state: Any) -> str:
+    """A launch snapshot (``hapnb.run.launch.JobState``): predicted vs measured step time and the last 30
+    metrics lines (rank, step, loss, step ms)."""
+    if not state.started:
+        return "<div>no launch yet</div>"
+    rows = "".join(
+        f"<tr><td>{m.get('rank', '')}</td><td>{m.get('step', '')}</td><td>{_number(m.get('loss'))}</td>"
+        f"<td>{_number(m.get('step_s'), 1e3)}</td></tr>"
+        for m in state.metrics[-30:]
+    )
+    mean = state.mean_step_s
+    return (
+        f"<div>{len(state.metrics)} metric lines; predicted {state.predicted_s * 1e3:.4g} ms/step"
+        + (f", measured mean {mean * 1e3:.4g} ms (slowest rank per step)" if mean is not None else "")
+        + "</div><table style='font-family:monospace;font-size:12px'><tr><th>rank</th><th>step</th>"
+        f"<th>loss</th><th>step ms</th></tr>{rows}</table>"
+    )
+
+
+def _number(x: Any, scale: float = 1.0) -> str:
+    return f"{float(x) * scale:.5g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else ""

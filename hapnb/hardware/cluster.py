@@ -193,6 +193,93 @@ class Cluster:
         merged.update(kinds)
         return self.replace(collectives=merged)
 
+    def edited(self, **changes: Any) -> Cluster:
+        """A copy with ``changes`` (:meth:`replace`) named ``"<name> (edited)"`` (once)."""
+        name = self.name if self.name.endswith("(edited)") else f"{self.name} (edited)"
+        return self.replace(name=name, **changes)
+
+    def with_device(
+        self, name: str, *, flops: float | None = None, memory_bytes: float | None = None
+    ) -> Cluster:
+        """:meth:`edited` with device ``name``'s throughput (flop/s) or memory (bytes) changed; this
+        cluster itself when neither changes (to 1e-9 relative).
+
+        >>> c = Cluster.parse("2xV100").with_device("v100-1", flops=7e12)
+        >>> c.name, c.devices[1].flops
+        ('2xV100 (edited)', 7000000000000.0)
+        """
+        if name not in self.names:
+            raise KeyError(f"no device {name!r} in cluster {self.name!r}; devices: {', '.join(self.names)}")
+        j = self.names.index(name)
+        d = self.devices[j]
+        new = dataclasses.replace(
+            d,
+            flops=d.flops if flops is None or _close(flops, d.flops) else flops,
+            memory_bytes=d.memory_bytes
+            if memory_bytes is None or _close(memory_bytes, d.memory_bytes)
+            else int(memory_bytes),
+        )
+        if new == d:
+            return self
+        return self.edited(devices=(*self.devices[:j], new, *self.devices[j + 1 :]))
+
+    def with_collective(
+        self, kind: str, *, bandwidth_Bps: float | None = None, latency_s: float | None = None
+    ) -> Cluster:
+        """:meth:`edited` with collective ``kind``'s bandwidth (bytes/s) or latency (s) changed; this
+        cluster itself when neither changes."""
+        colls = dict(self.collectives)
+        if kind not in colls:
+            raise KeyError(f"unknown collective {kind!r}; kinds: {', '.join(colls)}")
+        old = colls[kind]
+        bw = (
+            old.bandwidth_Bps
+            if bandwidth_Bps is None or _close(bandwidth_Bps, old.bandwidth_Bps)
+            else bandwidth_Bps
+        )
+        lat = old.latency_s if latency_s is None or abs(latency_s - old.latency_s) <= 1e-12 else latency_s
+        try:
+            new = Collective(lat, bw)
+        except ValueError as e:
+            raise ValueError(f"collective {kind}: {e}") from None
+        if new == old:
+            return self
+        colls[kind] = new
+        return self.edited(collectives=colls)
+
+    def changes_to(self, other: Cluster) -> tuple[str, ...]:
+        """What differs in ``other``, one line each (``"v100-0: 15.7 -> 7.85 TFLOP/s"``).
+
+        >>> Cluster.parse("2xV100").changes_to(Cluster.parse("2xV100").with_device("v100-0", flops=7e12))
+        ('v100-0: 3.859 -> 7 TFLOP/s',)
+        """
+        a, b = self, other
+        if a.names != b.names:
+            return (f"devices {', '.join(a.names)} -> {', '.join(b.names)}",)
+        out = []
+        for x, y in zip(a.devices, b.devices):
+            if x.flops != y.flops:
+                out.append(f"{x.name}: {x.flops / 1e12:.4g} -> {y.flops / 1e12:.4g} TFLOP/s")
+            if x.memory_bytes != y.memory_bytes:
+                out.append(f"{x.name}: {x.memory_bytes / 2**30:.4g} -> {y.memory_bytes / 2**30:.4g} GiB")
+        old = dict(a.collectives)
+        for k, y in b.collectives:
+            x = old.get(k)
+            if x is None:
+                out.append(f"{k}: new")
+                continue
+            if x.bandwidth_Bps != y.bandwidth_Bps:
+                out.append(f"{k}: {x.bandwidth_Bps / 1e9:.4g} -> {y.bandwidth_Bps / 1e9:.4g} GB/s")
+            if x.latency_s != y.latency_s:
+                out.append(f"{k}: {x.latency_s * 1e6:.4g} -> {y.latency_s * 1e6:.4g} us latency")
+        for attr, unit in (
+            ("intra_machine_Bps", "B/s within a machine"),
+            ("dtype_bytes", "bytes per element"),
+        ):
+            if getattr(a, attr) != getattr(b, attr):
+                out.append(f"{getattr(a, attr):g} -> {getattr(b, attr):g} {unit}")
+        return tuple(out)
+
     def virtual(self) -> Cluster:
         """Group each machine's devices into one virtual device (paper §3: data parallel inside).
 
@@ -549,3 +636,7 @@ PRESETS: Mapping[str, str] = MappingProxyType(
         "h100x8": "one machine of 8 H100 (NVLink4/NVSwitch)",
     }
 )
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(float(a) - float(b)) <= 1e-9 * max(abs(float(b)), 1e-300)
