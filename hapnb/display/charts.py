@@ -7,22 +7,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .basics import _COMM_COLOR, _COMP_COLOR, _DEVICE_COLORS, _IDLE_COLOR, _stage_starts, time_unit
+from .basics import (
+    _COMM_COLOR,
+    _COMP_COLOR,
+    _DEVICE_COLORS,
+    _IDLE_COLOR,
+    _stage_starts,
+    esc,
+    safe_html,
+    time_unit,
+)
 
 # ============================================================================================ bokeh
 
 
+def legend_outside(fig: Any, place: str = "right") -> Any:
+    """Move the figure's legends out of the plotted data, to the side panel ``place`` (``"right"``,
+    ``"below"``, ...), in small type; a bar or a curve is never hidden under its legend. Returns ``fig``."""
+    for legend in list(fig.legend):
+        if legend in fig.center:
+            fig.center.remove(legend)
+        legend.location = "top_left" if place in ("right", "left") else "center"
+        legend.label_text_font_size = "9pt"
+        fig.add_layout(legend, place)
+    return fig
+
+
 def finish_time_axis(fig: Any, end: float) -> Any:
     """A Gantt chart's common finish: the time axis from 0 to ``end`` (plus 2 %) in plain numbers, the
-    legend at the bottom right in small type, no horizontal grid lines. Returns ``fig``."""
+    legend outside the bars, on the right (:func:`legend_outside`), no horizontal grid lines. Returns
+    ``fig``."""
     from bokeh.models import BasicTickFormatter, Range1d
 
     fig.x_range = Range1d(0, end * 1.02 if end > 0 else 1.0)
     fig.xaxis.formatter = BasicTickFormatter(use_scientific=False)
-    fig.legend.location = "bottom_right"
-    fig.legend.label_text_font_size = "9pt"
     fig.ygrid.grid_line_color = None
-    return fig
+    return legend_outside(fig)
 
 
 def _measured_parts(measured: Any) -> tuple[list[float], list[float]]:
@@ -138,6 +158,22 @@ def gantt_html(plan: Any, measured: Any = None, **kw: Any) -> str:
     return file_html(gantt(plan, measured, **kw), resources=INLINE, title=f"hapnb Gantt: {plan.name}")
 
 
+def gantt_frame(plan: Any, measured: Any = None, width: int = 860) -> str:
+    """The Gantt chart as a sandboxed iframe for a widget (its page inlined, sized to the devices and the
+    measured lanes); without bokeh, the static SVG timeline (:func:`hapnb.display.gantt_svg`)."""
+    from .plans import gantt_svg
+
+    try:
+        page = gantt_html(plan, measured or None, width=width)
+    except Exception:  # noqa: BLE001 - no bokeh: the static timeline
+        return safe_html(gantt_svg, plan)
+    height = 110 + 28 * (plan.cluster.n + (2 if measured else 0))
+    return (
+        f"<iframe srcdoc=\"{esc(page)}\" style='width:100%;height:{height}px;border:0' "
+        "sandbox='allow-scripts'></iframe>"
+    )
+
+
 #: Fill colours of a simulated span by phase and stream (computation blue, communication orange).
 PHASE_COLORS: Mapping[tuple[str, str], str] = {
     ("compute", "forward"): "#6baed6",
@@ -242,6 +278,4 @@ def memory_chart(timeline: Any, *, width: int = 900, height: int = 300) -> Any:
                 [0, timeline.iteration_s * k], [caps[j] / 2**20] * 2, line_color=color, line_dash="dashed"
             )
     fig.add_tools(HoverTool(tooltips=[("device", "@device"), ("time", f"@t{{0.000}} {unit}"), ("memory", "@mib{0.0} MiB")]))  # fmt: skip
-    fig.legend.location = "top_left"
-    fig.legend.label_text_font_size = "9pt"
-    return fig
+    return legend_outside(fig)
