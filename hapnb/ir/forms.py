@@ -36,6 +36,8 @@ __all__ = [
     "FullShard",
     "ShardGradOp",
     "parse_form",
+    "parse_recut",
+    "parse_recut",
     "parse_pin",
     "shard_lengths",
     "shard_offsets",
@@ -196,6 +198,17 @@ def parse_form(text: str) -> Form:
         f"cannot read the form {text!r}: use I / Replicate, R / Partial, or G(d) / Gd / Shard(d) "
         "with a non-negative dim d"
     )
+
+
+def parse_recut(text: str) -> tuple[Form, int | None]:
+    """A form as a program writes it, with the ratio segment a re-cut tensor is cut for: ``"G1@2"`` (``G(1)``
+    re-cut for segment 2's ratios) or a plain form (segment ``None``).
+
+    >>> parse_recut("G1@2"), parse_recut("I")
+    ((G(1), 2), (I, None))
+    """
+    base, sep, segment = text.partition("@")
+    return parse_form(base), (int(segment) if sep else None)
 
 
 def shard_lengths(length: int, ratios: Sequence[float]) -> tuple[int, ...]:

@@ -38,7 +38,6 @@ from ..cost.memory import overflow
 from ..cost.model import Conversion, CostModel, Load, Step
 from ..hardware.cluster import Cluster
 from ..hardware.parts import Collective
-from ..ir.forms import parse_form
 from ..ir.graph import Graph
 from ..synth.balance import (
     MemoryCapError,
@@ -126,24 +125,15 @@ def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conve
     for ins in plan.program:
         if ins.kind == "load":
             zero = _zero_level(ins.name)
-            stored = parse_form(ins.src) if zero else None  # a ZeRO load: kept sharded as src
-            loads.append(Load(tid[ins.tensor], parse_form(ins.form), ins.name == "load_sfb", zero, stored))
+            stored = ins.src_value if zero else None  # a ZeRO load: kept sharded as src
+            loads.append(Load(tid[ins.tensor], ins.form_value, ins.name == "load_sfb", zero, stored))
         elif ins.kind == "collective":
-            if ins.name == "reshard":
-                dst, _, seg = ins.form.partition("@")
-                convs.append(
-                    Conversion(tid[ins.tensor], "reshard", parse_form(ins.src), parse_form(dst), int(seg))
-                )
-            else:
-                convs.append(Conversion(tid[ins.tensor], ins.name, parse_form(ins.src), parse_form(ins.form)))
+            seg = {} if ins.segment is None else {"segment": ins.segment}  # a reshard's target segment
+            convs.append(Conversion(tid[ins.tensor], ins.name, ins.src_value, ins.form_value, **seg))
         else:
             op = ops[ins.op]
-            outs = tuple(f for _, f in ins.outputs)
-            strategy = next(
-                s
-                for s in th.strategies[op.id]
-                if s.name == ins.name and tuple(str(f) for f in s.outputs) == outs
-            )
+            outs = tuple(f for _, f in ins.output_forms)
+            strategy = next(s for s in th.strategies[op.id] if s.name == ins.name and s.outputs == outs)
             steps.append(Step(op.id, strategy, tuple(loads), tuple(convs)))
             loads, convs = [], []
     return tuple(steps), tuple(convs)

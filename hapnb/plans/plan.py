@@ -23,12 +23,13 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from ..hardware.cluster import Cluster
 from ..ir.collective_table import FREE
-from ..ir.forms import parse_form
+from ..ir.forms import Form, parse_recut
 from ..synth.history import Round
 
 #: ``Plan.search`` entries that hold timings or how the graph was traced (not the plan itself)
@@ -175,6 +176,37 @@ class Instruction:
     def communicates(self) -> bool:
         return self.kind == "collective" and self.name not in FREE
 
+    # -- the forms as values (parsed once from the paper's notation the fields and the JSON keep) --
+    @cached_property
+    def form_value(self) -> Form | None:
+        """``form`` as a :class:`~hapnb.ir.forms.Form` (a re-cut's segment is :attr:`segment`); None when empty."""
+        return parse_recut(self.form)[0] if self.form else None
+
+    @cached_property
+    def segment(self) -> int | None:
+        """The ratio segment a ``reshard`` re-cuts its tensor for (``form`` ``"G1@2"``), else None."""
+        return parse_recut(self.form)[1] if self.form else None
+
+    @cached_property
+    def src_value(self) -> Form | None:
+        """``src`` as a Form: a collective's source form, a ZeRO load's stored shard; None when empty."""
+        return parse_recut(self.src)[0] if self.src else None
+
+    @cached_property
+    def src_segment(self) -> int | None:
+        """The ratio segment ``src`` was re-cut for (``"G1@2"``), else None."""
+        return parse_recut(self.src)[1] if self.src else None
+
+    @cached_property
+    def input_forms(self) -> tuple[tuple[str, Form, int | None], ...]:
+        """A computation's inputs as (tensor, form, segment of a re-cut input or None)."""
+        return tuple((t, *parse_recut(f)) for t, f in self.inputs)
+
+    @cached_property
+    def output_forms(self) -> tuple[tuple[str, Form], ...]:
+        """A computation's outputs as (tensor, form)."""
+        return tuple((t, parse_recut(f)[0]) for t, f in self.outputs)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -289,8 +321,8 @@ class Plan:
             if ins.kind == "load" and (input_name is None or ins.tensor == input_name):
                 if input_name is None and not self._is_input(ins.tensor):
                     continue
-                f = parse_form(ins.form)
-                if f.kind != "G":
+                f = ins.form_value
+                if f is None or f.kind != "G":
                     return slice(None)
                 ls = self.lengths_of(ins.tensor, f.dim)
                 start = sum(ls[:rank])

@@ -154,7 +154,8 @@ def baselines(
         except (NoProgramError, ValueError) as e:
             out.unavailable[name] = _unavailable(th, e)
     if "tp_ev" in out and not any(
-        i.kind == "load" and i.form.startswith("G") and _is_param(th, i.tensor) for i in out["tp_ev"].program
+        i.kind == "load" and i.form_value.kind == "G" and _is_param(th, i.tensor)
+        for i in out["tp_ev"].program
     ):
         del out["tp_ev"]  # no weight could be split: tensor parallelism does not apply
         out.unavailable["tp_ev"] = "no weight can be split: tensor parallelism does not apply"

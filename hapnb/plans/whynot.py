@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..ir.forms import Form, Storage, parse_form, parse_pin
+from ..ir.forms import Form, Storage, parse_pin
 from ..ir.graph import Graph
 from ..synth.optimize import without_gc
 from ..synth.search import NoProgramError, PinError, Search
@@ -125,7 +125,7 @@ def _forms(plan: Plan, tensor: str) -> set[str]:
     out = set(plan.form_of(tensor))
     for ins in plan.program:
         if ins.kind == "load" and ins.tensor == tensor and _zero_level(ins.name):
-            out.add(str(Storage(_zero_level(ins.name), parse_form(ins.src).dim)))
+            out.add(str(Storage(_zero_level(ins.name), ins.src_value.dim)))
     return out
 
 

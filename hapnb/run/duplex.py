@@ -179,8 +179,7 @@ def half_plan(plan: Any, graph: Graph, half: Graph) -> Any:
     program = []
     for ins in plan.program:
         if ins.kind == "collective" and ins.name == "reshard" and ins.lengths:
-            f = parse_form(ins.form.partition("@")[0])
-            ins = dataclasses.replace(ins, lengths=halve(ins.tensor, f.dim, tuple(ins.lengths)))
+            ins = dataclasses.replace(ins, lengths=halve(ins.tensor, ins.form_value.dim, tuple(ins.lengths)))
         program.append(ins)
     return dataclasses.replace(
         plan, lengths=lengths, program=tuple(program), graph=half, graph_fingerprint=half.fingerprint

@@ -417,7 +417,6 @@ def _check_size_options(name: str, model: str, options: Mapping[str, Any], seq: 
 
 def _resize_spmd(plan: Plan, spec: dict[str, Any], batch: int | None) -> Plan:
     from .. import zoo
-    from ..ir.forms import parse_form
     from ..triples import theory
 
     what = f"plan {plan.name} at {_sizes_text(spec)}"
@@ -455,7 +454,7 @@ def _resize_spmd(plan: Plan, spec: dict[str, Any], batch: int | None) -> Plan:
     d["lengths"] = [[t, dim, cut(t, dim, ls)] for t, dim, ls in plan.lengths]
     for ins, out in zip(plan.program, d["program"]):
         if ins.lengths:
-            out["lengths"] = cut(ins.tensor, parse_form(ins.form).dim, ins.lengths)
+            out["lengths"] = cut(ins.tensor, ins.form_value.dim, ins.lengths)
     return dataclasses.replace(Plan.from_json(d, source=what), graph=g)
 
 

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from ..ir.collective_table import COLLECTIVES as COLLECTIVE_TABLE
 from ..ir.collective_table import CollectiveDef
-from ..ir.forms import Form, G, I, R, parse_form, shard_offsets
+from ..ir.forms import Form, G, I, R, shard_offsets
 from ..ir.graph import Graph, Op
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
@@ -195,7 +195,7 @@ class _RankBuilder:
         self.root = torch.nn.Module()
         self.used: set[str] = set()
         self.env: dict[tuple[int, Form], fx.Node] = {}
-        self.tagged: dict[tuple[int, Form, str], tuple[fx.Node, tuple[int, ...]]] = {}
+        self.tagged: dict[tuple[int, Form, int], tuple[fx.Node, tuple[int, ...]]] = {}
         self.notes: list[str] = []
         self.in_nodes: dict[int, fx.Node] = {}
         self.input_slices: list[tuple[int, int, int]] = []
@@ -210,7 +210,7 @@ class _RankBuilder:
         self.zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
         for ins in plan.program:
             if ins.kind == "load":
-                f = parse_form(ins.src if ins.name.startswith("load_zero") else ins.form)
+                f = ins.src_value if ins.name.startswith("load_zero") else ins.form_value
                 forms = self.load_forms.setdefault(ins.tensor, [])
                 if (f, ins.name == "load_sfb") not in forms:
                     forms.append((f, ins.name == "load_sfb"))
@@ -287,15 +287,16 @@ class _RankBuilder:
             )
         return nd
 
-    def fetch(self, tid: int, text: str, where: str) -> tuple[fx.Node, tuple[int, ...] | None]:
-        """The node of ``tensor:text`` and, for a segment-tagged form (``G1@2``), its re-cut lengths."""
-        f, tag = _split_form(text)
-        if not tag:
+    def fetch(
+        self, tid: int, f: Form, segment: int | None, where: str
+    ) -> tuple[fx.Node, tuple[int, ...] | None]:
+        """The node of ``tensor:f`` and, for a form re-cut for a ratio segment (``G1@2``), its lengths."""
+        if segment is None:
             return self.need(tid, f, where), None
-        ent = self.tagged.get((tid, f, tag))
+        ent = self.tagged.get((tid, f, segment))
         if ent is None:
             raise CodegenError(
-                f"{where}: needs {self.g.tensors[tid].name}:{text}, which no earlier reshard produced; "
+                f"{where}: needs {self.g.tensors[tid].name}:{f}@{segment}, which no earlier reshard produced; "
                 "the plan's program is out of order or corrupt"
             )
         return ent
@@ -399,7 +400,7 @@ class _RankBuilder:
         """A load: an input (whole, or cut to the rank's slice), or a weight in the form the program uses
         (its local shard, replicated with its gradient synced, or gathered from a ZeRO shard)."""
         t = self.tensor(ins.tensor, where)
-        f = parse_form(ins.form)
+        f = ins.form_value
         key = (t.id, f)
         if key in self.env:
             return
@@ -420,7 +421,7 @@ class _RankBuilder:
         rec = self.records[t.name]
         sfb = ins.name == "load_sfb"
         if ins.name in ("load_zero2", "load_zero3"):  # stored sharded, all-gathered before use
-            stored = parse_form(ins.src)
+            stored = ins.src_value
             if f != I or stored.kind != "G" or not rec.sharded or rec.dim != stored.dim:
                 raise CodegenError(
                     f"{where}: {ins.name} needs {t.name} stored as one shard {stored} and used as I; "
@@ -446,8 +447,8 @@ class _RankBuilder:
     def collective(self, ins: Any, where: str) -> None:
         """A collective: the :mod:`hapnb.runtime.collectives` call its table entry names."""
         t = self.tensor(ins.tensor, where)
-        (src, _), (dst, dst_tag) = _split_form(ins.src), _split_form(ins.form)
-        x, src_lens = self.fetch(t.id, ins.src, where)
+        src, dst = ins.src_value, ins.form_value
+        x, src_lens = self.fetch(t.id, src, ins.src_segment, where)
         spec = COLLECTIVE_TABLE.get(ins.name)
         if spec is None:
             raise CodegenError(f"{where}: unknown collective {ins.name!r}")
@@ -468,8 +469,8 @@ class _RankBuilder:
             new_lens,
         )
         nd = self.emit(fn, args, kwargs, _tname(t.name, dst))
-        if dst_tag:
-            self.tagged[(t.id, dst, dst_tag)] = (nd, new_lens if new_lens is not None else ())
+        if ins.segment is not None:
+            self.tagged[(t.id, dst, ins.segment)] = (nd, new_lens if new_lens is not None else ())
         else:
             self.env[(t.id, dst)] = nd
 
@@ -481,8 +482,8 @@ class _RankBuilder:
         op = self.ops_by_name.get(ins.op)
         if op is None:
             raise CodegenError(f"{where}: the graph has no op named {ins.op!r}")
-        in_forms = tuple(_split_form(f)[0] for _, f in ins.inputs)
-        out_forms = tuple(parse_form(f) for _, f in ins.outputs)
+        in_forms = tuple(f for _, f, _ in ins.input_forms)
+        out_forms = tuple(f for _, f in ins.output_forms)
         if len(in_forms) != len(op.inputs) or len(out_forms) != len(op.outputs):
             raise CodegenError(
                 f"{where}: op {op.name} has {len(op.inputs)} inputs and {len(op.outputs)} outputs but the "
@@ -490,10 +491,9 @@ class _RankBuilder:
             )
         args_nodes = []
         recut: dict[tuple[int, int], tuple[int, ...]] = {}  # inputs re-cut for this op's segment
-        for tid, (_, text) in zip(op.inputs, ins.inputs):
-            node, lens = self.fetch(tid, text, where)
+        for tid, (_, f0, segment) in zip(op.inputs, ins.input_forms):
+            node, lens = self.fetch(tid, f0, segment, where)
             args_nodes.append(node)
-            f0 = _split_form(text)[0]
             if lens is not None and f0.kind == "G":
                 recut[(tid, f0.dim)] = lens
         if not self.dropout and op.target in DROPOUT_TARGETS + (NATIVE_DROPOUT,):
@@ -610,12 +610,6 @@ def _check_cuts(
                 f"{ls}; op {op.name} needs both cut alike (tensors from different ratio segments meet "
                 "without a reshard). The plan is inconsistent: re-synthesize it, or without segments"
             )
-
-
-def _split_form(text: str) -> tuple[Form, str]:
-    """``"G1@2"`` -> ``(G(1), "@2")`` (a G form re-cut for segment 2's ratios); ``"I"`` -> ``(I, "")``."""
-    base, sep, tag = text.partition("@")
-    return parse_form(base), sep + tag
 
 
 def _expect(where: str, ok: bool, name: str) -> None:

@@ -194,9 +194,9 @@ def expand_virtual(
 
 
 def _dim(form: str) -> int:
-    from ..ir.forms import parse_form
+    from ..ir.forms import parse_recut
 
-    f = parse_form(form.partition("@")[0])
+    f = parse_recut(form)[0]
     if f.kind != "G":
         raise ExpandError(f"an instruction with shard lengths has form {form}, not a G form")
     return int(f.dim)
