@@ -1,5 +1,5 @@
 """Measure training steps of the real-model corpus on one GPU, for the device model's fidelity on code
-from well-known libraries (issue 18; docs/benchmarks/fidelity.md section (d)).
+from well-known libraries (issue 18; docs/benchmarks/fidelity.md section (e)).
 
 Runs on a machine with a CUDA GPU, torch and transformers, from the repository (``examples/corpus.py``; the
 timed loop is :func:`hapnb.run.profile.step_times`). Per model (realistic size unless ``--size tiny``): fp32 (TF32 off, as the shipped

@@ -138,7 +138,7 @@ def write_docs(data: dict) -> None:
     text = md.read_text()
     body = [
         "<!-- scale:begin (benchmarks/scale.py writes this section) -->",
-        "## Scale: GPT layers x devices, memory-aware synthesis (issue 10)",
+        "## Scale: GPT layers x devices, memory-aware synthesis",
         "",
         f"`python benchmarks/scale.py{' --command' if data.get('command') else ''}"
         f"{' --unchanged' if data.get('unchanged') else ''}`, {data['date']}, load average {data['loadavg']} "
