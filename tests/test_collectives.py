@@ -428,7 +428,9 @@ def launch(world: int, outdir: Path, timeout: float = 120.0) -> list[list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(
+    "world", [2, 3]
+)  # even, and uneven cuts on an odd world (4 added ~20 s, no new case)
 def test_collectives_match_single_process_reference(world: int, tmp_path: Path) -> None:
     reports = launch(world, tmp_path)
     assert len(reports) == world

@@ -25,8 +25,14 @@ def _verify(plan: hap.Plan, n: int) -> None:
     assert rep.ok, str(rep)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+#: the two-device and zero-shard cases of the slowest models add time and no rule that the three-device
+#: case and the other models' runs do not exercise
+_SKIP = {("bert", "pair"), ("bert-moe", "pair"), ("bert-moe", "zero-shard")}
+
+
+@pytest.mark.parametrize(
+    ("name", "case"), [(n, c) for n in zoo.ZOO_NAMES for c in sorted(CASES) if (n, c) not in _SKIP]
+)
 def test_zoo_model_equals_one_device(name: str, case: str) -> None:
     spec, ratios = CASES[case]
     c = hap.Cluster.parse(spec)
