@@ -166,8 +166,8 @@ def test_report_summary_is_one_readable_paragraph() -> None:
 
 # ============================================================================ stalls vs slowness
 
-# A stand-in for `python -m hapnb.run.worker BUNDLE ...`: `slow` heartbeats every 0.5 s for 5 s (past a
-# 3 s stall limit in total, never between two heartbeats) and then runs the real worker; `stuck` sends one
+# A stand-in for `python -m hapnb.run.worker BUNDLE ...`: `slow` heartbeats every second for 10 s (past an
+# 8 s stall limit in total, never between two heartbeats) and then runs the real worker; `stuck` sends one
 # heartbeat and hangs with a child process; `forever` heartbeats every 0.2 s and never ends.
 STANDIN = textwrap.dedent(
     """
@@ -176,7 +176,7 @@ STANDIN = textwrap.dedent(
     if mode == "slow":
         for i in range(10):
             print(json.dumps({"phase": "warm-up", "i": i}), flush=True)
-            time.sleep(0.5)
+            time.sleep(1.0)
         sys.argv = ["hapnb.run.worker", *args]
         runpy.run_module("hapnb.run.worker", run_name="__main__")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -205,10 +205,10 @@ def test_slow_progress_is_not_declared_stuck(dp_plan: Plan, standin: str) -> Non
     events: list[dict] = []
     t0 = time.monotonic()
     report = verify(
-        dp_plan, nproc=2, steps=2, stall_timeout=3.0, worker=(standin, "slow"), progress=events.append
+        dp_plan, nproc=2, steps=2, stall_timeout=8.0, worker=(standin, "slow"), progress=events.append
     )
     assert report.ok, report.text()
-    assert time.monotonic() - t0 > 5.0  # longer than the stall limit, yet not stuck: it kept reporting
+    assert time.monotonic() - t0 > 10.0  # longer than the stall limit, yet not stuck: it kept reporting
     assert sum(1 for e in events if e.get("phase") == "warm-up") == 20
 
 
