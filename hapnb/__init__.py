@@ -59,6 +59,8 @@ _LAZY = {
     "verify": "run.verify",
     "distribute": "run.distribute",
     "full_state_dict": "run.distribute",
+    "save_checkpoint": "run.checkpoint",
+    "load_checkpoint": "run.checkpoint",
     "launch": "run.launch",
     "zoo": "zoo",
     "rules": "rules",

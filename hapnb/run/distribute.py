@@ -7,7 +7,8 @@
 ...     print(dm.global_loss(loss))
 >>> model.load_state_dict(hapnb.full_state_dict(dm))  # doctest: +SKIP
 
-See docs/training.md for the whole loop beside a DDP loop.
+See docs/training.md for the whole loop beside a DDP loop, and :mod:`hapnb.run.checkpoint` for sharded
+checkpoints (``hapnb.save_checkpoint`` / ``hapnb.load_checkpoint``) that load onto another plan.
 """
 
 from __future__ import annotations

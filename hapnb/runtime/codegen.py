@@ -526,8 +526,10 @@ class _RankBuilder:
             ) from e
         cargs, ckw = call.bind(args_nodes)
         out_name = _tname(g.tensors[op.outputs[0]].name, out_forms[0]) if len(op.outputs) == 1 else op.name
+        # hapnb's own ops (a bias on rank 0 only, an SFB backward) run as autocast runs the whole op
+        fn = autocast_whole(call.fn) if call.fn in _AUTOCAST_WHOLE else call.fn
         # with ZeRO-3, autograd keeps no gathered weight: the op's backward gathers it again
-        nd = self.emit_traced(call.fn, cargs, ckw, out_name)
+        nd = self.emit_traced(fn, cargs, ckw, out_name)
         if op.output_items:
             for tid, item, f in zip(op.outputs, op.output_items, out_forms):
                 self.env[(tid, f)] = self.emit(
@@ -584,6 +586,57 @@ class _RankBuilder:
             grad_sync=tuple(self.bucketed),
             input_shapes=tuple(tuple(g.tensors[t].shape) for t in g.inputs),
         )
+
+
+_AUTOCAST_WRAPPED: dict[Any, Callable[..., Any]] = {}
+
+
+def autocast_whole(fn: Any) -> Callable[..., Any]:
+    """``fn`` (one of :mod:`hapnb.ops`' local forms of a matmul or convolution) run as ``torch.autocast``
+    runs the whole op it stands for: under autocast on the device of its tensors, its float32 tensor
+    arguments are cast to the autocast dtype and ``fn`` runs with autocast off; without autocast it is
+    ``fn``. So every rank's part comes out in the dtype the whole op gives: rank 0's ``prod + bias`` (the
+    bias added on rank 0 only) would otherwise promote to the bias's float32 while the other ranks keep
+    the product's bfloat16, and the partial sums' collective would mix dtypes (gloo aborts on the size
+    mismatch); and a custom backward (SFB's weight gradient), which autocast does not reach, sees one
+    dtype. One named function per ``fn``, callable as an fx op.
+
+    >>> f = autocast_whole(torch.matmul)
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     f(torch.ones(2, 2), torch.ones(2, 2)).dtype
+    torch.bfloat16
+    """
+    w = _AUTOCAST_WRAPPED.get(fn)
+    if w is None:
+
+        def w(*args: Any, **kwargs: Any) -> Any:
+            dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            if not torch.is_autocast_enabled(dev):
+                return fn(*args, **kwargs)
+            low = torch.get_autocast_dtype(dev)
+            args = tuple(
+                a.to(low) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args
+            )
+            with torch.autocast(dev, enabled=False):
+                return fn(*args, **kwargs)
+
+        name = "autocast_whole_" + "".join(
+            ch if ch.isalnum() else "_" for ch in getattr(fn, "__name__", "op")
+        )
+        w.__name__ = w.__qualname__ = name
+        _AUTOCAST_WRAPPED[fn] = w
+    return w
+
+
+def _autocast_whole_ops() -> tuple[Any, ...]:
+    from .. import ops
+
+    return (ops.addmm_partial, ops.conv_partial, ops.linear_partial, ops.sfb_linear, ops.sfb_matmul)
+
+
+#: the localized calls :func:`autocast_whole` wraps: a bias term only rank 0 adds (their result dtype
+#: under autocast would differ by rank), SFB's custom backward (autocast does not reach it)
+_AUTOCAST_WHOLE = _autocast_whole_ops()
 
 
 def _tname(t: str, f: Form) -> str:

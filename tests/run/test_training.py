@@ -1,8 +1,9 @@
 """The training helpers of ``hapnb.distribute`` (tied weights once, eval() without dropout, the batch
 shares, the global loss, clipping by the global norm, the strict state-dict round trip, fail-fast checks)
-against one device in float64, on 3 uneven gloo ranks (1xV100+2xP100) run as this file's ``worker``.
+against one device in float64, and bf16 autocast on a row-parallel plan against one device's autocast
+run, on 3 uneven gloo ranks (1xV100+2xP100) run as this file's ``worker``.
 
-    python tests/test_training.py worker PLAN.json OUT_DIR    # one rank, under torchrun's environment
+    python tests/run/test_training.py worker PLAN.json OUT_DIR AMP_PLAN.json    # one rank, under torchrun's env
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from procs import assert_gone
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "1xV100+2xP100"
 ROWS, BATCH, SEQ, VOCAB = 40, 12, 6, 16  # 3 global batches of 12 rows and a short one of 4
 
@@ -41,6 +41,38 @@ class TinyTiedLM(nn.Module):
         h = self.embed(tokens)
         h = h + self.drop(torch.tanh(self.mix(self.norm(h))))
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: ``addmm(bias, x, weight)`` with the weight stored (in, out)."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(i, o) * 0.3)
+        self.bias = nn.Parameter(torch.randn(o) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class RowParallelMLP(nn.Module):
+    """Two Conv1D layers and a linear head, for a plan with a row-parallel ``addmm`` (bias on rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.head = Conv1D(8, 16), Conv1D(16, 8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.down(torch.relu(self.up(x)))), y)
+
+
+def build_mlp() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return RowParallelMLP(), (
+        torch.randn(BATCH, 8, generator=gen),
+        torch.randint(0, 5, (BATCH,), generator=gen),
+    )
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -208,10 +240,23 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
     plan = make_plan(pins=pins, ratios=[0.5, 0.25, 0.25])
     assert plan.lengths_of("tokens", 0) == plan.lengths_of("targets", 0) == (6, 3, 3)
     plan.save(tmp_path / "plan.json")
-    argv = [sys.executable, __file__, "worker", str(tmp_path / "plan.json"), str(tmp_path)]
+    # bf16 autocast on a plan with a row-parallel addmm (its bias added on rank 0 only): issue 20
+    mlp, ex = build_mlp()
+    pins = {"up.weight": hapnb.Shard(1), "down.weight": hapnb.Shard(0)}
+    amp = hapnb.synthesize(mlp, CLUSTER, example_inputs=ex, pins=pins, ratios=[0.5, 0.25, 0.25])
+    assert any(
+        i.kind == "compute" and i.target == "aten.addmm.default" and i.outputs[0][1] == "R"
+        for i in amp.program
+    )
+    assert any(i.name == "load_sfb" for i in amp.program), "no SFB op: its custom backward is untested"
+    amp.save(tmp_path / "amp.json")
+    paths = (tmp_path / "plan.json", tmp_path, tmp_path / "amp.json")
+    argv = [sys.executable, __file__, "worker", *map(str, paths)]
     with Supervisor([argv] * 3, rank_envs(3, env={"PYTHONPATH": str(ROOT)}), stall_s=120, wall_s=240) as sup:
         pids = sup.pids
         res = sup.wait()
+    from procs import assert_gone  # tests/ helper; this file also runs as a rank worker, without it
+
     assert_gone(pids)
     assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
@@ -244,6 +289,9 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
         "rank 2's model starts from other weights than rank 0's" in o["errors"]["weights"] for o in out
     )
     assert all("rank 1's plan differs from rank 0's in 'ratios'" in o["errors"]["plan"] for o in out)
+    for o in out:  # bf16 autocast: one device's loss and step, to bf16 precision
+        assert o["amp_dtype"] == "torch.float32" and o["amp_loss"] == pytest.approx(o["amp_ref"], rel=1e-2)
+        assert o["amp_weights_rel"] < 2e-2
 
 
 def _error(fn) -> str:  # type: ignore[no-untyped-def]
@@ -254,8 +302,9 @@ def _error(fn) -> str:  # type: ignore[no-untyped-def]
     return ""
 
 
-def worker(plan_path: str, out_dir: str) -> None:
-    """One rank: train 3 steps on its share with clipping (eval mode: no dropout) beside one device."""
+def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
+    """One rank: train 3 steps on its share with clipping (eval mode: no dropout) beside one device;
+    then one step under bf16 autocast on the row-parallel plan ``amp_path``."""
     import dataclasses
 
     import torch.distributed as dist
@@ -333,10 +382,36 @@ def worker(plan_path: str, out_dir: str) -> None:
         plan = dataclasses.replace(plan, ratios=tuple(tuple(reversed(r)) for r in plan.ratios))
     info = {"error": None, "plan": plan_digests(plan), "graph": "g", "weights": {}}
     res["errors"]["plan"] = _error(lambda: check_same_everywhere(info))
+    res.update(autocast_step(Plan.load(amp_path)))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "worker":
-    worker(sys.argv[2], sys.argv[3])
+def autocast_step(plan) -> dict:  # type: ignore[no-untyped-def]
+    """One SGD step with the forward under bf16 autocast, on the plan and on one device."""
+    from hapnb.run.distribute import distribute, full_state_dict
+
+    model, ex = build_mlp()
+    ref = copy.deepcopy(model)
+    dm = distribute(model, plan, example_inputs=ex)
+    opt, ropt = torch.optim.SGD(dm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = dm(*dm.local_inputs(*ex))
+        rl = ref(*ex)
+    loss.backward()
+    rl.backward()
+    opt.step()
+    ropt.step()
+    full, want = full_state_dict(dm), ref.state_dict()
+    rel = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
+    return {
+        "amp_dtype": str(loss.dtype),
+        "amp_loss": dm.global_loss(loss),
+        "amp_ref": float(rl),
+        "amp_weights_rel": rel,
+    }
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":
+    worker(*sys.argv[2:])
