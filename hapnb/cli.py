@@ -266,6 +266,19 @@ def _run_commands(sub: Any) -> None:
     p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     p.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
     _runtime_args(p)
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="measure the ranks and reshard live to new ratios when a straggler's slowdown pays for it",
+    )
+    p.add_argument(
+        "--slowdown",
+        action="append",
+        default=[],
+        metavar="RANK=FACTOR",
+        help="make RANK's compute FACTOR times slower (it sleeps in proportion; try --rebalance locally)",
+    )
+    p.add_argument("--dtype", default=None, choices=["float32", "float64"], help="the ranks' floating dtype")
 
     p = sub.add_parser("profile", help="profile devices and collectives -> cluster JSON")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (default: GPUs, else 2)")

@@ -381,7 +381,27 @@ def _worker_argv(worker: str) -> tuple[str, ...]:
     return (worker,) if worker.endswith(".py") else ("-m", worker)
 
 
+def _format_rebalance_summary(metrics: Any) -> str:
+    from .run.rebalance import summarize
+
+    s = summarize(metrics)
+    ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"  # noqa: E731
+    n = len(s["rebalances"])
+    if not n:
+        return f"never re-balanced: median step {ms(s['step_s_before'])} (first third), {ms(s['step_s_after'])} (last)"
+    before, after = ms(s["step_s_before"]), ms(s["step_s_after"])
+    return f"re-balanced {n} time{'s' * (n != 1)}: median step {before} before, {after} after"
+
+
 def _format_metric(m: dict[str, Any]) -> str:
+    if m.get("event") == "rebalance":
+        r = m["rebalance"]
+        new = "/".join(f"{x:.3f}" for x in (r.get("new_ratios") or [[]])[0])
+        verdict = "re-balance" if r.get("accepted") else "no re-balance"
+        return f"{verdict} after step {r.get('step')}: ratios {new}; {r.get('reason')}"
+    if m.get("event") == "telemetry":
+        scale = ", ".join(f"{x:.2f}" for x in m.get("scale", []))
+        return f"telemetry after step {m.get('step')}: time per device vs plan {scale}"
     parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
     if "stage" in m:  # a pipeline plan's rank
         parts.insert(1, f"stage {m['stage']}")
@@ -390,13 +410,15 @@ def _format_metric(m: dict[str, Any]) -> str:
             parts.append(f"{label} {m[key]:.6g}")
     if isinstance(m.get("step_s"), (int, float)):
         parts.append(f"{m['step_s'] * 1e3:.2f} ms")
+    if isinstance(m.get("compute_s"), (int, float)) and isinstance(m.get("comm_s"), (int, float)):
+        parts.append(f"(compute {m['compute_s'] * 1e3:.2f}, collectives {m['comm_s'] * 1e3:.2f})")
     if isinstance(m.get("max_memory_bytes"), (int, float)):
         parts.append(f"mem {m['max_memory_bytes'] / 2**20:.1f} MiB")
     return "  ".join(parts)
 
 
 def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
-    from .run.launch import launch_commands, plan_bundle, slurm_script, worker_for
+    from .run.launch import launch_commands, live_argv, plan_bundle, slurm_script, worker_for
 
     src = Path(ns.plan)
     worker = worker_for(src, worker)  # a pipeline plan runs hapnb.run.pipelined
@@ -405,6 +427,14 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
     per_node = ns.nproc or (devices // ns.nnodes if devices else None)
     if not per_node:
         print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
+        return 2
+    try:  # issue 21: --rebalance, --slowdown and --dtype travel to every rank
+        extra = [
+            *live_argv(ns.rebalance, ns.slowdown, False, ns.dtype, per_node * ns.nnodes),
+            *_runtime_argv(ns),
+        ]
+    except ValueError as e:
+        print(f"hapnb launch: {e}", file=sys.stderr)
         return 2
     if ns.slurm:
         print(
@@ -415,7 +445,7 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
                 steps=ns.steps,
                 backend=backend,
                 worker=worker,
-                extra_args=_runtime_argv(ns),
+                extra_args=extra,
             )
         )
     else:
@@ -428,7 +458,7 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
             steps=ns.steps,
             backend=backend,
             worker=worker,
-            extra_args=_runtime_argv(ns),
+            extra_args=extra,
         ):
             print(cmd)
     return 0
@@ -455,6 +485,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             worker=worker,
             extra_args=_runtime_argv(ns),
             bundle_dir=ns.bundle_dir,
+            rebalance=ns.rebalance,
+            slowdown=ns.slowdown,
+            dtype=ns.dtype,
         )
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"hapnb launch: {e}", file=sys.stderr)
@@ -463,12 +496,19 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         for m in job.metrics():
             print(json.dumps(m) if ns.json else _format_metric(m), flush=True)
         result = job.wait()
+    live = ns.rebalance or bool(ns.slowdown)
     if ns.json:
         keys = {"ok": result.ok, "returncode": result.returncode, "median_step_s": result.median_step_s}
         keys.update(final_loss=result.final_loss, steps=len(result.step_times(0)), wall_s=result.wall_s)
+        if live:  # issue 21: losses, step_s, rebalances, step_s_before, step_s_after (and rejected)
+            from .run.rebalance import summarize
+
+            keys.update(summarize(result.metrics))
         print(json.dumps({**keys, "error": result.error}))
     else:
         print(result.summary())
+        if live:
+            print(_format_rebalance_summary(result.metrics))
     if not result.ok:
         print(f"hapnb launch: {result.error}", file=sys.stderr)
         return result.returncode or 1

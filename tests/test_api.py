@@ -19,10 +19,13 @@ PUBLIC = [
     "shard_lengths", "simulate", "synthesize", "theory", "Timeline", "trace", "verify", "zoo",
     "FullShard", "ShardGradOp", "Storage", "parse_pin",  # issue 10: parameter storage pins (ZeRO-3 / ZeRO-2)
     "Planner",  # issue 19: one Planner owns the theory, the arguments and every cache; Plan is a value
+    "save_checkpoint", "load_checkpoint",  # issue 20: sharded checkpoints
 ]  # fmt: skip
 
 FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "pipeline", "shard_lengths",
-             "simulate", "synthesize", "theory", "trace", "verify"]  # fmt: skip
+             "simulate", "synthesize", "theory", "trace", "verify",
+             "save_checkpoint", "load_checkpoint",  # issue 20: sharded checkpoints
+             ]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 
 
@@ -110,3 +113,4 @@ CLI: dict[str, list[str]] = {
                "--nproc", "--pin", "--plan", "--quiet", "--ratio-pin", "--ratios", "--seq", "--set",
                "--stall-timeout", "--steps", "--timeout"],
 }  # fmt: skip
+CLI["launch"] = sorted([*CLI["launch"], "--dtype", "--rebalance", "--slowdown"])  # issue 21: live rebalance

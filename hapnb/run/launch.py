@@ -71,6 +71,7 @@ __all__ = [
     "default_backend",
     "launch",
     "launch_commands",
+    "live_argv",
     "plan_bundle",
     "slurm_script",
     "step_times",
@@ -519,6 +520,10 @@ def launch(
     bundle_dir: str | os.PathLike[str] | None = None,
     python: str = sys.executable,
     kill_grace_s: float = 3.0,
+    rebalance: bool | Mapping[str, Any] = False,
+    slowdown: Mapping[int, float] | Sequence[str] | None = None,
+    telemetry: bool = False,
+    dtype: str | None = None,
 ) -> Job:
     """Start ``nproc`` ranks of ``plan_or_bundle`` on this node and return the running :class:`Job`.
 
@@ -532,6 +537,13 @@ def launch(
     call on each node with ``nnodes``, its ``node_rank`` and ``rdzv="HOST:PORT"`` of node 0.
     ``timeout_s``: when no running rank reports progress (a heartbeat) for that long the job is stuck and
     is stopped; ``wall_timeout_s``: limit on the whole run (a job still progressing then is slow).
+
+    Live re-balancing (issue 21): ``rebalance=True`` (or a mapping of
+    :class:`hapnb.run.rebalance.RebalanceOptions` fields) lets the ranks measure themselves and reshard to
+    new ratios when a straggler's slowdown pays for it; ``telemetry=True`` only measures; ``slowdown``
+    ``{rank: factor}`` (or ``["RANK=FACTOR", ...]``) makes a rank's compute ``factor`` times slower, to try
+    it on local ranks. :func:`hapnb.run.rebalance.summarize` reads the result's metrics (losses, step times,
+    re-balances). ``dtype``: the ranks' floating dtype (e.g. ``"float64"``).
     """
     backend = _check_backend(backend)
     if not isinstance(steps, int) or steps < 1:
@@ -563,7 +575,13 @@ def launch(
             addr, port = "127.0.0.1", free_port()
         else:
             addr, port = _split_rdzv(rdzv)
-        argv = [python, *worker, str(bundle), "--steps", str(steps), "--backend", backend, *extra_args]
+        live = live_argv(rebalance, slowdown, telemetry, dtype, world)
+        if worker == PIPELINE_WORKER_ARGV and (rebalance or slowdown or telemetry):
+            raise ValueError(
+                "live re-balancing, --slowdown and telemetry run SPMD plans; this is a pipeline plan "
+                "(its stages are re-planned with hapnb pipeline): launch it without them"
+            )
+        argv = [python, *worker, str(bundle), "--steps", str(steps), "--backend", backend, *live, *extra_args]
         envs = rank_envs(nproc, addr, port, nnodes=nnodes, node_rank=node_rank, env=env)
         ranks = [node_rank * nproc + local for local in range(nproc)]
         return Job(
@@ -579,6 +597,34 @@ def launch(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def live_argv(
+    rebalance: bool | Mapping[str, Any],
+    slowdown: Mapping[int, float] | Sequence[str] | None,
+    telemetry: bool,
+    dtype: str | None,
+    world: int,
+) -> list[str]:
+    """The worker arguments of :func:`launch`'s re-balancing, slowdown, telemetry and dtype options (a
+    clear error for a bad option or a slowed rank outside the ``world`` ranks).
+
+    >>> live_argv(True, {2: 3.0}, False, "float64", 3)
+    ['--dtype', 'float64', '--rebalance', '{}', '--slowdown', '2=3.0']
+    """
+    from .rebalance import RebalanceOptions, parse_slowdown
+
+    out: list[str] = [] if dtype is None else ["--dtype", str(dtype)]
+    if rebalance is not False and rebalance is not None:
+        opts = {} if rebalance is True else dict(rebalance)
+        RebalanceOptions.from_json(opts)  # a bad option fails here, before any rank starts
+        out += ["--rebalance", json.dumps(opts)]
+    slow = parse_slowdown(slowdown)
+    for rank, factor in sorted(slow.items()):
+        if rank >= world:
+            raise ValueError(f"slowdown names rank {rank}, but the job has ranks 0..{world - 1}")
+        out += ["--slowdown", f"{rank}={factor!r}"]
+    return out + (["--telemetry"] if telemetry else [])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -175,6 +175,7 @@ class _Rank:
         self.last_heartbeat = now
         self.heartbeats = 0
         self.last_step: Any = None
+        self.last_phase: Any = None  # the phase of its last heartbeat (a reshard is named in errors)
         self.returncode: int | None = None
         self.exited_at: float | None = None
         self.stderr: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -362,6 +363,8 @@ class Supervisor:
                     st.heartbeats += 1
                     if "step" in rec and "phase" not in rec:
                         st.last_step = rec["step"]
+                    if "phase" in rec or "step" in rec:
+                        st.last_phase = rec.get("phase")
                 self._call(self._on_line, st.rank, name, line)
                 if rec is not None:
                     self._call(self._on_heartbeat, st.rank, rec)
@@ -464,8 +467,9 @@ class Supervisor:
                 how = f"was killed by {signal.Signals(-rc).name}"
             if -rc == signal.SIGKILL:
                 how += " (often the out-of-memory killer)"
+        during = " while resharding to new ratios (live re-balancing)" if root.last_phase == "reshard" else ""
         msg = (
-            f"rank {root.rank} {how} {_after(root.last_step)}; the job was stopped. "
+            f"rank {root.rank} {how} {_after(root.last_step)}{during}; the job was stopped. "
             f"Last lines of its stderr:\n{_indent(root.tail() or '(no stderr output)')}"
         )
         if secondary:

@@ -15,6 +15,11 @@ name is replaced by the rank — or written to the inherited file descriptor ``-
 sum over ranks, i.e. the single-device loss; ``max_memory_bytes`` the peak CUDA memory (a GPU rank) or the
 process's peak resident memory (CPU). Every step trains on the bundle's example batch.
 
+With ``--rebalance`` / ``--telemetry`` / ``--slowdown RANK=FACTOR`` (issue 21) each step's line also has
+``compute_s``, ``comm_s`` (seconds blocked in collectives) and ``optimizer_s``, and rank 0 adds
+``{"event": "telemetry", ...}`` lines (every rank's window, one small all-gather every few steps) and
+``{"event": "rebalance", "rebalance": {...}}`` lines (each decision; :mod:`hapnb.run.reshard`).
+
 Progress: the command line also prints a *phase* heartbeat on stdout whenever the rank starts a phase
 (``load``, ``connect``, ``compile``, then ``forward`` and ``backward`` of every step, ``save``)::
 
@@ -50,12 +55,13 @@ backward and every local weight after the last step (plain tensors, readable wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -212,6 +218,10 @@ def run_worker(
     first_bucket_cap: int | None = None,
     interleave: bool = True,
     device: str = "auto",
+    rebalance: Mapping[str, Any] | None = None,
+    telemetry: bool = False,
+    slowdown: float = 1.0,
+    fault_rank: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc).
 
@@ -220,7 +230,16 @@ def run_worker(
     default 25 MiB and 1 MiB for the first) and waits before the gradients are read or the optimizer
     steps; ``"sync"`` all-reduces each inside autograd. A duplex plan runs as two micro-batches
     (:mod:`hapnb.run.duplex`; ``interleave=False`` runs them one after the other). ``device``: see
-    :data:`DEVICES`."""
+    :data:`DEVICES`.
+
+    Live re-balancing (issue 21, :mod:`hapnb.run.reshard`): ``rebalance`` (a mapping of
+    :class:`hapnb.run.rebalance.RebalanceOptions` fields, ``{}`` for the defaults) measures the ranks and
+    reshards to new ratios when a straggler's slowdown pays for it; ``telemetry=True`` only measures.
+    Either adds ``compute_s``, ``comm_s`` and ``optimizer_s`` (the optimizer step, part of the compute)
+    to each step's metrics line, and rank 0 writes an ``"event": "telemetry"`` line per window and an
+    ``"event": "rebalance"`` line per decision. ``slowdown``: this rank's compute takes that many times as
+    long (it sleeps in proportion before each collective: a straggler on local ranks). ``fault_rank``:
+    that rank exits during a reshard (tests the failure handling)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     t_start = time.perf_counter()
 
@@ -236,8 +255,6 @@ def run_worker(
     import torch
     import torch.distributed as dist
 
-    from ..runtime import collectives as C
-    from ..runtime.codegen import generate
     from ..runtime.expand import physical_plan
     from .bundle import load_bundle
 
@@ -258,63 +275,37 @@ def run_worker(
         if tdtype is not None:
             torch.set_default_dtype(tdtype)
         phase("compile")
+        t_compile = time.perf_counter()
         full = tuple(
             x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs
         )
         gen = dict(inputs=inputs, dropout=dropout, dtype=tdtype, grad_sync=grad_sync)
-        runner = None
-        if plan.duplex:
-            prog, runner, scale, micro = duplex_program(plan, bundle, rank, interleave=interleave, **gen)
-            module = prog.module.to(device)
-            batches = [tuple(x.to(device) for x in prog.local_inputs(*mb)) for mb in micro]
-        else:
-            prog = generate(plan, bundle.graph, rank, **gen)
-            module = prog.module.to(device)
-            batch = tuple(x.to(device) for x in prog.local_inputs(*full))
-        params = [p for p in module.parameters() if p.requires_grad]
-        opt = make_optimizer(optimizer, params, lr)
-        buckets = None
-        if grad_sync == "buckets":
-            buckets = _grad_buckets(module, prog, world_size, bucket_cap, first_bucket_cap)
-        out: list[dict[str, Any]] = []
-        losses: list[float] = []
-        global_losses: list[float] = []
-        grads: dict[str, Any] = {}
-        for step in range(steps):
-            t0 = time.perf_counter()
-            phase("forward", step)
-            opt.zero_grad(set_to_none=True)
-            if runner is not None:
-                loss0, loss1 = runner(*batches)
-                loss = (loss0 + loss1) * scale
-            else:
-                loss = module(*batch)
-            phase("backward", step)
-            loss.backward()
-            if buckets is not None:
-                buckets.wait()  # every replicated gradient is complete from here on
-            if step == 0 and verify_out is not None:
-                for p in prog.params:
-                    gr = module.get_parameter(p.local_name).grad if p.kind == "param" else None
-                    if gr is not None:
-                        grads[p.local_name] = gr.detach().cpu().clone()
-            opt.step()
-            total = C.all_reduce(loss.detach().clone())
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            losses.append(float(loss.detach()))
-            global_losses.append(float(total))
-            m = {
-                "rank": rank,
-                "step": step,
-                "loss": losses[-1],
-                "global_loss": global_losses[-1] if rank == 0 else None,
-                "step_s": dt,
-                "max_memory_bytes": _peak_memory(device),
-            }
-            out.append(m)
-            sink(m)
+
+        def make(p: Any) -> Any:
+            return _make_trainer(
+                p,
+                bundle,
+                rank,
+                device,
+                full,
+                gen,
+                (optimizer, lr),
+                (bucket_cap, first_bucket_cap),
+                interleave,
+            )
+
+        trainer = make(plan)
+        live = None
+        if rebalance is not None or telemetry or slowdown != 1.0:
+            live = _live_rebalancer(
+                rebalance, plan, bundle, rank, device, make, sink, phase, fault_rank, slowdown
+            )
+            live.compile_s = time.perf_counter() - t_compile
+        with live if live is not None else contextlib.nullcontext():
+            out, losses, global_losses, grads, trainer = _train(
+                trainer, steps, rank, device, sink, phase, verify_out is not None, live, slowdown
+            )
+        prog, module = trainer.prog, trainer.module
         if verify_out is not None:
             phase("save")
             _save_verify_record(verify_out, rank, prog, module, losses, global_losses, grads)
@@ -325,6 +316,151 @@ def run_worker(
         sink.close()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _make_trainer(
+    plan: Any,
+    bundle: Any,
+    rank: int,
+    device: Any,
+    full: tuple[Any, ...],
+    gen: dict[str, Any],
+    opt_args: tuple[str, float | None],
+    caps: tuple[int | None, int | None],
+    interleave: bool,
+) -> Any:
+    """This rank's :class:`hapnb.run.reshard.Trainer` for ``plan`` (physical): its program on ``device``,
+    the optimizer, its local batch (a duplex plan: the runner and its two micro-batches), the buckets."""
+    import torch.distributed as dist
+
+    from ..runtime.codegen import generate
+    from .reshard import Trainer
+
+    runner, scale = None, 1.0
+    if plan.duplex:
+        prog, runner, scale, micro = duplex_program(plan, bundle, rank, interleave=interleave, **gen)
+        module = prog.module.to(device)
+        batch: Any = [tuple(x.to(device) for x in prog.local_inputs(*mb)) for mb in micro]
+    else:
+        prog = generate(plan, bundle.graph, rank, **gen)
+        module = prog.module.to(device)
+        batch = tuple(x.to(device) for x in prog.local_inputs(*full))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(opt_args[0], params, opt_args[1])
+    buckets = None
+    if gen["grad_sync"] == "buckets":
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        buckets = _grad_buckets(module, prog, world, caps[0], caps[1])
+    return Trainer(plan, prog, module, opt, batch, buckets, runner, scale)
+
+
+def _live_rebalancer(
+    rebalance: Mapping[str, Any] | None,
+    plan: Any,
+    bundle: Any,
+    rank: int,
+    device: Any,
+    make: Callable[[Any], Any],
+    sink: Callable[[dict], None],
+    phase: Callable[..., None],
+    fault_rank: int | None,
+    slowdown: float,
+) -> Any:
+    """The :class:`hapnb.run.reshard.LiveRebalancer` of this rank (telemetry only when ``rebalance`` is
+    None); a clear error for a plan that cannot be resharded live."""
+    from .rebalance import RebalanceOptions
+    from .reshard import LiveRebalancer
+
+    if rebalance is not None and (plan.duplex or plan is not bundle.plan):
+        what = "a duplex plan" if plan.duplex else "a plan with virtual devices (gpus > 1)"
+        raise ValueError(
+            f"rank {rank}: live re-balancing does not support {what} ({plan.name}); launch without "
+            "--rebalance, or plan one rank per device without duplex"
+        )
+    return LiveRebalancer(
+        RebalanceOptions.from_json(rebalance or {}),
+        rank=rank,
+        graph=bundle.graph,
+        device=device,
+        compile_s=0.0,
+        make=make,
+        emit=sink,
+        phase=phase,
+        rebalance=rebalance is not None,
+        fault_rank=fault_rank,
+        slowdown=slowdown,
+    )
+
+
+def _train(
+    tr: Any,
+    steps: int,
+    rank: int,
+    device: Any,
+    sink: Callable[[dict], None],
+    phase: Callable[..., None],
+    keep_grads: bool,
+    live: Any,
+    slowdown: float,
+) -> tuple[list[dict[str, Any]], list[float], list[float], dict[str, Any], Any]:
+    """The training steps: (metrics, partial losses, global losses, first-step gradients, final trainer).
+    With ``live`` (:class:`hapnb.run.reshard.LiveRebalancer`) each step also reports its compute and
+    collective seconds, and may end in a reshard (``slowdown`` is the rank's injected straggler factor, applied
+    by the live clock; :class:`hapnb.run.telemetry.CollectiveClock`)."""
+    import torch
+
+    from ..runtime import collectives as C
+
+    out: list[dict[str, Any]] = []
+    losses: list[float] = []
+    global_losses: list[float] = []
+    grads: dict[str, Any] = {}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        c0 = live.clock.seconds if live is not None else 0.0
+        if live is not None:
+            live.clock.mark()
+        phase("forward", step)
+        tr.opt.zero_grad(set_to_none=True)
+        if tr.runner is not None:
+            loss0, loss1 = tr.runner(*tr.batch)
+            loss = (loss0 + loss1) * tr.scale
+        else:
+            loss = tr.module(*tr.batch)
+        phase("backward", step)
+        loss.backward()
+        if tr.buckets is not None:
+            tr.buckets.wait()  # every replicated gradient is complete from here on
+        if step == 0 and keep_grads:
+            for p in tr.prog.params:
+                gr = tr.module.get_parameter(p.local_name).grad if p.kind == "param" else None
+                if gr is not None:
+                    grads[p.local_name] = gr.detach().cpu().clone()
+        t_opt = time.perf_counter()
+        tr.opt.step()
+        opt_s = (time.perf_counter() - t_opt) * slowdown  # slowed, at the next collective, like the rest
+        total = C.all_reduce(loss.detach().clone())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        global_losses.append(float(total))
+        m = {
+            "rank": rank,
+            "step": step,
+            "loss": losses[-1],
+            "global_loss": global_losses[-1] if rank == 0 else None,
+            "step_s": dt,
+            "max_memory_bytes": _peak_memory(device),
+        }
+        if live is not None:
+            comm = live.clock.seconds - c0
+            m.update(compute_s=max(0.0, dt - comm), comm_s=comm, optimizer_s=opt_s)
+        out.append(m)
+        sink(m)
+        if live is not None:
+            tr = live.end_step(step, steps, m, tr)
+    return out, losses, global_losses, grads, tr
 
 
 def _grad_buckets(module: Any, prog: Any, world_size: int, cap: int | None, first_cap: int | None) -> Any:
@@ -454,7 +590,30 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--device", default="auto", choices=DEVICES, help="auto: nccl on the rank's GPU, gloo on the CPU"
     )
+    live_options(ap)
     return ap
+
+
+def live_options(ap: argparse.ArgumentParser) -> None:
+    """The worker's live re-balancing options (issue 21; :func:`run_worker`'s ``rebalance``,
+    ``telemetry``, ``slowdown``)."""
+    ap.add_argument(
+        "--rebalance",
+        nargs="?",
+        const="{}",
+        default=None,
+        metavar="JSON",
+        help="re-balance live when a rank straggles; optional JSON of hapnb.run.rebalance.RebalanceOptions",
+    )
+    ap.add_argument("--telemetry", action="store_true", help="report compute and collective seconds per step")
+    ap.add_argument(
+        "--slowdown",
+        action="append",
+        default=[],
+        metavar="RANK=FACTOR",
+        help="make RANK's compute FACTOR times slower (it sleeps in proportion); repeatable",
+    )
+    ap.add_argument("--fault-reshard-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def rank_main(entry: str, run: Callable[[], Any]) -> int:
@@ -472,8 +631,12 @@ def rank_main(entry: str, run: Callable[[], Any]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: ``python -m hapnb.run.worker BUNDLE ...``; exit status 1 on any error."""
+    from .rebalance import parse_slowdown
+
     args = _parser().parse_args(argv)
     metrics: Any = args.metrics if args.metrics is not None else args.metrics_fd
+    rebalance = json.loads(args.rebalance) if args.rebalance is not None else None
+    slow = parse_slowdown(args.slowdown).get(int(os.environ.get("RANK", 0)), 1.0)
     return rank_main(
         "hapnb.run.worker",
         lambda: run_worker(
@@ -496,6 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             first_bucket_cap=args.first_bucket_cap_bytes,
             interleave=not args.no_interleave,
             device=args.device,
+            rebalance=rebalance,
+            telemetry=args.telemetry,
+            slowdown=slow,
+            fault_rank=args.fault_reshard_rank,
         ),
     )
 
