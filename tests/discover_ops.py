@@ -1,4 +1,4 @@
-"""Custom ops (``torch.library``) without hand rules, for tests/test_discover.py and its verify workers.
+"""Custom ops (``torch.library``) without hand rules, for tests/rules/test_discover.py and its verify workers.
 
 ``hapnb_test::scaled_tanh(x, w) = tanh(x) * w`` (elementwise, ``w`` broadcast over the last dim) and
 ``hapnb_test::colnorm(x) = x / sum(|x|, dim 0)`` (normalizes over dim 0: sharding dim 0 is wrong). Both

@@ -168,3 +168,12 @@ def test_the_checker_sees_function_local_imports(tmp_path, monkeypatch):
     assert edges["hapnb.forms"] == {"hapnb.cost": 2}
     with pytest.raises(AssertionError):
         test_imports_point_down_the_layers()
+
+
+def test_test_folders_mirror_the_packages():
+    """tests/<folder>/ holds the tests of hapnb/<folder>/ (or widgets/): a folder named after no package is a
+    misplaced test."""
+    packages = {p.name for p in (ROOT / "hapnb").iterdir() if (p / "__init__.py").exists()} | {"widgets"}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders <= packages, f"test folders named after no package: {sorted(folders - packages)}"
+    assert folders, "tests/ has no package folders"

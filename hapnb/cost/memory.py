@@ -105,7 +105,7 @@ SAVED_FOR_BACKWARD: Mapping[str, str] = MappingProxyType(
 #: ``none`` (the gradient needs no tensor: sums, negation, copies, creation), ``out`` (the result),
 #: ``other`` (products and quotients, matmuls: for each operand that needs a gradient, the other operands),
 #: ``in0`` / ``in1`` (the condition of ``where``, the mask of ``masked_fill``). Read from PyTorch's
-#: derivative formulas; tests/test_memory_saved.py checks the totals against autograd's saved tensors.
+#: derivative formulas; tests/tracing/test_memory_saved.py checks the totals against autograd's saved tensors.
 SAVED_BY_NAME: Mapping[str, str] = MappingProxyType(
     {
         **dict.fromkeys(

@@ -19,7 +19,7 @@ made here (:data:`_RESULTS`: layouts export's fake CPU tensors have, and slow Py
 What it refuses (:class:`Unsupported`, and the caller falls back to torch.export): in-place ops in the
 forward, tensors that are neither a parameter, buffer, input nor an op's result (lifted constants), and
 results other than tensors, tuples of tensors and None.
-``tests/test_fasttrace.py`` checks the recorded Graph against torch.export for every zoo model.
+``tests/tracing/test_fasttrace.py`` checks the recorded Graph against torch.export for every zoo model.
 
 >>> from hapnb.tracing.record import trace_zoo_meta
 >>> g, spec = trace_zoo_meta("mlp", devices=2, layers=1, hidden=8, input=4, batch=4)
@@ -279,7 +279,7 @@ def _like_input(args: tuple, kwargs: dict) -> Any:
 #: ops whose result is made here instead of running the op on meta tensors: where the meta device's
 #: layout differs from torch.export's fake CPU tensors (SDPA), and the hot ops whose meta kernels are slow
 #: Python references (layer_norm ~18 ms, linear and dropout ~4 ms each). Each gives the shape, dtype and
-#: strides the fake CPU tensor has; tests/test_fasttrace.py compares the whole Graph with torch.export's.
+#: strides the fake CPU tensor has; tests/tracing/test_fasttrace.py compares the whole Graph with torch.export's.
 _RESULTS: dict[str, Callable[[tuple, dict], Any]] = {
     "aten.scaled_dot_product_attention.default": _sdpa_result,
     "aten.linear.default": _linear_result,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import synthetic as S
-from test_search import all_programs, brute_force
+from oracles import all_programs, brute_force
 
 import hapnb as hap
 from hapnb import zoo

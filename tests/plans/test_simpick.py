@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import synthetic as S
-from test_memory import storage_variants, with_memory
-from test_search import all_programs
+from oracles import all_programs, storage_variants, with_memory
 
 import hapnb as hap
 from hapnb import zoo

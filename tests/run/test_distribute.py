@@ -11,7 +11,7 @@ import torch
 from hapnb import zoo
 from hapnb.run.supervisor import run_local
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_distribute_needs_a_process_group() -> None:

@@ -1,6 +1,6 @@
 """Code generation: per-rank fx programs lint, carry exactly the plan's collectives, slice weights and
 inputs as the plan says, and (on one device, where collectives are identities) compute the same loss
-and gradients as the single-device program. Multi-rank equivalence runs in tests/test_runtime.py."""
+and gradients as the single-device program. Multi-rank equivalence runs in tests/test_equivalence.py."""
 
 from __future__ import annotations
 

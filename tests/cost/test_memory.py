@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import math
 import weakref
 
 import pytest
 import synthetic as S
 import torch
-from test_search import all_programs
+from oracles import all_programs, storage_variants, with_memory
 
 import hapnb as hap
 from hapnb import zoo
@@ -30,28 +29,6 @@ from hapnb.tracing import resolve_model
 from hapnb.triples import theory
 
 CLUSTERS = ["2xV100+2xP100", "V100+P100", "4xA100", "1x5e12+1x1e12+1x2e12"]
-
-
-def with_memory(c: Cluster, caps: list[float]) -> Cluster:
-    return c.replace(
-        devices=tuple(dataclasses.replace(d, memory_bytes=int(m)) for d, m in zip(c.devices, caps))
-    )
-
-
-def storage_variants(th, program, dstar):
-    """``program`` with every replicated (non-SFB) parameter load also as ZeRO-2 and ZeRO-3 on its shard dim."""
-    g = th.graph
-    per = []
-    for st in program:
-        for ld in st.loads:
-            d = dstar.get(ld.tensor)
-            if g.tensors[ld.tensor].role == "param" and ld.form == I and not ld.sfb and d is not None:
-                per.append([ld, Load(ld.tensor, I, False, 2, d), Load(ld.tensor, I, False, 3, d)])
-            else:
-                per.append([ld])
-    for combo in itertools.product(*per):
-        it = iter(combo)
-        yield [dataclasses.replace(st, loads=tuple(next(it) for _ in st.loads)) for st in program]
 
 
 _TABLES: dict[int, tuple] = {}

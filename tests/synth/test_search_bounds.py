@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import synthetic as S
-from test_search import CLUSTERS, brute_force
+from oracles import brute_force
+from test_search import CLUSTERS
 
 from hapnb.hardware.cluster import Cluster
 from hapnb.ir.forms import G, I, R
@@ -21,7 +22,7 @@ from hapnb.triples import theory
 
 
 def test_root_bound_never_exceeds_the_optimum():
-    # the optimum: A*'s result, which tests/test_search.py checks against brute force on these graphs
+    # the optimum: A*'s result, which tests/synth/test_search.py checks against brute force on these graphs
     for seed in range(24):
         th = theory(S.random_graph(seed), S.strategies)
         c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
@@ -45,7 +46,7 @@ def test_bert_moe_at_paper_scale_is_proven_optimal_within_the_default_budget():
 @pytest.mark.parametrize("seed", range(24))
 def test_chain_bound_is_admissible_and_the_search_with_it_exact(seed, monkeypatch):
     # the chain bound (hapnb.synth.chain_bound) from the first expansion on: the root value never exceeds the
-    # optimum, and A* with it still returns the brute-force optimum (tests/test_search.py's check)
+    # optimum, and A* with it still returns the brute-force optimum (tests/synth/test_search.py's check)
     monkeypatch.setattr(search_module, "SWITCH_AFTER", 0)
     monkeypatch.setattr(search_module, "NEAR", 0.0)  # switch even where a dive nearly proves the optimum
     th = theory(S.random_graph(seed), S.strategies)

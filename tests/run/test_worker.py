@@ -16,7 +16,7 @@ from hapnb.plans.synthesis import synthesize
 from hapnb.run.bundle import write_bundle
 from hapnb.run.supervisor import run_local
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
