@@ -147,11 +147,26 @@ def test_display_is_a_leaf_and_hapnb_never_imports_the_ui():
             assert "ipywidgets" not in f.read_text(), f
 
 
+#: the house sizes (CONTRIBUTING.md): split by meaning past these, never by folding lines
+MODULE_LINES, FUNCTION_LINES = 800, 150
+
+
 def test_every_module_has_a_layer_and_stays_small():
     for m, f in modules().items():
         layer_of(m)
         lines = sum(1 for _ in f.open())
-        assert lines <= 1000, f"{f.relative_to(ROOT)} has {lines} lines: split it (modules stay under ~1,000)"
+        assert lines <= MODULE_LINES, f"{f.relative_to(ROOT)} has {lines} lines: split it by meaning"
+
+
+def test_no_function_is_too_long():
+    long = [
+        f"{f.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for f in modules().values()
+        for n in ast.walk(ast.parse(f.read_text()))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > FUNCTION_LINES
+    ]
+    assert not long, f"functions over {FUNCTION_LINES} lines (split them by meaning): {long}"
 
 
 def test_the_checker_sees_function_local_imports(tmp_path, monkeypatch):
