@@ -28,6 +28,7 @@ factory options when it has them (``hapnb plan --model examples.train_lm:lm``), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -218,12 +219,16 @@ def run(argv: Sequence[str] | None = None, out: Any = sys.stdout) -> tuple[list[
         t0 = time.perf_counter()
         partial = glob = 0.0
         read = 0
-        for _ in range(ns.accum):
+        for k in range(ns.accum):
             x = next(micro)
             read += len(x)
-            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=ns.amp == "bf16"):
-                loss = target(x) / ns.accum
-            loss.backward()
+            # inner micro-steps accumulate without syncing the replicated gradients (DDP's no_sync); the
+            # last one all-reduces their sums
+            inner = distributed and k < ns.accum - 1
+            with target.no_sync() if inner else contextlib.nullcontext():
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=ns.amp == "bf16"):
+                    loss = target(x) / ns.accum
+                loss.backward()
             partial += float(loss.detach())
             glob += target.global_loss(loss) if distributed else float(loss.detach())
         if distributed:

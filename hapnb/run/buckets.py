@@ -74,6 +74,9 @@ class GradBuckets:
         self.on_event = on_event
         self.events: list[tuple[str, int]] = []
         self._active = dist.is_available() and dist.is_initialized()
+        #: False: the hooks start nothing (gradient accumulation without sync, ``no_sync``); the gradients
+        #: accumulate in ``.grad`` and the next backward with ``paused=False`` all-reduces their sums
+        self.paused = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params.items()
         ]
@@ -92,6 +95,8 @@ class GradBuckets:
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_p: torch.Tensor) -> None:
+            if self.paused:
+                return
             k = self._bucket_of[name]
             if k < self._next:  # a second backward before wait(): this bucket already went out
                 self._late.append(name)

@@ -13,8 +13,9 @@ checkpoints (``hapnb.save_checkpoint`` / ``hapnb.load_checkpoint``) that load on
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +69,44 @@ class DistributedModule(torch.nn.Module):
         self._variants: dict[int, RankProgram] = {}
         self._batch = self.input_shapes[0][0] if self.input_shapes and self.input_shapes[0] else 0
         self._why_fixed = self._fixed_batch_reason()
+        self._sync: _GradientSync | None = None
+
+    # ------------------------------------------------------------------ gradient sync
+    def sync_gradients_in_buckets(
+        self, cap_bytes: int | None = None, first_cap_bytes: int | None = None
+    ) -> None:
+        """All-reduce the replicated gradients in DDP-like buckets started during the backward and waited
+        for at its end (what :func:`distribute` does by default); needs a program made with
+        ``grad_sync="buckets"``. Call it on every rank (it makes a process group)."""
+        self._sync = _GradientSync(self.module, self.program, cap_bytes, first_cap_bytes)
+        self.register_full_backward_pre_hook(self._before_backward)
+
+    def _before_backward(self, _module: Any, _grad: Any) -> None:
+        """A backward that would add to gradients an earlier backward already all-reduced: the buckets
+        all-reduce ``.grad`` as it is, so the earlier sums would be counted once per rank. Refused."""
+        sync = self._sync
+        if sync is not None and not sync.buckets.paused and sync.holds_sums():
+            raise RuntimeError(
+                f"rank {self.rank}: this backward would add to gradients the previous backward already "
+                "all-reduced (gradient accumulation): run the inner micro-steps under dm.no_sync() (as with "
+                "DDP), or zero the gradients first (optimizer.zero_grad()), or distribute(..., "
+                "grad_sync='sync') to all-reduce every backward's own gradients"
+            )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Like DDP's: inside, backward passes accumulate the replicated gradients without all-reducing
+        them; the first backward outside all-reduces the sums (gradient accumulation: run the inner
+        micro-steps under ``no_sync``). The program's feature collectives still run: a sharded layer needs
+        them for its forward and backward."""
+        if self._sync is None:  # in-graph sync (grad_sync="sync"): every backward syncs
+            yield
+            return
+        self._sync.buckets.paused = True
+        try:
+            yield
+        finally:
+            self._sync.buckets.paused = False
 
     # ------------------------------------------------------------------ the batch
     def _fixed_batch_reason(self) -> str:
@@ -319,8 +358,59 @@ def _resolve(
     return g, dtype, _model_weights(model, g)
 
 
+class _GradientSync:
+    """The replicated gradients of a rank program in :class:`~hapnb.run.buckets.GradBuckets` on a process
+    group of their own, waited for at the end of every backward that started one (a callback queued on
+    the autograd engine by the first gradient hook, as DDP does)."""
+
+    def __init__(self, module: Any, program: RankProgram, cap: int | None, first_cap: int | None) -> None:
+        import torch.distributed as dist
+
+        from .buckets import GradBuckets
+
+        if not program.grad_sync:
+            raise ValueError("the program syncs its gradients in-graph: generate it with grad_sync='buckets'")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = dist.new_group(list(range(world))) if world > 1 else None
+        caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
+        named = [(nm, module.get_parameter(nm)) for nm in program.grad_sync]
+        self.buckets = GradBuckets(named, group=group, **caps)
+        self._armed = False
+        #: each gradient's tensor version right after the last all-reduce wrote it (None: never synced)
+        self._written: dict[str, int] | None = None
+        for _, p in named:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._arm)
+
+    def _arm(self, _p: torch.Tensor) -> None:
+        if self._armed or self.buckets.paused:
+            return
+        self._armed = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        self._armed = False
+        self.buckets.wait()
+        self._written = {n: p.grad._version for n, p in self.buckets.params.items() if p.grad is not None}
+
+    def holds_sums(self) -> bool:
+        """Whether some gradient still holds the sum the last all-reduce wrote (not set to None, not
+        zeroed or changed in place since)."""
+        if not self._written:
+            return False
+        params = self.buckets.params
+        return any(
+            params[n].grad is not None and params[n].grad._version == v for n, v in self._written.items()
+        )
+
+
 def distribute(
-    model: Any, plan: Plan, *, example_inputs: Sequence[Any] | None = None, inputs: str = "local"
+    model: Any,
+    plan: Plan,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    inputs: str = "local",
+    grad_sync: str = "buckets",
 ) -> DistributedModule:
     """Inside an initialised process group (torchrun): this rank's module for ``plan``.
 
@@ -329,8 +419,10 @@ def distribute(
     keeps a reference to ``model`` to re-derive the program for another batch size, and starts in the
     model's mode (``train``/``eval``). ``example_inputs`` default to the plan's own (its graph, or its
     model spec). With ``inputs='local'`` feed this rank's rows (``dm.batch_sampler`` or
-    ``dm.local_inputs(*global_batch)``), with ``'full'`` the whole batch. Like DDP, but gradients are
-    synchronised by the program's own collectives.
+    ``dm.local_inputs(*global_batch)``), with ``'full'`` the whole batch. Like DDP: ``loss.backward()``
+    returns with every gradient synchronised. ``grad_sync="buckets"`` (default): replicated gradients are
+    all-reduced in DDP-like buckets during the backward (and ``dm.no_sync()`` defers them for gradient
+    accumulation); ``"sync"``: each in its own all-reduce inside autograd.
 
     Every rank checks once that all ranks hold the same plan, trace the same graph and start from the
     same weights, and raises the same error everywhere naming the first difference.
@@ -359,7 +451,9 @@ def distribute(
     training.check_same_everywhere(info, failed)
     assert g is not None
     plan = expand_virtual(plan, g)  # a virtual plan runs one rank per physical GPU
-    prog = generate(plan, g, rank, inputs=inputs, dtype=dtype, weights=weights)
+    if grad_sync not in ("buckets", "sync"):
+        raise ValueError(f"grad_sync must be 'buckets' or 'sync', got {grad_sync!r}")
+    prog = generate(plan, g, rank, inputs=inputs, dtype=dtype, weights=weights, grad_sync=grad_sync)
     state_keys = list(model.state_dict()) if isinstance(model, torch.nn.Module) else None
     shapes = [g.tensors[t].shape for t in g.inputs]
     dev = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
@@ -374,11 +468,15 @@ def distribute(
             source = model if dtype is None else copy.deepcopy(model).float()
             ex = tuple(torch.zeros(sh, dtype=dt, device=dev) for sh, dt in zip(batch_shapes, dtypes))
             g2 = trace(source, ex, name=plan.name)
-            return generate(training.rescale_plan(plan, g, g2), g2, rank, inputs=inputs, dtype=dtype)
+            return generate(
+                training.rescale_plan(plan, g, g2), g2, rank, inputs=inputs, dtype=dtype, grad_sync=grad_sync
+            )
 
     dm = DistributedModule(prog, plan, shapes, state_keys, retrace)
     if dev is not None:
         dm.to(dev)
+    if prog.grad_sync:
+        dm.sync_gradients_in_buckets()
     if isinstance(model, torch.nn.Module):
         dm.train(model.training)
     return dm

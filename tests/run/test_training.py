@@ -276,6 +276,7 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
         for gl, rl, norm, rnorm in o["steps"]:
             assert gl == pytest.approx(rl, rel=1e-10) and norm == pytest.approx(rnorm, rel=1e-10)
         assert o["clipped"] and o["weights_rel"] < 1e-10
+        assert o["no_sync_events"] == 0  # replicated gradients waited for the synced backward
         assert o["eval_no_grad"] == pytest.approx(o["eval_ref"], rel=1e-10)
         assert o["train_losses_differ"], "dropout is off while training"
         assert o["state_keys"] == sorted(TinyTiedLM().state_dict())
@@ -289,6 +290,7 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
         "rank 2's model starts from other weights than rank 0's" in o["errors"]["weights"] for o in out
     )
     assert all("rank 1's plan differs from rank 0's in 'ratios'" in o["errors"]["plan"] for o in out)
+    assert all("dm.no_sync()" in o["errors"]["accumulate"] for o in out)
     for o in out:  # bf16 autocast: one device's loss and step, to bf16 precision
         assert o["amp_dtype"] == "torch.float32" and o["amp_loss"] == pytest.approx(o["amp_ref"], rel=1e-2)
         assert o["amp_weights_rel"] < 2e-2
@@ -354,6 +356,24 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
         ropt.zero_grad()
         res["steps"].append([gl, float(rl), norm, rnorm])
     res["clipped"] = clipped
+    # gradient accumulation over two global batches: the first backward under no_sync starts no all-reduce,
+    # the second all-reduces the accumulated sums (DDP's no_sync), equal to one device's two backwards
+    events = len(dm._sync.buckets.events)
+    with dm.no_sync():
+        dm(*dm.local_inputs(tokens[:BATCH], targets[:BATCH])).backward()
+    res["no_sync_events"] = len(dm._sync.buckets.events) - events
+    dm(*dm.local_inputs(tokens[BATCH : 2 * BATCH], targets[BATCH : 2 * BATCH])).backward()
+    opt.step()
+    opt.zero_grad()
+    ref(tokens[:BATCH], targets[:BATCH]).backward()
+    ref(tokens[BATCH : 2 * BATCH], targets[BATCH : 2 * BATCH]).backward()
+    ropt.step()
+    ropt.zero_grad()
+    # a second backward onto gradients that already hold all-reduced sums would count them once per rank
+    first = dm.local_inputs(tokens[:BATCH], targets[:BATCH])
+    dm(*first).backward()
+    res["errors"]["accumulate"] = _error(lambda: dm(*first).backward())
+    opt.zero_grad()
     full, want = full_state_dict(dm), ref.state_dict()
     res["state_keys"] = sorted(full)
     res["weights_rel"] = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
