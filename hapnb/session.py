@@ -623,10 +623,6 @@ class Session:
         self, name: str, *, flops: float | None = None, memory_bytes: float | None = None
     ) -> Device:
         """Change a device's throughput (flop/s) or memory (bytes) in the draft; returns the device."""
-        if name not in self._draft.names:
-            raise KeyError(
-                f"no device {name!r} in the draft cluster; devices: {', '.join(self._draft.names)}"
-            )
         self._set_draft(self._draft.with_device(name, flops=flops, memory_bytes=memory_bytes))
         return self._draft.devices[self._draft.index(name)]
 

@@ -23,3 +23,16 @@ def assert_gone(pids: Iterable[int], within_s: float = 5.0) -> None:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+def run_ranks(argv: list[str], n: int, env: dict[str, str], on_heartbeat=None) -> None:  # type: ignore[no-untyped-def]
+    """Run ``argv`` as ``n`` rank processes under the supervisor (2 min stall, 4 min wall limit), then
+    check that none is left behind and that the run succeeded (its error and stderr tails when not)."""
+    from hapnb.run.supervisor import Supervisor, rank_envs
+
+    kw = {} if on_heartbeat is None else {"on_heartbeat": on_heartbeat}
+    with Supervisor([argv] * n, rank_envs(n, env=env), stall_s=120, wall_s=240, **kw) as sup:
+        pids = sup.pids
+        res = sup.wait()
+    assert_gone(pids)
+    assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)

@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,51 @@ def _wait_explorer(page, console_errors: list[str], dialogs: list[str], n_code: 
     print(f"the Explorer rendered after a kernel restart and run all (first output: {first_output!r})")
 
 
+@contextlib.contextmanager
+def _notebook_page(sync_api, tmp_path: Path, notebook: Path, console_errors: list[str]) -> Iterator:  # type: ignore[no-untyped-def]
+    """A copy of ``notebook`` open in JupyterLab in headless Chromium, its kernel idle: yields the page.
+    JupyterLab and Chromium always stop; a failure leaves a screenshot in ``tmp_path``."""
+    (tmp_path / "nb").mkdir()
+    shutil.copy(notebook, tmp_path / "nb" / notebook.name)
+    port = _free_port()
+    lab: subprocess.Popen | None = None
+    pw = context = None
+    try:
+        lab, log = _start_lab(tmp_path, port)
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/api/status", lab, log)
+        pw = sync_api.sync_playwright().start()
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )  # fmt: skip
+        page = context.pages[0] if context.pages else context.new_page()
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+        page.goto(f"{base}/lab/tree/{notebook.name}", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        yield page
+    except BaseException:
+        if context is not None and context.pages:
+            with contextlib.suppress(Exception):
+                context.pages[0].screenshot(path=str(tmp_path / "failure.png"))
+        raise
+    finally:
+        if context is not None:
+            with contextlib.suppress(Exception):
+                context.close()
+        if pw is not None:
+            with contextlib.suppress(Exception):
+                pw.stop()
+        _stop(lab)
+
+
+def _tracebacks(page) -> list[str]:  # type: ignore[no-untyped-def]
+    """The error outputs of the notebook's cells."""
+    stderr = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
+    return [t for t in stderr.all_inner_texts() if "Traceback" in t]
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
     sync_api = pytest.importorskip(
@@ -222,31 +268,10 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
     )
     if shutil.which("dot") is None:
         pytest.skip("graphviz 'dot' is not installed (apt-get install -y graphviz): no drawing to check")
-    (tmp_path / "nb").mkdir()
-    shutil.copy(NOTEBOOK, tmp_path / "nb" / NOTEBOOK.name)
     n_code = sum(c["cell_type"] == "code" for c in json.loads(NOTEBOOK.read_text())["cells"])
-    port = _free_port()
-    lab: subprocess.Popen | None = None
-    pw = context = None
     console_errors: list[str] = []
     dialogs: list[str] = []
-    try:
-        lab, log = _start_lab(tmp_path, port)
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/api/status", lab, log)
-        pw = sync_api.sync_playwright().start()
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        page = context.pages[0] if context.pages else context.new_page()
-        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        page.goto(f"{base}/lab/tree/{NOTEBOOK.name}", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    with _notebook_page(sync_api, tmp_path, NOTEBOOK, console_errors) as page:
         _run_all_from_menu(page, dialogs)
         if dialogs:
             print("dismissed JupyterLab dialogs:", dialogs)
@@ -254,13 +279,7 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         _wait_explorer(page, console_errors, dialogs, n_code)
         page.wait_for_selector("div[data-root-id] canvas, .bk-root canvas", state="attached", timeout=120_000)
 
-        tracebacks = [
-            t
-            for t in page.locator(
-                ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
-            ).all_inner_texts()
-            if "Traceback" in t
-        ]
+        tracebacks = _tracebacks(page)
         assert not tracebacks, f"error outputs in the notebook: {tracebacks[:2]}"
         assert page.locator(".jupyter-widgets").count() > 0
         assert page.locator(".widget-button").count() >= 3, "the Explorer's buttons did not render"
@@ -284,19 +303,6 @@ def test_tour_notebook_runs_and_renders_in_jupyterlab(tmp_path: Path) -> None:
         panel.get_by_text(re.compile(r"\b0 expansions")).first.wait_for(timeout=120_000)
         panel.locator(".widget-button", has_text=re.compile(r"^\W*Step$")).first.click()
         panel.get_by_text(re.compile(r"\b1 expansions?")).first.wait_for(timeout=120_000)
-    except BaseException:
-        if context is not None and context.pages:
-            with contextlib.suppress(Exception):
-                context.pages[0].screenshot(path=str(tmp_path / "failure.png"))
-        raise
-    finally:
-        if context is not None:
-            with contextlib.suppress(Exception):
-                context.close()
-        if pw is not None:
-            with contextlib.suppress(Exception):
-                pw.stop()
-        _stop(lab)
 
 
 #: set to 1 to run every notebook in the browser (about half a minute each; a release check, not CI's)
@@ -311,37 +317,14 @@ def test_every_notebook_runs_and_shows_a_picture_in_jupyterlab(name: str, tmp_pa
     bokeh canvas or SVG drawing."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     notebook = ROOT / "notebooks" / name
-    (tmp_path / "nb").mkdir()
-    shutil.copy(notebook, tmp_path / "nb" / name)
     for extra in ("docs", "examples"):  # what notebooks read next to themselves (the measured figures)
         if (ROOT / extra).is_dir():
             shutil.copytree(ROOT / extra, tmp_path / extra)
     n_code = sum(c["cell_type"] == "code" for c in json.loads(notebook.read_text())["cells"])
-    port = _free_port()
-    lab: subprocess.Popen | None = None
-    pw = context = None
-    dialogs: list[str] = []
-    try:
-        lab, log = _start_lab(tmp_path, port)
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/api/status", lab, log)
-        pw = sync_api.sync_playwright().start()
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )  # fmt: skip
-        page = context.pages[0] if context.pages else context.new_page()
-        page.goto(f"{base}/lab/tree/{name}", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        _run_all_from_menu(page, dialogs)
+    with _notebook_page(sync_api, tmp_path, notebook, []) as page:
+        _run_all_from_menu(page, [])
         _wait_all_run(page, n_code, RUN_TIMEOUT_S)
-        tracebacks = [
-            t
-            for t in page.locator(
-                ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
-            ).all_inner_texts()
-            if "Traceback" in t
-        ]
+        tracebacks = _tracebacks(page)
         assert not tracebacks, f"{name}: error outputs: {tracebacks[:2]}"
         pictures = {
             "widget": page.locator(".jupyter-widgets").count(),
@@ -352,11 +335,3 @@ def test_every_notebook_runs_and_shows_a_picture_in_jupyterlab(name: str, tmp_pa
         }
         print(name, pictures)
         assert any(pictures.values()), f"{name}: no widget, chart or drawing rendered"
-    finally:
-        if context is not None:
-            with contextlib.suppress(Exception):
-                context.close()
-        if pw is not None:
-            with contextlib.suppress(Exception):
-                pw.stop()
-        _stop(lab)

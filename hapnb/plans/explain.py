@@ -52,7 +52,7 @@ from ..synth.balance import (
 from ..synth.duplex import duplex_cost
 from ..synth.optimize import without_gc
 from ..triples import Theory
-from .plan import NoPlannerError, Plan
+from .plan import Plan
 
 __all__ = [
     "Sensitivity",
@@ -101,15 +101,8 @@ def rebuild_graph(plan: Plan) -> Graph:
 
 
 def _planner(plan: Plan, planner: Any, verb: str) -> Any:
-    """``planner``, else the plan's own (:class:`~hapnb.plans.planner.Planner`); a clear error without one."""
-    if planner is not None:
-        return planner
-    if plan.planner is None:
-        raise NoPlannerError(
-            f"{verb}: plan {plan.name!r} carries no planner (loaded from JSON?): pass "
-            "planner=hapnb.Planner.for_plan(plan), which rebuilds its model once"
-        )
-    return plan.planner
+    """``planner``, else the plan's own (:class:`~hapnb.plans.planner.Planner`; a clear error without one)."""
+    return planner if planner is not None else plan.require_planner(verb)
 
 
 def program_steps(plan: Plan, th: Theory) -> tuple[tuple[Step, ...], tuple[Conversion, ...]]:

@@ -358,20 +358,20 @@ class Plan:
         makes with the merged inputs. ``exact=False`` (fast): the Q/B loop from this plan's ratios without
         the baseline seeds: a fixpoint of the loop that keeps every pin, but maybe not the fresh plan
         (``stats["replan"] == "fast"``; the contract is :func:`hapnb.plans.synthesis.replan`'s)."""
-        return self._planner("replan").replan(
+        return self.require_planner("replan").replan(
             self, pins=pins, ratio_pins=ratio_pins, cluster=cluster, exact=exact
         )
 
     def why_not(self, pins: Mapping[str, Any]) -> Any:
         """Why the search did not choose these forms: the best plan with ``pins`` added, its cost and the
         difference per stage block, or where no program satisfies them (:class:`hapnb.plans.whynot.WhyNot`)."""
-        return self._planner("why_not").why_not(self, pins)
+        return self.require_planner("why_not").why_not(self, pins)
 
     def sensitivity(self, factor: float = 1.1) -> Any:
         """What bounds the step: binding devices per stage and what a device or collective ``factor``
         times faster (or a device whose memory caps its ratio, ``factor`` times larger) would save, from
         the ratio LP's dual values (:class:`hapnb.plans.explain.Sensitivity`)."""
-        return self._planner("sensitivity").sensitivity(self, factor)
+        return self.require_planner("sensitivity").sensitivity(self, factor)
 
     def gantt(self, **kw: Any) -> Any:
         """A bokeh Gantt chart of the stages per device (needs bokeh)."""
@@ -434,7 +434,8 @@ class Plan:
         never solves an LP)."""
         return None if self.planner is None else self.planner.known_sensitivity(self)
 
-    def _planner(self, verb: str) -> Any:
+    def require_planner(self, verb: str) -> Any:
+        """The plan's planner, or :class:`NoPlannerError` saying that ``verb`` needs one and how to get it."""
         if self.planner is None:
             raise NoPlannerError(
                 f"plan {self.name!r} carries no planner (a plan loaded from JSON is data: it never rebuilds "

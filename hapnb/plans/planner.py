@@ -269,12 +269,11 @@ class Planner:
                 raise out_of_memory(th, c, form_pins) from e
             raise
         pick = _Pick(self, c, best, form_pins)
-        chosen, stats = pick.final(fast=start is not None)
+        chosen, k, stats = pick.final(fast=start is not None)
         if start is not None:
             stats["replan"] = "fast"  # a fixpoint of the Q/B loop from the previous plan's ratios
         if a["duplex"] and not isinstance(a["ratios"], Sequence):
             # two micro-batches need an even local batch on every rank: cut the batch in pairs of samples
-            k = pick.top[stats["cost_rank"]]
             even = even_batch_ratios(
                 k.ratios, th.graph.tensors[th.graph.inputs[0]].shape[0] if th.graph.inputs else 0
             )
@@ -299,7 +298,6 @@ class _Pick:
         self.planner, self.c, self.best, self.form_pins = planner, c, best, form_pins
         self.token = planner.memo.token(c)
         self.frozen_pins = freeze_mapping({k: str(v) for k, v in form_pins.items()})
-        self.top: Sequence[Candidate] = ()
 
     def cost_model(self) -> CostModel:
         """One cost model (and its caches) for the Q/B loop and every candidate's bound and plan."""
@@ -337,10 +335,10 @@ class _Pick:
 
         return self.planner.memo.get("simulate", self._sim_key(k), run), (made[0] if made else None)
 
-    def final(self, fast: bool) -> tuple[Plan, dict[str, Any]]:
+    def final(self, fast: bool) -> tuple[Plan, Candidate, dict[str, Any]]:
         """The final program: the loop's optimum (``pick="cost"``, or a fast re-plan), or the candidate the
         overlap simulator finds fastest (ties: the lower cost_s) among the cheapest searched ones and every
-        baseline's. Returns the plan and its stats."""
+        baseline's. Returns the plan, the candidate it was made of and its stats."""
         best, a = self.best, self.planner.args
         own = Candidate(best.cost_s, best.program, best.extra, best.ratios, 0)
         if a["pick"] == "cost" or not best.candidates or fast:
@@ -350,7 +348,6 @@ class _Pick:
             # the cheapest searched ones, those that are also a baseline's program, and every baseline's
             top = [k for n, k in enumerate(searched) if n < FINAL_CANDIDATES or k.baseline]
             top += [k for k in best.candidates if k.source != "search"]
-        self.top = top
         # candidates simulated before cost nothing; the others are simulated cheapest lower bound first, and
         # one whose bound is above the fastest simulated so far is skipped: it can be neither the min nor a tie
         memo, duplex = self.planner.memo, a["duplex"]
@@ -375,7 +372,7 @@ class _Pick:
         stats = {**best.stats, "candidates_simulated": len(sims), "candidates_bounded": len(top) - len(sims),
                  "chosen": top[i].source, "cost_rank": i, "pick": a["pick"], **self.planner.traced}  # fmt: skip
         stats["gap"] = proven_gap(chosen.cost_s, stats)  # against the picked program's own cost
-        return chosen, stats
+        return chosen, top[i], stats
 
 
 def program_lower_bound(cm: CostModel, program: Sequence[Any], ratios: Any, duplex: bool = False) -> float:

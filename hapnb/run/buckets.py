@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..cost.model import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
 
-__all__ = ["GradBuckets"]
+__all__ = ["GradBuckets", "program_buckets"]
 
 
 class GradBuckets:
@@ -48,7 +48,9 @@ class GradBuckets:
     use in the forward). ``group``: the process group for the all-reduces (None: the default group; pass
     a dedicated one, see the module doc). ``on_event(kind, bucket)`` is called with ``"start"`` when a
     bucket's all-reduce starts and ``"done"`` when :meth:`wait` has finished it; :attr:`events` keeps the
-    same list of ``(kind, bucket)``."""
+    same list of ``(kind, bucket)``. ``wait_at_backward_end``: the first hook of a backward queues
+    :meth:`wait` on the autograd engine, so ``backward()`` returns with the sums in ``.grad`` (as DDP
+    does); else call :meth:`wait` yourself."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class GradBuckets:
         cap: int = BUCKET_CAP_BYTES,
         first_cap: int = FIRST_BUCKET_CAP_BYTES,
         on_event: Callable[[str, int], None] | None = None,
+        wait_at_backward_end: bool = False,
     ) -> None:
         seen: set[int] = set()
         uniq: list[tuple[str, torch.nn.Parameter]] = []
@@ -77,6 +80,10 @@ class GradBuckets:
         #: False: the hooks start nothing (gradient accumulation without sync, ``no_sync``); the gradients
         #: accumulate in ``.grad`` and the next backward with ``paused=False`` all-reduces their sums
         self.paused = False
+        self.wait_at_backward_end = wait_at_backward_end
+        self._queued = False
+        #: each gradient's tensor version right after the last :meth:`wait` wrote it
+        self._written: dict[str, int] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params.items()
         ]
@@ -97,6 +104,9 @@ class GradBuckets:
         def hook(_p: torch.Tensor) -> None:
             if self.paused:
                 return
+            if self.wait_at_backward_end and not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.wait)
             k = self._bucket_of[name]
             if k < self._next:  # a second backward before wait(): this bucket already went out
                 self._late.append(name)
@@ -148,6 +158,8 @@ class GradBuckets:
             self._emit("done", k)
         late = self._late
         self._reset()
+        self._queued = False
+        self._written = {n: p.grad._version for n, p in self.params.items() if p.grad is not None}
         if late:
             raise RuntimeError(
                 f"the gradients of {', '.join(sorted(set(late)))} changed after their bucket's all-reduce "
@@ -155,6 +167,14 @@ class GradBuckets:
                 "sum of the micro-batch losses"
             )
         return len(self.buckets)
+
+    def holds_sums(self) -> bool:
+        """Whether some gradient still holds the sum the last :meth:`wait` wrote (not set to None, zeroed or
+        changed in place since): a backward now would add to it, and the next all-reduce count it once
+        per rank."""
+        return any(
+            (p := self.params[n]).grad is not None and p.grad._version == v for n, v in self._written.items()
+        )
 
     def remove(self) -> None:
         """Remove the hooks (the parameters no longer sync)."""
@@ -164,3 +184,22 @@ class GradBuckets:
 
     def __repr__(self) -> str:
         return f"GradBuckets({len(self.params)} parameters in {len(self.buckets)} buckets)"
+
+
+def program_buckets(
+    module: Any,
+    grad_sync: Sequence[str],
+    *,
+    cap: int | None = None,
+    first_cap: int | None = None,
+    wait_at_backward_end: bool = False,
+) -> GradBuckets:
+    """:class:`GradBuckets` of a rank program's replicated parameters (``grad_sync``, the names
+    :attr:`~hapnb.runtime.program.RankProgram.grad_sync` lists) on a process group of their own, so the
+    buckets' all-reduces never interleave with the feature collectives the backward runs on the default
+    group. Call it on every rank (it makes a process group)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
+    named = [(nm, module.get_parameter(nm)) for nm in grad_sync]
+    return GradBuckets(named, group=group, wait_at_backward_end=wait_at_backward_end, **caps)

@@ -27,6 +27,7 @@ from ..runtime.codegen import generate
 from ..runtime.expand import expand_virtual
 from ..runtime.program import RankProgram, program_weights
 from . import training
+from .buckets import GradBuckets, program_buckets
 from .bundle import program_inputs, resolve_graph
 
 __all__ = ["DistributedModule", "distribute", "full_state_dict"]
@@ -69,7 +70,8 @@ class DistributedModule(torch.nn.Module):
         self._variants: dict[int, RankProgram] = {}
         self._batch = self.input_shapes[0][0] if self.input_shapes and self.input_shapes[0] else 0
         self._why_fixed = self._fixed_batch_reason()
-        self._sync: _GradientSync | None = None
+        #: the replicated gradients' buckets (``grad_sync="buckets"``), or None (synced in-graph)
+        self.buckets: GradBuckets | None = None
 
     # ------------------------------------------------------------------ gradient sync
     def sync_gradients_in_buckets(
@@ -78,14 +80,22 @@ class DistributedModule(torch.nn.Module):
         """All-reduce the replicated gradients in DDP-like buckets started during the backward and waited
         for at its end (what :func:`distribute` does by default); needs a program made with
         ``grad_sync="buckets"``. Call it on every rank (it makes a process group)."""
-        self._sync = _GradientSync(self.module, self.program, cap_bytes, first_cap_bytes)
+        if not self.program.grad_sync:
+            raise ValueError("the program syncs its gradients in-graph: generate it with grad_sync='buckets'")
+        self.buckets = program_buckets(
+            self.module,
+            self.program.grad_sync,
+            cap=cap_bytes,
+            first_cap=first_cap_bytes,
+            wait_at_backward_end=True,
+        )
         self.register_full_backward_pre_hook(self._before_backward)
 
     def _before_backward(self, _module: Any, _grad: Any) -> None:
         """A backward that would add to gradients an earlier backward already all-reduced: the buckets
         all-reduce ``.grad`` as it is, so the earlier sums would be counted once per rank. Refused."""
-        sync = self._sync
-        if sync is not None and not sync.buckets.paused and sync.holds_sums():
+        b = self.buckets
+        if b is not None and not b.paused and b.holds_sums():
             raise RuntimeError(
                 f"rank {self.rank}: this backward would add to gradients the previous backward already "
                 "all-reduced (gradient accumulation): run the inner micro-steps under dm.no_sync() (as with "
@@ -99,14 +109,14 @@ class DistributedModule(torch.nn.Module):
         them; the first backward outside all-reduces the sums (gradient accumulation: run the inner
         micro-steps under ``no_sync``). The program's feature collectives still run: a sharded layer needs
         them for its forward and backward."""
-        if self._sync is None:  # in-graph sync (grad_sync="sync"): every backward syncs
+        if self.buckets is None:  # in-graph sync (grad_sync="sync"): every backward syncs
             yield
             return
-        self._sync.buckets.paused = True
+        self.buckets.paused = True
         try:
             yield
         finally:
-            self._sync.buckets.paused = False
+            self.buckets.paused = False
 
     # ------------------------------------------------------------------ the batch
     def _fixed_batch_reason(self) -> str:
@@ -356,52 +366,6 @@ def _resolve(
         g, _ = resolve_graph(plan, model, inputs)  # a plan made at the model's own dtype
         return g, None, None
     return g, dtype, _model_weights(model, g)
-
-
-class _GradientSync:
-    """The replicated gradients of a rank program in :class:`~hapnb.run.buckets.GradBuckets` on a process
-    group of their own, waited for at the end of every backward that started one (a callback queued on
-    the autograd engine by the first gradient hook, as DDP does)."""
-
-    def __init__(self, module: Any, program: RankProgram, cap: int | None, first_cap: int | None) -> None:
-        import torch.distributed as dist
-
-        from .buckets import GradBuckets
-
-        if not program.grad_sync:
-            raise ValueError("the program syncs its gradients in-graph: generate it with grad_sync='buckets'")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        group = dist.new_group(list(range(world))) if world > 1 else None
-        caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
-        named = [(nm, module.get_parameter(nm)) for nm in program.grad_sync]
-        self.buckets = GradBuckets(named, group=group, **caps)
-        self._armed = False
-        #: each gradient's tensor version right after the last all-reduce wrote it (None: never synced)
-        self._written: dict[str, int] | None = None
-        for _, p in named:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._arm)
-
-    def _arm(self, _p: torch.Tensor) -> None:
-        if self._armed or self.buckets.paused:
-            return
-        self._armed = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-
-    def _finish(self) -> None:
-        self._armed = False
-        self.buckets.wait()
-        self._written = {n: p.grad._version for n, p in self.buckets.params.items() if p.grad is not None}
-
-    def holds_sums(self) -> bool:
-        """Whether some gradient still holds the sum the last all-reduce wrote (not set to None, not
-        zeroed or changed in place since)."""
-        if not self._written:
-            return False
-        params = self.buckets.params
-        return any(
-            params[n].grad is not None and params[n].grad._version == v for n, v in self._written.items()
-        )
 
 
 def distribute(

@@ -331,9 +331,8 @@ def _make_trainer(
 ) -> Any:
     """This rank's :class:`hapnb.run.reshard.Trainer` for ``plan`` (physical): its program on ``device``,
     the optimizer, its local batch (a duplex plan: the runner and its two micro-batches), the buckets."""
-    import torch.distributed as dist
-
     from ..runtime.codegen import generate
+    from .buckets import program_buckets
     from .reshard import Trainer
 
     runner, scale = None, 1.0
@@ -349,8 +348,7 @@ def _make_trainer(
     opt = make_optimizer(opt_args[0], params, opt_args[1])
     buckets = None
     if gen["grad_sync"] == "buckets":
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        buckets = _grad_buckets(module, prog, world, caps[0], caps[1])
+        buckets = program_buckets(module, prog.grad_sync, cap=caps[0], first_cap=caps[1])
     return Trainer(plan, prog, module, opt, batch, buckets, runner, scale)
 
 
@@ -461,20 +459,6 @@ def _train(
         if live is not None:
             tr = live.end_step(step, steps, m, tr)
     return out, losses, global_losses, grads, tr
-
-
-def _grad_buckets(module: Any, prog: Any, world_size: int, cap: int | None, first_cap: int | None) -> Any:
-    """The rank program's replicated gradients in DDP-like buckets (:class:`hapnb.run.buckets.GradBuckets`)."""
-    import torch.distributed as dist
-
-    from .buckets import GradBuckets
-
-    # a process group of its own: the buckets' all-reduces never interleave with the feature
-    # collectives the backward runs on the default group
-    group = dist.new_group(list(range(world_size))) if world_size > 1 else None
-    caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
-    named = [(nm, module.get_parameter(nm)) for nm in prog.grad_sync]
-    return GradBuckets(named, group=group, **caps)
 
 
 def _save_verify_record(

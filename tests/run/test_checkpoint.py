@@ -97,7 +97,6 @@ def test_single_device_round_trip_and_clear_errors(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_checkpoint_reshards_onto_another_plan(tmp_path: Path) -> None:
     import hapnb
-    from hapnb.run.supervisor import Supervisor, rank_envs
 
     # plan A: the tied weight ZeRO-3, the batch 9/3; plan B: the tied weight and mix.weight split on other
     # dims, the batch 6/6 (other shard boundaries: each rank reads parts written by both)
@@ -120,13 +119,9 @@ def test_checkpoint_reshards_onto_another_plan(tmp_path: Path) -> None:
         str(tmp_path / "b.json"),
         str(tmp_path),
     ]
-    with Supervisor([argv] * 2, rank_envs(2, env={"PYTHONPATH": str(ROOT)}), stall_s=120, wall_s=240) as sup:
-        pids = sup.pids
-        res = sup.wait()
-    from procs import assert_gone  # tests/ helper; this file also runs as a rank worker, without it
+    from procs import run_ranks  # tests/ helper; this file also runs as a rank worker, without it
 
-    assert_gone(pids)
-    assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)
+    run_ranks(argv, 2, {"PYTHONPATH": str(ROOT)})
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for o in out:
         assert o["sharded_a"] and o["sharded_b"] and o["sharded_a"] != o["sharded_b"]
@@ -208,7 +203,6 @@ def test_train_lm_example_equals_one_device_and_resumes_on_it(tmp_path: Path) ->
 
     import hapnb
     from examples import train_lm
-    from hapnb.run.supervisor import Supervisor, rank_envs
 
     model, example = train_lm.lm(batch=6, seq=16, layers=1, hidden=16, heads=2)
     plan = hapnb.synthesize(model, "1xV100+1xP100", example_inputs=example)
@@ -219,16 +213,11 @@ def test_train_lm_example_equals_one_device_and_resumes_on_it(tmp_path: Path) ->
     argv = [sys.executable, str(ROOT / "examples" / "train_lm.py"), str(tmp_path / "plan.json"), *LM_OPTS,
             "--ckpt-dir", str(ckpt), "--save-at", "2", "--save-at", "4"]  # fmt: skip
     got: list[dict] = []
-    envs = rank_envs(2, env={"PYTHONPATH": str(ROOT), "TRAIN_LM_ARGS": ""})
-    with Supervisor(
-        [argv] * 2, envs, stall_s=120, wall_s=240, on_heartbeat=lambda r, m: got.append(m)
-    ) as sup:
-        pids = sup.pids
-        res = sup.wait()
-    from procs import assert_gone  # tests/ helper; this file also runs as a rank worker, without it
+    from procs import run_ranks  # tests/ helper; this file also runs as a rank worker, without it
 
-    assert_gone(pids)
-    assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)
+    run_ranks(
+        argv, 2, {"PYTHONPATH": str(ROOT), "TRAIN_LM_ARGS": ""}, on_heartbeat=lambda r, m: got.append(m)
+    )
     want, ref = train_lm.run(LM_OPTS, out=io.StringIO())
     assert len(got) == 8
     for m in got:

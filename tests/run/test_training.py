@@ -233,7 +233,6 @@ def test_gpt2_full_state_dict_loads_strictly(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
     import hapnb
-    from hapnb.run.supervisor import Supervisor, rank_envs
 
     # the tied weight stored sharded (ZeRO-3), the batch in uneven shares (6, 3, 3 rows)
     pins = {"head.weight": hapnb.FullShard(0), "tokens": hapnb.Shard(0), "targets": hapnb.Shard(0)}
@@ -252,13 +251,9 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
     amp.save(tmp_path / "amp.json")
     paths = (tmp_path / "plan.json", tmp_path, tmp_path / "amp.json")
     argv = [sys.executable, __file__, "worker", *map(str, paths)]
-    with Supervisor([argv] * 3, rank_envs(3, env={"PYTHONPATH": str(ROOT)}), stall_s=120, wall_s=240) as sup:
-        pids = sup.pids
-        res = sup.wait()
-    from procs import assert_gone  # tests/ helper; this file also runs as a rank worker, without it
+    from procs import run_ranks  # tests/ helper; this file also runs as a rank worker, without it
 
-    assert_gone(pids)
-    assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)
+    run_ranks(argv, 3, {"PYTHONPATH": str(ROOT)})
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     r0 = out[0]
     # a tied weight once: in the program's list and in parameters()
@@ -358,10 +353,10 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     res["clipped"] = clipped
     # gradient accumulation over two global batches: the first backward under no_sync starts no all-reduce,
     # the second all-reduces the accumulated sums (DDP's no_sync), equal to one device's two backwards
-    events = len(dm._sync.buckets.events)
+    events = len(dm.buckets.events)
     with dm.no_sync():
         dm(*dm.local_inputs(tokens[:BATCH], targets[:BATCH])).backward()
-    res["no_sync_events"] = len(dm._sync.buckets.events) - events
+    res["no_sync_events"] = len(dm.buckets.events) - events
     dm(*dm.local_inputs(tokens[BATCH : 2 * BATCH], targets[BATCH : 2 * BATCH])).backward()
     opt.step()
     opt.zero_grad()
