@@ -2,8 +2,11 @@
 proportion to its compute), with and without ``--rebalance``.
 
 Three runs of the same bundle, same steps: ``calm`` (no slowdown, re-balancing on: it must never
-re-balance), ``static`` (slowed, telemetry only: the planned ratios to the end) and ``rebalanced``
-(slowed, re-balancing on). Reports, for the rebalanced run, the median step time after the (last)
+re-balance its ratios; it may re-plan its program when the link fit finds the links mispriced and that
+pays), ``static`` (slowed, telemetry only: the planned ratios to the end) and ``rebalanced`` (slowed,
+re-balancing on). Each re-balance says whether it changed the program (``program_changed``), and the
+telemetry windows carry the link fit (``link_scale``: per collective kind, the plan's time multiplied by
+it, relative to the compute's; :mod:`hapnb.run.linkfit`). Reports, for the rebalanced run, the median step time after the (last)
 re-balance against the ``predicted_step_s`` its decision made for the new ratios (target: within 20 %),
 and the speedup over the static run's median step time over the same steps (target: >= 1.5x); and that the
 rebalanced run's losses equal the calm run's (float64, relative 1e-9). Writes the raw rows to a JSON
@@ -47,7 +50,13 @@ def _run(bundle: Path, steps: int, **kw: Any) -> dict[str, Any]:
     s = summarize(res.metrics)
     s["wall_s"] = time.perf_counter() - t0
     s["telemetry"] = [
-        {"step": m["step"], **{k: m["window"][k] for k in ("compute_s", "optimizer_s", "comm_s", "step_s")}}
+        {
+            "step": m["step"],
+            **{k: m["window"][k] for k in ("compute_s", "optimizer_s", "comm_s", "step_s")},
+            "scale": m.get("scale"),
+            "link_scale": m.get("link_scale"),
+            "link_overall": m.get("link_overall"),
+        }
         for m in res.metrics
         if m.get("event") == "telemetry"
     ]
@@ -70,6 +79,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "factor": args.factor,
         "calm_rebalances": len(calm["rebalances"]),
+        "calm_program_changes": sum(bool(r.get("program_changed")) for r in calm["rebalances"]),
+        "static_link_scale": static["telemetry"][-1]["link_scale"] if static["telemetry"] else None,
+        "calm_link_scale": calm["telemetry"][0]["link_scale"] if calm["telemetry"] else None,
         "calm_rebalance_records": calm["rebalances"],
         "rebalanced_telemetry": reb["telemetry"],
         "calm_median_step_s": statistics.median(calm["step_s"][1:]),
@@ -96,6 +108,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             speedup=static_after / after,
             reshard_s=last.get("reshard_s"),
             reshard_s_estimate=last["reshard_s_estimate"],
+            program_changed=[bool(r.get("program_changed")) for r in reb["rebalances"]],
+            link_scale=last.get("link_scale"),
         )
     return row
 
@@ -144,6 +158,11 @@ def main() -> None:
             f"| {r['static_step_s_same_steps'] * 1e3:.1f} ms | {r['speedup']:.2f}x |"
         )
     for r in rows:
+        fmt = lambda d: ", ".join(f"{k} {v:.3g}x" for k, v in (d or {}).items())  # noqa: E731
+        print(
+            f"link fit (x the plan's time, relative to compute): static run's last window {fmt(r['static_link_scale'])}; "
+            f"program changes: rebalanced run {r.get('program_changed', [])}, calm run {r['calm_program_changes']}"
+        )
         print(
             f"calm run re-balanced {r['calm_rebalances']} times; losses max relative difference "
             f"{r['losses_max_rel_diff']:.2e}; reshard {r.get('reshard_s') or 0:.3f} s "

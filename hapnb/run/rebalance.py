@@ -1,5 +1,6 @@
-"""Live re-balancing: fit each device's speed from a running job's telemetry, detect a straggler, re-solve
-the ratios of the same program for the measured speeds, and decide whether resharding pays (issue 21).
+"""Live re-balancing: fit each device's (and each link's) speed from a running job's telemetry, detect a
+straggler or a slow link, re-solve the ratios of the same program and re-plan the program for the measured
+speeds, and decide whether resharding pays (issue 21).
 
 The running side is :mod:`hapnb.run.telemetry` (what ranks measure and gather every ``every`` steps)
 and :mod:`hapnb.run.reshard` (moving parameters, optimizer state and data shares to new ratios); this
@@ -16,15 +17,21 @@ shrink with the rank's share of the batch (:func:`variable`: compute minus optim
 others, 3.0 one three times slower. The scale's uncertainty is the relative standard deviation of the
 measured compute within the window. A device with no predicted compute (ratio 0) has no scale (1.0).
 
+The links' fit is :mod:`hapnb.run.linkfit`: per collective kind, the fastest rank's blocked seconds (the
+others' include waiting for slower peers) against the cluster's collective model for the bytes and calls
+the ranks made, relative to the compute's ``median(k)``.
+
 Detect
 ------
 A device is a straggler (or a device faster than planned) when ``|scale - 1| > threshold`` for
-``patience`` consecutive windows.
+``patience`` consecutive windows; a collective kind departs when its scale is off its reference by more
+than a factor ``1 + threshold`` for ``patience`` windows (:class:`hapnb.run.linkfit.LinkDetector`).
 
 Re-solve and decide
 -------------------
-The cluster with each device's throughput divided by its scale (:func:`hapnb.plans.explain.faster`) is
-the *measured cluster*; the ratio LP (:func:`hapnb.synth.balance.balance`) re-solves the ratios of the
+The cluster with each device's throughput divided by its scale (:func:`hapnb.plans.explain.faster`) and
+each collective kind's model slowed by its link scale (:func:`hapnb.run.linkfit.scaled_links`) is the
+*measured cluster*; the ratio LP (:func:`hapnb.synth.balance.balance`) re-solves the ratios of the
 plan's own program (:func:`hapnb.plans.explain.program_steps`) on it, and
 :func:`hapnb.plans.packaging.make_plan` packages the program at those ratios. The predicted step time at
 the new ratios, in measured seconds, is the measured non-compute time of the current step (step time minus
@@ -35,6 +42,14 @@ time is estimated as the time to generate a rank program for the new plan (measu
 step times (the full-state gathers of the parameters and up to two optimizer states per parameter move no
 more than a step's gradient all-reduces each, and a step is more than its communication); the time it
 really took is reported next to the estimate (``reshard_s``).
+
+The second option is another program: the planner on the measured cluster (``replan``: with the plan's
+pins and ratio pins, what a fresh ``hapnb.synthesize`` makes there). When its program differs, its
+predicted step time is the first option's plus the difference, in measured seconds (times ``median(k)``),
+between the two plans' overlap-simulated iteration times on the measured cluster (what the planner ranks
+programs by); its reshard estimate is the first option's with one step more (the new program's first step
+warms its buckets and caches). Each option is judged as above; of those accepted, the one that saves the
+most over the horizon net of its reshard is taken (``program_changed``, and both in ``options``).
 
 After a re-balance the measured cluster is the reference: the new plan predicts its devices' compute, so
 a device that keeps its new speed no longer departs. A second re-balance needs the first one's prediction
@@ -54,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,7 +99,10 @@ class RebalanceOptions:
     predicted saving must repay the reshard within this many steps (and within the steps left);
     ``min_gain``: the smallest predicted saving, as a fraction of the step time, worth a reshard;
     ``warmup``: steps at the start left out of the first window; ``max_rebalances``: at most this many;
-    ``trust``: another re-balance only when the last one's predicted step time held within this fraction."""
+    ``trust``: another re-balance only when the last one's predicted step time held within this fraction;
+    ``links``: fit the collective kinds' speeds (:mod:`hapnb.run.linkfit`) into the measured cluster and let a
+    departing link trigger a re-solve; ``program``: also run the planner on the measured cluster and take
+    its program when that pays more than new ratios (else only the ratios change)."""
 
     every: int = 4
     patience: int = 3
@@ -93,6 +112,8 @@ class RebalanceOptions:
     warmup: int = 2
     max_rebalances: int = 3
     trust: float = 0.2
+    links: bool = True
+    program: bool = True
 
     def __post_init__(self) -> None:
         for name in ("every", "patience", "payback_steps", "max_rebalances"):
@@ -101,6 +122,11 @@ class RebalanceOptions:
                 raise ValueError(f"rebalance option {name} must be an integer >= 1, got {v!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"rebalance option warmup must be an integer >= 0, got {self.warmup!r}")
+        for name in ("links", "program"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"rebalance option {name} must be true or false, got {getattr(self, name)!r}"
+                )
         for name in ("threshold", "min_gain", "trust"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < 10:
@@ -217,9 +243,11 @@ def predicted_compute(plan: Any) -> tuple[float, ...]:
     return tuple(out)
 
 
-def measured_cluster(cluster: Any, scale: Sequence[float]) -> Any:
-    """``cluster`` with device ``i``'s throughput divided by ``scale[i]`` (the measured speeds)."""
+def measured_cluster(cluster: Any, scale: Sequence[float], links: Mapping[str, float] | None = None) -> Any:
+    """``cluster`` with device ``i``'s throughput divided by ``scale[i]`` and each collective kind's model
+    ``links[kind]`` times slower (the measured speeds; :func:`hapnb.run.linkfit.scaled_links`)."""
     from ..plans.explain import faster
+    from .linkfit import scaled_links
 
     if len(scale) != cluster.n:
         raise ValueError(f"measured_cluster: {len(scale)} scales for {cluster.n} devices")
@@ -229,7 +257,10 @@ def measured_cluster(cluster: Any, scale: Sequence[float]) -> Any:
             raise ValueError(f"measured_cluster: device {d.name} has scale {s!r}; need a positive number")
         if s != 1.0:
             out = faster(out, device=d.name, factor=1.0 / s)
-    return out.replace(name=f"{cluster.name} (measured)")
+    if links:
+        out = scaled_links(out, links)
+    name = cluster.name if cluster.name.endswith("(measured)") else f"{cluster.name} (measured)"
+    return out.replace(name=name)
 
 
 def rebalanced_plan(plan: Any, theory: Any, cluster: Any) -> Any:
@@ -250,8 +281,12 @@ def rebalanced_plan(plan: Any, theory: Any, cluster: Any) -> Any:
 class Proposal:
     """A re-balance considered at ``step``: ``accepted`` or not and why (``reason``), the ratios before
     and after, the predicted step time (measured seconds) before and after, the saving per step
-    (``predicted_gain``, seconds), the estimated reshard time and the steps it needs to pay back.
-    ``plan`` is the new plan (None when rejected)."""
+    (``predicted_gain``, seconds), the estimated reshard time and the steps it needs to pay back, for the
+    option taken (or, when none is, the same program at new ratios). ``program_changed``: the option taken
+    is another program (the planner's on the measured cluster); ``link_scale`` / ``link_spread``: the
+    fitted collective kinds (:mod:`hapnb.run.linkfit`); ``options``: both options considered (same
+    program at new ratios, the planner's program), each with its prediction and verdict; ``replan_s``:
+    seconds the planner took. ``plan`` is the new plan (None when rejected)."""
 
     step: int
     accepted: bool
@@ -264,13 +299,78 @@ class Proposal:
     reshard_s_estimate: float
     payback_steps: float
     scale: tuple[float, ...] = ()
+    program_changed: bool = False
+    link_scale: Mapping[str, float] = field(default_factory=dict)
+    link_spread: Mapping[str, float] = field(default_factory=dict)
+    options: tuple[Mapping[str, Any], ...] = ()
+    replan_s: float = 0.0
     plan: Any = field(default=None, compare=False, repr=False)
 
     def record(self) -> dict[str, Any]:
         """The JSON record (no plan)."""
         d = dataclasses.asdict(dataclasses.replace(self, plan=None))
         d.pop("plan")
+        d["link_scale"], d["link_spread"] = dict(self.link_scale), dict(self.link_spread)
+        d["options"] = [dict(o) for o in self.options]
         return d
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to re-balance: a plan, its predicted step time (measured seconds), the reshard estimate."""
+
+    plan: Any
+    program: bool
+    predicted_step_s: float
+    reshard_s: float
+
+
+def _simulated_s(plan: Any) -> float:
+    """The overlap simulation's iteration time of ``plan`` (what the planner picks programs by)."""
+    from ..plans.simulation import iteration_time
+
+    return plan.simulated_s if plan.simulated_s is not None else iteration_time(plan)
+
+
+def _program_key(plan: Any) -> tuple[tuple[str, ...], ...]:
+    """What makes a program (the instructions without lengths or costs): equal keys, same program."""
+    return tuple((i.kind, i.name, i.tensor, i.src, i.form, i.op) for i in plan.program)
+
+
+def _verdict(
+    o: _Option, step_s: float, options: RebalanceOptions, horizon: int
+) -> tuple[bool, str, float, float]:
+    """``(accepted, why, gain, payback steps)`` of one option."""
+    gain = step_s - o.predicted_step_s
+    payback = o.reshard_s / gain if gain > 0 else math.inf
+    if gain <= options.min_gain * step_s:
+        return (
+            False,
+            f"predicted saving {gain * 1e3:.3g} ms/step is under {options.min_gain:.0%}",
+            gain,
+            payback,
+        )
+    if payback > horizon:
+        return (
+            False,
+            f"the reshard (~{o.reshard_s:.3g} s) would pay back in {payback:.1f} steps > {horizon}",
+            gain,
+            payback,
+        )
+    return True, f"pays back in {payback:.1f} steps (<= {horizon})", gain, payback
+
+
+def _trigger(
+    plan: Any, fit: SpeedFit, stragglers: Sequence[int], slow_links: Sequence[str], links: Any
+) -> str:
+    names = [d.name for d in plan.cluster.devices]
+    who = ", ".join(f"{names[i]} (rank {i}) at {fit.scale[i]:.2f}x the plan's time" for i in stragglers)
+    parts = [f"straggler: {who}"] if who else []
+    if slow_links and links is not None:
+        parts.append(
+            "link: " + ", ".join(f"{k} at {links.scale_of(k):.2f}x the plan's time" for k in slow_links)
+        )
+    return "; ".join(parts) or "straggler: speeds departed"
 
 
 def propose(
@@ -284,48 +384,81 @@ def propose(
     steps_left: int,
     stragglers: Sequence[int] = (),
     codegen_s: Callable[[Any], float] | float = 0.0,
+    links: Any = None,
+    slow_links: Sequence[str] = (),
+    replan: Callable[[Any], Any] | None = None,
 ) -> Proposal:
-    """Re-solve ``plan``'s ratios for the fitted speeds and decide (see the module docstring).
+    """Re-solve ``plan`` for the fitted speeds and decide (see the module docstring).
 
     ``window``: per-rank medians over the telemetry window, keys ``compute_s`` and ``step_s`` (each a
-    sequence over devices) and optionally ``optimizer_s`` (the part of the compute that does not scale); ``codegen_s``: seconds to generate a rank program, or a function timing it for
-    the new plan."""
-    names = [d.name for d in plan.cluster.devices]
+    sequence over devices) and optionally ``optimizer_s`` (the part of the compute that does not scale);
+    ``codegen_s``: seconds to generate a rank program, or a function timing it for the new plan;
+    ``links``: the link fit (:class:`hapnb.run.linkfit.LinkFit`, its scales go into the measured cluster)
+    and ``slow_links`` the kinds that departed; ``replan``: the planner on a cluster (``cluster -> Plan``,
+    e.g. ``lambda c: plan.replan(cluster=c)``), whose program is the second option."""
     comp = [float(x) for x in window["compute_s"]]
     fixed = [c - v for c, v in zip(comp, variable(window))]
     step_s = max(float(x) for x in window["step_s"])
     overhead = max(0.0, step_s - max(comp))
-    new = rebalanced_plan(plan, theory, measured_cluster(plan.cluster, fit.scale))
-    new_comp = predicted_compute(new)
-    predicted_step_s = overhead + max(f + c * fit.k_ref for f, c in zip(fixed, new_comp))
-    gain = step_s - predicted_step_s
-    gen_s = codegen_s(new) if callable(codegen_s) else float(codegen_s)
-    reshard_s = gen_s + 3 * step_s
-    payback = reshard_s / gain if gain > 0 else math.inf
-    who = ", ".join(f"{names[i]} (rank {i}) at {fit.scale[i]:.2f}x the plan's time" for i in stragglers)
+    measured = measured_cluster(plan.cluster, fit.scale, links.links() if links is not None else None)
+    new = rebalanced_plan(plan, theory, measured)
+    predicted = overhead + max(f + c * fit.k_ref for f, c in zip(fixed, predicted_compute(new)))
+    gen = (lambda p: codegen_s(p)) if callable(codegen_s) else (lambda p: float(codegen_s))
+    # a re-cut: program generation + the full-state gathers (<= 3 steps' worth of all-reduces)
+    opts = [_Option(new, False, predicted, gen(new) + 3 * step_s)]
+    replan_s = 0.0
+    if replan is not None:
+        t0 = time.perf_counter()
+        other = replan(measured)
+        replan_s = time.perf_counter() - t0
+        if _program_key(other) != _program_key(plan):
+            # the difference the planner ranks programs by (the overlap simulation's iteration time)
+            # between the two programs, both on the measured cluster, in measured seconds
+            p_s = predicted + (_simulated_s(other) - _simulated_s(new)) * fit.k_ref
+            # another program: as a re-cut, plus its first step (new buckets, caches, allocations)
+            opts.append(_Option(other, True, p_s, gen(other) + 4 * step_s))
     horizon = min(options.payback_steps, steps_left)
-    if gain <= options.min_gain * step_s:
-        verdict, why = False, f"predicted saving {gain * 1e3:.3g} ms/step is under {options.min_gain:.0%}"
-    elif payback > horizon:
-        verdict, why = (
-            False,
-            f"the reshard (~{reshard_s:.3g} s) would pay back in {payback:.1f} steps > {horizon}",
+    verdicts = [_verdict(o, step_s, options, horizon) for o in opts]
+    ok = [i for i, v in enumerate(verdicts) if v[0]]
+    # the option that saves the most over the horizon, net of its reshard
+    pick = max(ok, key=lambda i: verdicts[i][2] * horizon - opts[i].reshard_s) if ok else 0
+    o, (verdict, why, gain, payback) = opts[pick], verdicts[pick]
+    if len(opts) > 1:
+        why += (
+            "; "
+            + ("a new program" if o.program else "the same program at new ratios")
+            + (" (the other option: " + verdicts[1 - pick][1] + ")")
         )
-    else:
-        verdict, why = True, f"pays back in {payback:.1f} steps (<= {horizon})"
+    lrec = links.record() if links is not None else {}
     return Proposal(
         step=step,
         accepted=verdict,
-        reason=f"straggler: {who or 'speeds departed'}; {why}",
+        reason=f"{_trigger(plan, fit, stragglers, slow_links, links)}; {why}",
         old_ratios=tuple(tuple(r) for r in plan.ratios),
-        new_ratios=tuple(tuple(r) for r in new.ratios),
+        new_ratios=tuple(tuple(r) for r in o.plan.ratios),
         step_s=step_s,
-        predicted_step_s=predicted_step_s,
+        predicted_step_s=o.predicted_step_s,
         predicted_gain=gain,
-        reshard_s_estimate=reshard_s,
+        reshard_s_estimate=o.reshard_s,
         payback_steps=payback,
         scale=fit.scale,
-        plan=new if verdict else None,
+        program_changed=o.program,
+        link_scale=lrec.get("link_scale", {}),
+        link_spread=lrec.get("link_spread", {}),
+        options=tuple(
+            {
+                "program_changed": x.program,
+                "predicted_step_s": x.predicted_step_s,
+                "predicted_gain": v[2],
+                "reshard_s_estimate": x.reshard_s,
+                "payback_steps": v[3],
+                "accepted": v[0],
+                "reason": v[1],
+            }
+            for x, v in zip(opts, verdicts)
+        ),  # fmt: skip
+        replan_s=replan_s,
+        plan=o.plan if verdict else None,
     )
 
 

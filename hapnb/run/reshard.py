@@ -2,10 +2,11 @@
 
 :class:`Trainer` holds what one rank trains with (program, module, optimizer, local batch, gradient
 buckets); :class:`LiveRebalancer` is called at the end of every step. Every ``every`` steps it gathers the
-window's telemetry (:mod:`hapnb.run.telemetry`), fits the devices' speeds and counts departures
-(:mod:`hapnb.run.rebalance`); every rank computes the same fit from the same gathered table. When a
-straggler is detected, rank 0 re-solves the ratios and decides, broadcasts the verdict (and the new plan's
-JSON) to every rank, and every rank then reshards at this step boundary:
+window's telemetry (:mod:`hapnb.run.telemetry`), fits the devices' and links' speeds and counts departures
+(:mod:`hapnb.run.rebalance`, :mod:`hapnb.run.linkfit`); every rank computes the same fit from the same
+gathered table. When a straggler or a slow link is detected, rank 0 re-solves the ratios (and re-plans the
+program) and decides, broadcasts the verdict (and the new plan's JSON) to every rank, and every rank then
+reshards at this step boundary:
 
 1. every parameter and buffer, and every optimizer state tensor shaped like its parameter (Adam's moments,
    SGD's momentum), is all-gathered to its full tensor with the uneven collectives
@@ -13,7 +14,12 @@ JSON) to every rank, and every rank then reshards at this step boundary:
 2. this rank's program for the new plan is generated (:func:`hapnb.runtime.codegen.generate`);
 3. its weights, its optimizer state and its share of the global batch are sliced from the full tensors.
 
-The global batch is unchanged, only its split, so the training math is the same. The rank prints a
+The new plan may be another program (:func:`hapnb.run.rebalance.propose`'s second option: the planner's on
+the measured cluster), with other forms for the same parameters (replicated in one, sharded in the other):
+the same three steps move it, since the full tensors are named by the model and step 3 slices them by the
+new program's forms; the gradient buckets are rebuilt for the new program's replicated parameters. Rank 0
+makes the decision (the ratio LP and the planner run there once) and broadcasts it, so every rank takes the
+same one. The global batch is unchanged, only its split, so the training math is the same. The rank prints a
 ``reshard`` phase heartbeat first: a rank that dies while resharding is named by the supervisor's error as
 failing during the reshard.
 """
@@ -26,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .linkfit import LinkDetector, fit_links
 from .rebalance import Detector, RebalanceOptions, fit_speeds, pool, predicted_compute, propose, variable
 from .telemetry import CollectiveClock, Window, table
 
@@ -58,7 +65,8 @@ def _full(t: Any, lp: Any) -> Any:
     x = t.detach()
     if not lp.sharded:
         return x.clone()
-    return C.all_gather(x.contiguous(), lp.dim, lp.lengths).detach()
+    where = f"the live reshard (the all-gather of {lp.name} to its full tensor)"
+    return C.all_gather(x.contiguous(), lp.dim, lp.lengths, where=where).detach()
 
 
 def full_state(prog: Any, module: Any, opt: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -165,6 +173,9 @@ class LiveRebalancer:
         self.clock = CollectiveClock(slowdown)
         self.window = Window()
         self.detector = Detector(options)
+        self.links = LinkDetector(options.threshold, options.patience)
+        self._links0 = self.clock.link_totals()  # the per-kind totals at the last step's end
+        self._planner: Any = None
         self.done = 0  # accepted re-balances
         self.last: Any = None  # the last accepted proposal
         self.recent: list[dict[str, list[float]]] = []  # the last `patience` window tables
@@ -180,6 +191,9 @@ class LiveRebalancer:
     def end_step(self, step: int, steps: int, m: Mapping[str, Any], trainer: Trainer) -> Trainer:
         """Account step ``step`` (its metrics ``m``); at a window's end, gather, fit and maybe reshard.
         Returns the trainer to go on with (a new one after a reshard)."""
+        now = self.clock.link_totals()
+        links = {k: tuple(a - b for a, b in zip(v, self._links0[k])) for k, v in now.items()}
+        self._links0 = now
         if step >= self.options.warmup:
             self.window.add(
                 compute_s=m["compute_s"],
@@ -187,28 +201,37 @@ class LiveRebalancer:
                 step_s=m["step_s"],
                 memory=m["max_memory_bytes"],
                 optimizer_s=m.get("optimizer_s", 0.0),
+                links=links,
             )
         if len(self.window) < self.options.every or step == steps - 1:
             return trainer
         tab = table(self.window.gather(self.compile_s, self.device, self.clock))
-        fit = fit_speeds(variable(tab), predicted_compute(trainer.plan), tab["compute_rsd"])
+        fit, lfit = self._fit(trainer, tab)
         if self.rank == 0:
             self.emit(
-                {"rank": 0, "event": "telemetry", "step": step, "window": tab, "scale": list(fit.scale)}
-            )
+                {"rank": 0, "event": "telemetry", "step": step, "window": tab, "scale": list(fit.scale),
+                 **lfit.record()}
+            )  # fmt: skip
         self.recent = (
             [*self.recent[-self.options.patience + 1 :], tab] if self.options.patience > 1 else [tab]
         )
         stragglers = self.detector.update(fit)
+        slow_links = self.links.update(lfit) if self.options.links else ()
         if not (
-            self.enabled and stragglers and self.done < self.options.max_rebalances and self._trusted(tab)
+            self.enabled
+            and (stragglers or slow_links)
+            and self.done < self.options.max_rebalances
+            and self._trusted(tab)
         ):
             return trainer
         self.detector.reset()
         # decide on the windows that made the straggler (less noise than the last one alone)
         tab = pool(self.recent[-self.options.patience :])
-        fit = fit_speeds(variable(tab), predicted_compute(trainer.plan), tab["compute_rsd"])
-        verdict = self._decide(trainer, fit, tab, step, steps, stragglers)
+        fit, lfit = self._fit(trainer, tab)
+        verdict = self._decide(trainer, fit, lfit, tab, step, steps, stragglers, slow_links)
+        # the links as measured are the reference from now on: the new plan's model, or (rejected) what
+        # re-planning was already asked about
+        self.links.reset(None if verdict is not None else lfit.links())
         if verdict is None:
             return trainer
         record, plan_json = verdict
@@ -218,9 +241,15 @@ class LiveRebalancer:
         self.done += 1
         self.last = record
         self.recent = []  # windows at the old ratios say nothing of the new plan
+        self._links0 = self.clock.link_totals()  # the reshard's gathers are no step's
         if self.rank == 0:
             self.emit({"rank": 0, "event": "rebalance", "rebalance": record})
         return new
+
+    def _fit(self, trainer: Trainer, tab: Mapping[str, Any]) -> tuple[Any, Any]:
+        """The devices' and the links' fits of a window table against ``trainer``'s plan."""
+        fit = fit_speeds(variable(tab), predicted_compute(trainer.plan), tab["compute_rsd"])
+        return fit, fit_links(tab, trainer.plan.cluster, fit.k_ref)
 
     def _trusted(self, tab: Mapping[str, Any]) -> bool:
         """After a re-balance, another only when the last one's prediction held (module doc of
@@ -231,9 +260,19 @@ class LiveRebalancer:
         return abs(measured / self.last["predicted_step_s"] - 1.0) <= self.options.trust
 
     def _decide(
-        self, trainer: Trainer, fit: Any, tab: Any, step: int, steps: int, stragglers: tuple[int, ...]
+        self,
+        trainer: Trainer,
+        fit: Any,
+        lfit: Any,
+        tab: Any,
+        step: int,
+        steps: int,
+        stragglers: tuple[int, ...],
+        slow_links: tuple[str, ...],
     ) -> tuple[dict[str, Any], str] | None:
-        """Rank 0 proposes; every rank gets its verdict: ``(record, plan JSON)`` when accepted, else None."""
+        """Rank 0 proposes (the ratio LP, and the planner on the measured cluster); every rank gets its
+        verdict: ``(record, plan JSON)`` when accepted, else None. One decision, made once and broadcast, so
+        every rank takes the same."""
         import torch.distributed as dist
 
         payload: list[Any] = [None]
@@ -246,6 +285,8 @@ class LiveRebalancer:
                 p = propose(
                     trainer.plan, self._theory, fit, tab, self.options,
                     step=step, steps_left=steps - 1 - step, stragglers=stragglers, codegen_s=self._codegen_s,
+                    links=lfit if self.options.links else None, slow_links=slow_links,
+                    replan=(lambda c: self._replan(trainer.plan, c)) if self.options.program else None,
                 )  # fmt: skip
                 rec = p.record()
                 payload = [(rec, json.dumps(p.plan.to_json()) if p.accepted else None)]
@@ -257,6 +298,17 @@ class LiveRebalancer:
             dist.broadcast_object_list(payload, src=0)
         rec, plan_json = payload[0]
         return (rec, plan_json) if plan_json is not None else None
+
+    def _replan(self, plan: Any, cluster: Any) -> Any:
+        """The planner's plan for the model on ``cluster`` (the measured one), with ``plan``'s pins and
+        ratio pins: what a fresh ``hapnb.synthesize`` makes there (deterministic)."""
+        import dataclasses
+
+        from ..plans.planner import Planner
+
+        if self._planner is None:
+            self._planner = Planner.for_plan(dataclasses.replace(plan, graph=self.graph))
+        return self._planner.replan(plan, cluster=cluster)
 
     def _codegen_s(self, plan: Any) -> float:
         """Seconds to generate this rank's program for ``plan`` (part of the reshard estimate)."""
