@@ -26,7 +26,9 @@ Views listen: ``s.subscribe(fn)`` calls ``fn(change)`` with a :class:`Change` af
 session's state (``kind`` one of :data:`CHANGES`: the search cursor moved, a new plan, pins, ratios,
 the draft or the applied cluster changed, a verify report or the launch moved on), before long work
 (``"busy"``, with a line to show) and as it progresses (``"progress"``, when no ``progress`` callback is
-given). The Explorer is such a view.
+given; a launch followed with :meth:`Session.follow` reports each telemetry window so), and when a launched
+job decided on a live re-balance (``"rebalance"``, the decision in ``change.rebalance``). The Explorer is
+such a view.
 
 >>> seen = []
 >>> unsubscribe = s.subscribe(lambda change: seen.append(change.kind))
@@ -66,9 +68,10 @@ __all__ = ["Session", "Progress", "Change", "CHANGES", "UnknownPinError", "AUTO"
 
 #: what a :class:`Change` says happened: the search cursor moved (``search``), a new current plan
 #: (``plan``), the pins / the ratio values or locks / the draft cluster / the applied cluster changed,
-#: a verify report (``verify``), the launch moved on (``job``); long work is starting (``busy``) or
-#: progressing (``progress``)
-CHANGES = ("search", "plan", "pins", "ratios", "draft", "cluster", "verify", "job", "busy", "progress")
+#: a verify report (``verify``), the launch moved on (``job``) or decided on a live re-balance (``rebalance``);
+#: long work is starting (``busy``) or progressing (``progress``)
+CHANGES = ("search", "plan", "pins", "ratios", "draft", "cluster", "verify", "job", "rebalance", "busy",
+           "progress")  # fmt: skip
 """The pin value that means "no pin: the search chooses"."""
 
 
@@ -96,11 +99,14 @@ ProgressFn = Callable[[Progress], None]
 @dataclass(frozen=True)
 class Change:
     """What changed in a :class:`Session` (``kind``, one of :data:`CHANGES`); ``progress`` for
-    ``"progress"``, ``text`` (a line to show) for ``"busy"``."""
+    ``"progress"``, ``text`` (a line to show) for ``"busy"`` and ``"rebalance"``; ``rebalance`` for
+    ``"rebalance"``: the decision's record (accepted or not, ``reason``, ``old_ratios``, ``new_ratios``,
+    ``predicted_gain``, ...: :meth:`hapnb.run.rebalance.Proposal.record`)."""
 
     kind: str
     progress: Progress | None = None
     text: str = ""
+    rebalance: Mapping[str, Any] | None = None
 
 
 # ============================================================================================ session
@@ -275,8 +281,10 @@ class Session:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
-    def _emit(self, kind: str, progress: Progress | None = None, text: str = "") -> None:
-        change = Change(kind, progress, text)
+    def _emit(
+        self, kind: str, progress: Progress | None = None, text: str = "", rebalance: Any = None
+    ) -> None:
+        change = Change(kind, progress, text, rebalance)
         for listener in list(self._listeners):
             listener(change)
 
@@ -672,13 +680,26 @@ class Session:
         """The last launched job (running or ended)."""
         return self._job
 
-    def launch(self, nproc: int | None = None, steps: int = 10, backend: str = "gloo", **options: Any) -> Job:
+    def launch(
+        self,
+        nproc: int | None = None,
+        steps: int = 10,
+        backend: str = "gloo",
+        *,
+        rebalance: bool | Mapping[str, Any] = False,
+        slowdown: Mapping[int, float] | None = None,
+        **options: Any,
+    ) -> Job:
         """Launch the current plan (:func:`hapnb.run.launch.launch`) and return the running job; follow
-        it with :meth:`poll` or :meth:`follow`, end it with :meth:`stop`."""
+        it with :meth:`poll` or :meth:`follow`, end it with :meth:`stop`. ``rebalance=True`` (or a mapping
+        of :class:`hapnb.run.rebalance.RebalanceOptions` fields) re-balances the ratios live when a rank
+        straggles; ``slowdown={rank: factor}`` makes a rank that many times slower (a straggler for a
+        demo); other ``options`` (``telemetry``, ``dtype``, ``timeout_s``, ...) go to the launch."""
         from .run.launch import launch
 
         if self._job is not None and self._job.running:
             raise RuntimeError("a launch is still running: stop it first (stop())")
+        options.update(rebalance=rebalance, slowdown=slowdown)
         job = launch(self.plan, nproc=nproc, backend=backend, steps=steps, **options)
         self._job, self._job_plan, self._job_steps = job, self.plan, steps
         self._emit("job")
@@ -688,6 +709,11 @@ class Session:
     def metrics(self) -> list[dict[str, Any]]:
         """The launch's metrics lines so far (one dict per rank and step)."""
         return self._job.steps if self._job is not None else []
+
+    @property
+    def rebalances(self) -> list[dict[str, Any]]:
+        """The launch's re-balance decisions so far (accepted or declined, in order; see :class:`Change`)."""
+        return [dict(m["rebalance"]) for m in self.metrics if m.get("event") == "rebalance"]
 
     @property
     def measured(self) -> list[float]:
@@ -714,12 +740,19 @@ class Session:
     ) -> JobResult:
         """Block until the launch ends, calling ``on_update`` with a :class:`JobState` (and the listeners
         with a ``"job"`` change) as metrics arrive (at most every ``interval_s``, and once at the end);
-        returns the job's result."""
+        returns the job's result. The listeners also get a ``"progress"`` change per telemetry window and a
+        ``"rebalance"`` change per re-balance decision, as they arrive."""
         job = self._job
         if job is None:
             raise RuntimeError("nothing launched yet: launch() first")
         last = 0.0
-        for _ in job.metrics():
+        for m in job.metrics():
+            if m.get("event") == "telemetry":
+                self._emit(
+                    "progress", Progress(int(m["step"]) + 1, self._job_steps, display.telemetry_text(m))
+                )
+            elif m.get("event") == "rebalance":
+                self._emit("rebalance", text=display.rebalance_text(m["rebalance"]), rebalance=m["rebalance"])
             now = time.monotonic()
             if now - last >= interval_s:
                 last = now

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import synthetic  # noqa: E402
+from replay import DECISION, REPLAY, ReplayJob  # noqa: E402
 
 from hapnb.hardware.cluster import Cluster  # noqa: E402
 from hapnb.ir.forms import FullShard  # noqa: E402
@@ -305,3 +306,39 @@ def test_job_state_of_a_real_launch(tiny):
     stopped = tiny.stop()
     assert stopped is not None and not stopped.ok and not tiny.poll().running
     assert tiny.poll().result is stopped
+
+
+# ------------------------------------------------------------------------------ live re-balancing (no processes)
+def test_launch_passes_rebalancing_through_and_follow_reports_windows_and_decisions(s, monkeypatch):
+    import hapnb.run.launch as launch_module
+    from hapnb import display
+
+    calls = []
+
+    def fake_launch(plan, **kw):
+        calls.append((plan, kw))
+        return ReplayJob(REPLAY)
+
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    s.launch(nproc=2, steps=3)  # defaults: no re-balancing, no straggler
+    assert calls[-1][1]["rebalance"] is False and calls[-1][1]["slowdown"] is None
+    s.follow()
+    changes = []
+    s.subscribe(changes.append)
+    job = s.launch(nproc=2, steps=3, rebalance={"every": 1}, slowdown={1: 3.0}, dtype="float64")
+    plan, kw = calls[-1]
+    assert plan is s.plan and s.job is job
+    assert kw == dict(
+        nproc=2, backend="gloo", steps=3, rebalance={"every": 1}, slowdown={1: 3.0}, dtype="float64"
+    )
+    assert s.rebalances == []  # nothing arrived yet
+    result = s.follow(interval_s=1e9)
+    assert result.ok and s.rebalances == [DECISION]
+    kinds = [c.kind for c in changes]
+    assert kinds[0] == "job" and kinds[-1] == "job"
+    (window,) = [c for c in changes if c.kind == "progress"]
+    assert window.progress == Progress(2, 3, display.telemetry_text(REPLAY[4]))  # step 1 of 3 done
+    (decided,) = [c for c in changes if c.kind == "rebalance"]
+    assert decided.rebalance == DECISION and decided.text == display.rebalance_text(DECISION)
+    assert "ratios 0.500/0.500 -> 0.800/0.200" in decided.text
+    assert kinds.index("progress") < kinds.index("rebalance")  # in the order the job printed them

@@ -36,7 +36,10 @@ Tabs
   the ratio LP's duals; computed when the tab is shown), and "What if?": one such change re-planned,
   its cost next to the duals' prediction.
 * **Launch**: Verify (``hapnb.run.verify.verify``) and Launch (``hapnb.run.launch.launch``) with
-  per-step time and loss streamed into a table.
+  per-step time and loss streamed into a table; "re-balance live" lets the job move work off a straggler
+  (``rebalance=True``) and "straggler" slows one rank down for a demo (``slowdown={rank: factor}``); a live
+  chart shows each rank's step time, compute and time blocked in collectives per step, with the re-balances
+  marked (:mod:`hapnb.widgets.launch_panel`).
 
 State for scripts and tests lives in ``ex.session``; the panel subscribes to its change events
 (:meth:`hapnb.session.Session.subscribe`) and re-renders the part that changed, whoever changed it: a button,
@@ -63,14 +66,15 @@ from hapnb.hardware.cluster import PRESETS, Cluster
 from hapnb.ir.forms import Form
 from hapnb.plans.explain import INTRA_MACHINE
 from hapnb.plans.plan import Plan
-from hapnb.run.launch import JobState
 from hapnb.session import AUTO, Change, Progress, Session
+
+from .launch_panel import LaunchPanel
 
 __all__ = ["Explorer", "SESSION_STATE", "SESSION_VERBS"]
 
 #: the session's state the panel shows, readable on the Explorer by name (``ex.plan`` is ``ex.session.plan``)
 SESSION_STATE = ("search", "plan", "previous_plan", "plans", "event", "current", "pins", "ratio_locks",
-                 "cluster", "metrics", "measured", "theory", "graph")  # fmt: skip
+                 "cluster", "metrics", "measured", "rebalances", "theory", "graph")  # fmt: skip
 #: the session's verbs, callable on the Explorer by name (``ex.step()`` is ``ex.session.step()``); the
 #: panel follows every change through the session's change events, whoever made it
 SESSION_VERBS = ("step", "step_n", "run_to_complete", "run", "reset", "select", "use_best", "enabled", "set_pin",
@@ -132,6 +136,7 @@ class Explorer:
         self.last_error: BaseException | None = None
         self._syncing = False
         self._launch_thread: threading.Thread | None = None
+        self.launch_panel = LaunchPanel(self)
         self.buttons: dict[str, W.Button] = {}
         self.controls: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
@@ -172,12 +177,9 @@ class Explorer:
                     self._refresh_status()
             elif kind == "progress" and change.progress is not None:
                 self._progress(change.progress)
-            elif kind == "verify":
-                self._show_verify(self.session.verify_report)
-            elif kind == "job":
-                state = self.session.poll()
-                self._show_job(state)
-                if state.result is not None:
+            elif kind in ("verify", "job", "rebalance"):
+                self.launch_panel.on_change(change)
+                if kind == "job" and self.session.poll().result is not None:
                     self._refresh_plan()  # the measured overlay
         except Exception as e:  # noqa: BLE001 - a view never breaks the session's verb; shown in the panel
             self._error(e)
@@ -248,32 +250,26 @@ class Explorer:
         self._refresh_triples()
         return self.outputs["triples"].value
 
-    # ============================================================================ verify and launch
-    def _show_verify(self, report: Any) -> None:
-        self._launch_status(display.verify_status_html(report))
-
-    def launch(self, nproc: int | None = None, steps: int | None = None, *, wait: bool = True) -> Any:
-        """Launch the plan and stream per-step time and loss into the panel; returns the job.
-
-        ``wait=False`` follows the job in a background thread (the Launch button does this).
-        """
-        nproc = int(self.controls["nproc"].value if nproc is None else nproc)
-        steps = int(self.controls["steps"].value if steps is None else steps)
-        backend = self.controls["backend"].value
-        self._launch_status(html.escape(f"launching {nproc} ranks, {steps} steps ({backend})..."))
-        job = self.session.launch(nproc=nproc, steps=steps, backend=backend)
-        if wait:
-            self.session.follow()
-        else:
-            self._launch_thread = threading.Thread(target=self._follow_guarded, daemon=True)
-            self._launch_thread.start()
-        return job
-
-    def _follow_guarded(self) -> None:
-        try:
-            self.session.follow()
-        except Exception as e:  # noqa: BLE001 - shown in the panel (a thread cannot raise to the cell)
-            self._error(e)
+    # ============================================================================ launch
+    def launch(
+        self,
+        nproc: int | None = None,
+        steps: int | None = None,
+        *,
+        wait: bool = True,
+        rebalance: bool | Mapping[str, Any] | None = None,
+        slowdown: Mapping[int, float] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Launch the plan and stream per-step time and loss, and the live chart, into the panel; returns
+        the job. Every ``None`` argument comes from the Launch tab's controls: ``rebalance`` (re-balance
+        the ratios live when a rank straggles, ``True`` or :class:`hapnb.run.rebalance.RebalanceOptions`
+        fields), ``slowdown`` (``{rank: factor}``: a straggler for a demo). Other ``options`` go to
+        :meth:`hapnb.session.Session.launch` (``dtype``, ``timeout_s``, ...). ``wait=False`` follows the job
+        in a background thread (the Launch button does this)."""
+        return self.launch_panel.launch(
+            nproc, steps, wait=wait, rebalance=rebalance, slowdown=slowdown, **options
+        )
 
     # ============================================================================ building
     def _button(self, key: str, description: str, handler: Callable[[], Any], **kw: Any) -> W.Button:
@@ -325,7 +321,7 @@ class Explorer:
             ("Pins", self._build_pins()),
             ("Plan", self._build_plan()),
             ("Cluster", self._build_cluster()),
-            ("Launch", self._build_launch()),
+            ("Launch", self.launch_panel.build()),
         ]
         tab = W.Tab(children=[w for _, w in tabs])
         for i, (t, _) in enumerate(tabs):
@@ -587,46 +583,6 @@ class Explorer:
         self.outputs["cluster_fields"].children = rows
         self._field_names = (cl.names, tuple(k for k, _ in cl.collectives))
 
-    def _build_launch(self) -> W.Widget:
-        c = self.controls
-        self._nproc_cluster = self.cluster
-        c["nproc"] = W.BoundedIntText(
-            value=self.cluster.gpus, min=1, max=4096, description="nproc", layout=W.Layout(width="150px")
-        )
-        c["steps"] = W.BoundedIntText(
-            value=10, min=1, max=10**6, description="steps", layout=W.Layout(width="150px")
-        )
-        c["backend"] = W.Dropdown(
-            options=["gloo", "nccl"], value="gloo", description="backend", layout=W.Layout(width="200px")
-        )
-        self.outputs["launch_status"] = _html()
-        self.outputs["metrics"] = _html()
-        return W.VBox(
-            [
-                W.HBox(
-                    [
-                        c["nproc"],
-                        c["steps"],
-                        c["backend"],
-                        self._button(
-                            "verify",
-                            "Verify",
-                            lambda: self.session.verify(nproc=int(c["nproc"].value)),
-                            icon="check-circle",
-                        ),
-                        self._button("launch", "Launch", lambda: self.launch(wait=False), icon="rocket"),
-                        self._button("stop", "Stop", lambda: self.session.stop(), icon="stop"),
-                    ],
-                    layout=W.Layout(flex_flow="row wrap"),
-                ),  # fmt: skip
-                self.outputs["launch_status"],
-                self.outputs["metrics"],
-            ]
-        )
-
-    def _launch_status(self, markup: str) -> None:
-        self.outputs["launch_status"].value = markup
-
     # ============================================================================ syncing controls
     def _sync(self, widget: Any, value: Any) -> None:
         """Set a control to the session's value without firing its observer."""
@@ -702,7 +658,7 @@ class Explorer:
         if self._nproc_cluster != self.cluster:  # one rank per GPU of the applied cluster
             self._nproc_cluster = self.cluster
             self._sync(self.controls["nproc"], self.cluster.gpus)
-        self._show_job(self.session.poll())
+        self.launch_panel.show_job(self.session.poll())
 
     def _refresh_sensitivity(self) -> None:
         """The sensitivity of the current plan, computed when the Cluster tab is shown (it solves LPs)."""
@@ -771,18 +727,6 @@ class Explorer:
         if prev is not None:
             self.outputs["diff"].value = _scroll(display.safe_html(display.plan_diff_html, prev, p))
         self.outputs["gantt"].value = display.gantt_frame(self.plan, self.measured)
-
-    def _show_job(self, state: JobState) -> None:
-        """Render a launch snapshot: progress, the last metrics lines, predicted vs measured."""
-        self.outputs["metrics"].value = display.launch_html(state)
-        if not state.started:
-            return
-        bar = self.controls["progress"]
-        bar.max = max(state.steps, 1)
-        bar.value = min(len(state.step_times), bar.max)
-        if state.result is not None:
-            color = "#060" if state.result.ok else "#a00"
-            self._launch_status(f"<span style='color:{color}'>{html.escape(state.summary())}</span>")
 
     # ============================================================================ display
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ Modules: ``basics`` (escaping, tables, units, form notation), ``drawings`` (grap
 cluster, theory, search HTML), ``plans`` (plan HTML, diffs, sharding, static timeline), ``charts`` (bokeh
 Gantt), ``report`` (a whole page), ``tuning`` (what bounds the step, why not, what if), ``comparison``
 (a strategy comparison: table and chart), ``pipeline_views`` (a pipeline plan: stages on the cluster,
-its schedule's Gantt chart).
+its schedule's Gantt chart), ``live`` (a running job's telemetry and its live re-balances).
 
 Renderers (all accept the value as first argument):
 
@@ -23,7 +23,9 @@ HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kin
                         ``cluster_html``, ``gantt_svg`` (static timeline, no JavaScript),
                         ``report_html(plan, baselines=...)`` (a whole self-contained page),
                         ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.plans.explain's values),
-                        ``comparison_html`` (hapnb.compare), ``pipeline_html`` (a PipelinePlan)
+                        ``comparison_html`` (hapnb.compare), ``pipeline_html`` (a PipelinePlan),
+                        ``rebalance_html(metrics)`` (a job's re-balance decisions), ``live_frame(metrics)``
+                        (the live chart as an iframe for a widget)
 graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
                         depth=2, event=None)``, ``proof_dot(plan)``, ``pipeline_dot(pipeline_plan)``
                         (its stages on the cluster); ``svg(drawing)`` renders one to an SVG string
@@ -31,8 +33,12 @@ graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(searc
 bokeh                   ``gantt(plan, measured=None)`` (a figure), ``gantt_html(plan)`` (a standalone
                         page with inline BokehJS: no CDN, works offline), ``comparison_chart(cmp)``
                         (grouped bars per strategy), ``pipeline_gantt(timeline)`` (a pipeline's
-                        schedule)
-helpers                 ``enabled_triples(search, node)``: ids of the triples enabled at a search node
+                        schedule), ``live_chart(metrics, steps=None, baseline=None)`` (a job's step,
+                        compute and blocked time per rank and step, re-balances marked),
+                        ``live_chart_html(metrics)`` (its standalone page)
+helpers                 ``enabled_triples(search, node)``: ids of the triples enabled at a search node;
+                        ``rebalance_text(record)``, ``telemetry_text(line)``: a decision, a telemetry
+                        window in words
 ======================  =====================================================================
 
 A drawing returned without the ``dot`` program still displays in a notebook (as its dot source).
@@ -51,6 +57,7 @@ from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_u
 from .charts import gantt, gantt_frame, gantt_html
 from .comparison import comparison_chart, comparison_html
 from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
+from .live import live_chart, live_chart_html, live_frame, rebalance_html, rebalance_text, telemetry_text
 from .pipeline_views import pipeline_dot, pipeline_gantt, pipeline_html
 from .plans import forms_by_tensor, gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
 from .report import launch_html, report_html, verify_status_html
@@ -94,6 +101,12 @@ __all__ = [
     "pipeline_html",
     "pipeline_dot",
     "pipeline_gantt",
+    "live_chart",
+    "live_chart_html",
+    "live_frame",
+    "rebalance_html",
+    "rebalance_text",
+    "telemetry_text",
     "graph_dot",
     "search_tree_dot",
     "proof_dot",

@@ -105,13 +105,15 @@ def verify_status_html(report: Any) -> str:
 
 def launch_html(state: Any) -> str:
     """A launch snapshot (``hapnb.run.launch.JobState``): predicted vs measured step time and the last 30
-    metrics lines (rank, step, loss, step ms)."""
+    step lines (rank, step, loss, step ms; a live re-balancing job's telemetry and decision lines are shown
+    by :mod:`hapnb.display.live`)."""
     if not state.started:
         return "<div>no launch yet</div>"
+    steps = [m for m in state.metrics if "event" not in m]
     rows = "".join(
         f"<tr><td>{m.get('rank', '')}</td><td>{m.get('step', '')}</td><td>{_number(m.get('loss'))}</td>"
         f"<td>{_number(m.get('step_s'), 1e3)}</td></tr>"
-        for m in state.metrics[-30:]
+        for m in steps[-30:]
     )
     mean = state.mean_step_s
     return (

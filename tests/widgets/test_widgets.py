@@ -426,3 +426,44 @@ def test_every_control_calls_the_session_and_renders(ex, monkeypatch):
     calls.clear()
     b["stop"].click()  # nothing launched: harmless
     assert calls == ["stop"] and ex.last_error is None and "no launch yet" in ex.outputs["metrics"].value
+
+
+def test_launch_panel_passes_rebalancing_through_and_draws_the_live_chart(ex, monkeypatch):
+    """Re-balance and straggler controls reach the launch; the chart is redrawn at the decision and at the end
+    (a replayed job: no processes)."""
+    from replay import DECISION, REPLAY, ReplayJob
+
+    import hapnb.run.launch as launch_module
+    from hapnb import display
+
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda plan, **kw: calls.append(kw) or ReplayJob(REPLAY))
+    c, out = ex.controls, ex.outputs
+    assert [v for _, v in c["slow_rank"].options] == [-1, 0, 1, 2, 3]  # none, or one of the 4 ranks
+    c["slow_rank"].value = 3
+    c["nproc"].value = 2  # the straggler choice follows nproc (rank 3 is gone)
+    assert [v for _, v in c["slow_rank"].options] == [-1, 0, 1] and c["slow_rank"].value == -1
+    assert out["live_chart"].value == "" and not c["rebalance"].value
+    c["rebalance"].value, c["slow_rank"].value, c["slow_factor"].value, c["steps"].value = True, 1, 2.5, 3
+    charts = []
+    out["live_chart"].observe(lambda ch: charts.append(ch["new"]), names="value")
+    ex.launch_panel.chart_interval_s = 1e9  # while it runs: only the forced redraws
+    ex.buttons["launch"].click()
+    ex._launch_thread.join(60)
+    assert ex.last_error is None, ex.last_error
+    kw = calls[-1]
+    assert (kw["nproc"], kw["steps"], kw["rebalance"], kw["slowdown"]) == (2, 3, True, {1: 2.5})
+    # drawn when the job started, at the re-balance, and complete at the end
+    assert len(charts) == 3 and charts[0] == "<div>waiting for the first step...</div>"
+    assert all(ch.startswith("<iframe srcdoc=") and "after step 1: re-balanced" in ch for ch in charts[1:])
+    assert "2 ranks, step 2/3; 1 re-balance" in charts[1] and "2 ranks, step 3/3; 1 re-balance" in charts[2]
+    assert "<b>re-balanced</b>" in out["rebalances"].value and "0.800/0.200" in out["rebalances"].value
+    assert "launch finished" in out["launch_status"].value and ex.rebalances == [DECISION]
+    assert c["progress_label"].value == html_lib.escape(display.telemetry_text(REPLAY[4]))
+    # arguments given to Explorer.launch win over the controls
+    ex.launch(nproc=2, steps=3, rebalance=False, slowdown={}, dtype="float64")
+    kw = calls[-1]
+    assert (kw["rebalance"], kw["slowdown"], kw["dtype"]) == (False, None, "float64")
+    assert c["rebalance"].value and ex.launch_panel.slowdown() == {1: 2.5}
+    c["slow_factor"].value = 1.0
+    assert ex.launch_panel.slowdown() == {}  # 1x is no straggler
