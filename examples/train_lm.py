@@ -11,7 +11,7 @@ and the tokenizer is the identity on bytes (vocabulary 256).
 Plan the model (the factory :func:`lm` takes the options as ``--set``), then run the plan::
 
     hapnb plan --model examples.train_lm:lm --cluster 1xV100+2xP100 -o lm.json
-    hapnb launch lm.json --nproc 3 --worker examples/train_lm.py --steps 60
+    hapnb launch lm.json --nproc 3 --worker examples/train_lm.py --steps 60 -- --ckpt-dir ckpt --save-at 30
     torchrun --nproc-per-node 3 examples/train_lm.py lm.json --steps 60 --ckpt-dir ckpt --save-at 30
     hapnb plan --model examples.train_lm:lm --cluster 2xV100 -o lm2.json   # another cluster
     torchrun --nproc-per-node 2 examples/train_lm.py lm2.json --steps 60 --resume ckpt/step30
@@ -19,10 +19,11 @@ Plan the model (the factory :func:`lm` takes the options as ``--set``), then run
 
 Every rank prints one JSON line per optimizer step (``step``, its partial ``loss``, ``global_loss``,
 ``grad_norm``, ``lr``, ``step_s``): the distributed run's ``global_loss`` is the single-device run's.
-Under ``hapnb launch`` the worker gets ``BUNDLE --steps N --backend B`` and the launcher's runtime flags
-(ignored here); give this script's own options in the environment variable ``TRAIN_LM_ARGS``, e.g.
-``TRAIN_LM_ARGS="--ckpt-dir ckpt --save-at 30"``. The model options come from the plan's recorded
-factory options when it has them (``hapnb plan --model examples.train_lm:lm``), else from the flags.
+Under ``hapnb launch`` the script gets ``BUNDLE --steps N --backend B`` and the launcher's runtime flags
+(ignored here), then its own options: everything after ``--`` on the ``hapnb launch`` line. ``--timeout S``
+bounds every collective's wait (``hapnb.distribute(..., timeout=S)``): a rank whose peer stalled fails
+after S seconds with an error naming it and the instruction. The model options come from the plan's
+recorded factory options when it has them (``hapnb plan --model examples.train_lm:lm``), else from the flags.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import contextlib
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -152,12 +152,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="write checkpoints here (ckpt-dir/stepN)")
     p.add_argument("--save-at", type=int, action="append", default=[], help="checkpoint after this step")
     p.add_argument("--resume", default=None, help="a checkpoint folder to continue from (any plan's)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait for its peers")
     for k in MODEL_OPTIONS:
         p.add_argument(
             f"--{k}", type=int, default=None, help=f"model option {k} (default: the plan's, else lm()'s)"
         )
-    argv = list(sys.argv[1:] if argv is None else argv) + shlex.split(os.environ.get("TRAIN_LM_ARGS", ""))
-    ns, unknown = p.parse_known_args(argv)
+    ns, unknown = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     ns.ignored = unknown  # the launcher's runtime flags (--grad-sync, --device, ...)
     return ns
 
@@ -201,7 +201,7 @@ def run(argv: Sequence[str] | None = None, out: Any = sys.stdout) -> tuple[list[
     data = rows(corpus_text(ns.corpus), example[0].shape[1])
     batch = example[0].shape[0]
     if distributed:
-        target: nn.Module = hapnb.distribute(model, plan, example_inputs=example)
+        target: nn.Module = hapnb.distribute(model, plan, example_inputs=example, timeout=ns.timeout)
         sampler: Any = target.batch_sampler(len(data), seed=ns.seed, drop_last=True)
     else:
         target = model

@@ -248,7 +248,14 @@ def _run_commands(sub: Any) -> None:
 
     from .run.launch import BACKENDS
 
-    p = sub.add_parser("launch", help="launch a plan or bundle on local ranks (or print multi-node commands)")
+    p = sub.add_parser(
+        "launch",
+        help="launch a plan or bundle on local ranks (or print multi-node commands)",
+        usage="hapnb launch PLAN_OR_BUNDLE [options] [-- WORKER_ARGS ...]",
+        epilog="Everything after `--` is passed to the worker as it is, after hapnb's own arguments, e.g. "
+        "`hapnb launch lm.json --worker examples/train_lm.py -- --ckpt-dir ckpt --save-at 30`.",
+    )
+    p.set_defaults(worker_args=[])
     p.add_argument(
         "plan", metavar="PLAN_OR_BUNDLE", help="a plan JSON file (SPMD or pipeline) or a bundle directory"
     )
@@ -261,7 +268,13 @@ def _run_commands(sub: Any) -> None:
     p.add_argument("--print-commands", action="store_true", help="print one torchrun command per node")
     p.add_argument("--slurm", action="store_true", help="print an sbatch script (srun + torchrun)")
     p.add_argument("--bundle-dir", default=None, help="where to write the bundle of a plan JSON")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds the ranks may go without progress")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait for its peers (hapnb's workers then fail naming the rank and the "
+        "instruction) and the ranks may go without progress (default 300)",
+    )
     p.add_argument("--wall-timeout", type=float, default=None, help="limit on the whole run (s)")
     p.add_argument("--worker", default="hapnb.run.worker", help="worker module (or a .py file)")
     p.add_argument("--json", action="store_true", help="print raw JSON lines and a JSON summary")
@@ -367,8 +380,25 @@ COMMANDS = {
 }  # fmt: skip
 
 
+def _split_worker_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``hapnb launch ... -- ARGS``: hapnb's arguments, and those after the first ``--`` (the worker's own,
+    verbatim; other commands take none).
+
+    >>> _split_worker_args(["launch", "p.json", "--nproc", "2", "--", "--my-flag", "3", "--", "x"])
+    (['launch', 'p.json', '--nproc', '2'], ['--my-flag', '3', '--', 'x'])
+    """
+    argv = list(argv)
+    if argv[:1] == ["launch"] and "--" in argv:
+        k = argv.index("--")
+        return argv[:k], argv[k + 1 :]
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv, worker_args = _split_worker_args(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
+    if worker_args:
+        ns.worker_args = worker_args
     try:
         return COMMANDS[ns.command](ns)
     except KeyboardInterrupt:

@@ -418,7 +418,8 @@ def _format_metric(m: dict[str, Any]) -> str:
 
 
 def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...]) -> int:
-    from .run.launch import launch_commands, live_argv, plan_bundle, slurm_script, worker_for
+    from .run.launch import DEFAULT_WORKER, launch_commands, live_argv, plan_bundle, slurm_script, worker_for
+    from .run.pipelined import PIPELINE_WORKER_ARGV
 
     src = Path(ns.plan)
     worker = worker_for(src, worker)  # a pipeline plan runs hapnb.run.pipelined
@@ -429,9 +430,12 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
         print("hapnb launch: pass --nproc (cannot read the plan's device count)", file=sys.stderr)
         return 2
     try:  # issue 21: --rebalance, --slowdown and --dtype travel to every rank
+        own = worker in (DEFAULT_WORKER, PIPELINE_WORKER_ARGV)  # hapnb's workers take the collective timeout
         extra = [
             *live_argv(ns.rebalance, ns.slowdown, False, ns.dtype, per_node * ns.nnodes),
             *_runtime_argv(ns),
+            *(["--timeout", f"{ns.timeout:g}"] if own else []),
+            *ns.worker_args,
         ]
     except ValueError as e:
         print(f"hapnb launch: {e}", file=sys.stderr)
@@ -483,7 +487,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             timeout_s=ns.timeout,
             wall_timeout_s=ns.wall_timeout,
             worker=worker,
-            extra_args=_runtime_argv(ns),
+            extra_args=[*_runtime_argv(ns), *ns.worker_args],  # the worker's own arguments (after --) last
             bundle_dir=ns.bundle_dir,
             rebalance=ns.rebalance,
             slowdown=ns.slowdown,

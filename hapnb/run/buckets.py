@@ -13,8 +13,10 @@ Buckets start strictly in index order on every rank (a ready bucket waits for it
 their own process group (``group``), so the all-reduces match up across ranks whatever order autograd
 runs the feature collectives of the backward in. A parameter used several times (tied weights) is ready
 once: PyTorch fires a leaf's post-accumulate hook once per backward, after every use has accumulated. A
-parameter that got no gradient in a step contributes zeros (and receives the sum of the others'). Works
-in one process without torch.distributed (then nothing is communicated):
+parameter that got no gradient in a step contributes zeros (and receives the sum of the others'). A
+bucket whose all-reduce times out or loses a peer raises
+:class:`~hapnb.runtime.collective_errors.CollectiveError` naming the rank, the bucket and its gradients
+(:meth:`GradBuckets.label`). Works in one process without torch.distributed (then nothing is communicated):
 
 >>> import torch
 >>> a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
@@ -33,12 +35,14 @@ in one process without torch.distributed (then nothing is communicated):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..cost.model import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
+from ..runtime.collective_errors import group_timeout, guarded
 
 __all__ = ["GradBuckets", "program_buckets"]
 
@@ -131,6 +135,12 @@ class GradBuckets:
         self._next = k + 1
         self._emit("start", k)
 
+    def label(self, k: int) -> str:
+        """What errors call bucket ``k``'s all-reduce: the bucket and the gradients in it."""
+        names = self.buckets[k]
+        some = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return f"gradient bucket {k} of {len(self.buckets)} (the all-reduce of the gradients of {some})"
+
     def started(self) -> int:
         """How many buckets of the current step have started their all-reduce."""
         return self._next
@@ -145,7 +155,9 @@ class GradBuckets:
             assert pend is not None
             flat, work = pend
             if work is not None:
-                work.wait()
+                guarded(
+                    dist.get_rank(), self.group, "all_reduce", self.label(k), work.wait, direction="backward"
+                )
             off = 0
             for name in names:
                 p = self.params[name]
@@ -197,9 +209,14 @@ def program_buckets(
     """:class:`GradBuckets` of a rank program's replicated parameters (``grad_sync``, the names
     :attr:`~hapnb.runtime.program.RankProgram.grad_sync` lists) on a process group of their own, so the
     buckets' all-reduces never interleave with the feature collectives the backward runs on the default
-    group. Call it on every rank (it makes a process group)."""
+    group; its collectives wait as long as the default group's (its timeout). Call it on every rank (it
+    makes a process group)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    group = dist.new_group(list(range(world))) if world > 1 else None
+    group = None
+    if world > 1:
+        limit = group_timeout()
+        timeout = {"timeout": timedelta(seconds=limit)} if limit is not None else {}
+        group = dist.new_group(list(range(world)), **timeout)
     caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
     named = [(nm, module.get_parameter(nm)) for nm in grad_sync]
     return GradBuckets(named, group=group, wait_at_backward_end=wait_at_backward_end, **caps)

@@ -28,6 +28,9 @@ Failure handling (:mod:`hapnb.run.supervisor` watches the ranks)
 * Workers print a heartbeat per phase and step. When no running rank reports progress for ``timeout_s``
   seconds the job is stuck; a job still progressing past ``wall_timeout_s`` is slow. Either stops it;
   the error says which, and names the rank furthest behind and the last step each reported.
+* hapnb's workers wait at most ``timeout_s`` in a collective: a rank whose peer stalled or died fails
+  with an error naming it and the instruction (``rank 0 waited more than 3 s ... in the forward of
+  instruction 7 (...)``), which the job's error quotes with where each rank still running was.
 * Stopping sends SIGTERM to every rank's process group (and to descendants that left it), waits
   ``kill_grace_s``, then SIGKILLs what is left: no orphans. ``Ctrl-C`` during :meth:`Job.wait` or
   :meth:`Job.metrics` stops the job before re-raising, and so does leaving a ``with`` block.
@@ -63,6 +66,7 @@ from .worker import WORKER_ARGV
 
 __all__ = [
     "BACKENDS",
+    "COLLECTIVE_ERROR_GRACE_S",
     "DEFAULT_WORKER",
     "Job",
     "JobResult",
@@ -82,6 +86,9 @@ __all__ = [
 DEFAULT_WORKER: tuple[str, ...] = WORKER_ARGV
 #: torch.distributed backends a launch accepts (gloo on CPU, nccl on GPUs).
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+#: Seconds past ``timeout_s`` before a job of hapnb's own workers is called stuck: their collectives wait
+#: at most ``timeout_s`` and then raise an error naming the rank and the instruction, which must arrive first.
+COLLECTIVE_ERROR_GRACE_S = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -536,7 +543,11 @@ def launch(
     docstring). ``env`` adds/overrides environment variables of every rank. Multi-node: run the same
     call on each node with ``nnodes``, its ``node_rank`` and ``rdzv="HOST:PORT"`` of node 0.
     ``timeout_s``: when no running rank reports progress (a heartbeat) for that long the job is stuck and
-    is stopped; ``wall_timeout_s``: limit on the whole run (a job still progressing then is slow).
+    is stopped; ``wall_timeout_s``: limit on the whole run (a job still progressing then is slow). hapnb's
+    own workers also get ``--timeout timeout_s``: a collective that waits that long for a peer fails with
+    an error naming the rank, the instruction, forward or backward, and the job's error quotes it (so the
+    job is called stuck only :data:`COLLECTIVE_ERROR_GRACE_S` later). ``extra_args`` end the worker's
+    command line: a worker script's own arguments (``hapnb launch ... -- ARGS``).
 
     Live re-balancing (issue 21): ``rebalance=True`` (or a mapping of
     :class:`hapnb.run.rebalance.RebalanceOptions` fields) lets the ranks measure themselves and reshard to
@@ -576,6 +587,10 @@ def launch(
         else:
             addr, port = _split_rdzv(rdzv)
         live = live_argv(rebalance, slowdown, telemetry, dtype, world)
+        stall = timeout_s
+        if worker in (DEFAULT_WORKER, PIPELINE_WORKER_ARGV) and timeout_s is not None:
+            live += ["--timeout", f"{timeout_s:g}"]  # the collective timeout of hapnb's own workers
+            stall = timeout_s + COLLECTIVE_ERROR_GRACE_S
         if worker == PIPELINE_WORKER_ARGV and (rebalance or slowdown or telemetry):
             raise ValueError(
                 "live re-balancing, --slowdown and telemetry run SPMD plans; this is a pipeline plan "
@@ -588,7 +603,7 @@ def launch(
             [argv] * nproc,
             envs,
             ranks=ranks,
-            timeout_s=timeout_s,
+            timeout_s=stall,
             wall_timeout_s=wall_timeout_s,
             kill_grace_s=kill_grace_s,
             cleanup=[tmp] if tmp is not None else (),

@@ -11,7 +11,9 @@ them to callbacks, and watches the ranks until they all exit:
   ``wall_s`` is **slow**. Either way it is stopped and the error says which, and where each rank was.
 * **Crashes.** The first rank that exits non-zero stops the job. Ranks whose output says they only lost
   a peer (:data:`PEER_LOSS_MARKERS`) are *secondary*; the error names the root rank, its exit code or
-  signal, its last step and the tail of its stderr.
+  signal, its last step and the tail of its stderr. A rank whose collective timed out or lost a peer
+  ends its traceback with a :data:`COLLECTIVE_ERROR_MARKER` line naming the rank and the instruction: the
+  error quotes it first and says where each rank still running was (the one that stalled, usually).
 * **Cleanup.** Stopping sends SIGTERM to every rank's process group and to its descendants, waits
   ``kill_grace_s``, then SIGKILLs what is left. It happens on failure, stall, wall limit,
   :meth:`Supervisor.stop`, Ctrl-C in :meth:`Supervisor.wait`, leaving a ``with`` block and interpreter
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "COLLECTIVE_ERROR_MARKER",
     "PEER_LOSS_MARKERS",
     "Outcome",
     "Supervisor",
@@ -65,6 +68,9 @@ PEER_LOSS_MARKERS: tuple[str, ...] = (
     "ProcessGroupGloo",
     "SIGTERM",
 )
+#: How a rank's traceback ends when one of its collectives timed out or lost a peer
+#: (:class:`hapnb.runtime.collective_errors.CollectiveError`): the line names the rank and the instruction.
+COLLECTIVE_ERROR_MARKER = "CollectiveError: "
 _TAIL_LINES = 40  # lines of stdout/stderr kept per rank
 _MESSAGE_LINES = 20  # lines of the root rank's stderr quoted in an error
 
@@ -176,6 +182,7 @@ class _Rank:
         self.heartbeats = 0
         self.last_step: Any = None
         self.last_phase: Any = None  # the phase of its last heartbeat (a reshard is named in errors)
+        self.phase_step: Any = None  # the step of its last phase heartbeat
         self.returncode: int | None = None
         self.exited_at: float | None = None
         self.stderr: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -188,6 +195,24 @@ class _Rank:
 
     def secondary(self) -> bool:
         return is_peer_loss("\n".join(self.stderr) + "\n" + "\n".join(self.stdout))
+
+    def collective_error(self) -> str | None:
+        """The message of the :data:`COLLECTIVE_ERROR_MARKER` line of its stderr (the last one), or None."""
+        for line in reversed(self.stderr):
+            k = line.find(COLLECTIVE_ERROR_MARKER)
+            if k >= 0:
+                return line[k + len(COLLECTIVE_ERROR_MARKER) :].strip()
+        return None
+
+    def where(self, now: float) -> str:
+        """Where its last heartbeat left it, e.g. ``last heartbeat: forward of step 3, 4.2 s ago``."""
+        if self.heartbeats == 0:
+            return "no heartbeat yet"
+        if self.last_phase:
+            what = str(self.last_phase) + ("" if self.phase_step is None else f" of step {self.phase_step}")
+        else:
+            what = f"reported step {self.last_step}"
+        return f"last heartbeat: {what}, {now - self.last_heartbeat:.1f} s ago"
 
 
 _LIVE: weakref.WeakSet[Supervisor] = weakref.WeakSet()
@@ -365,6 +390,7 @@ class Supervisor:
                         st.last_step = rec["step"]
                     if "phase" in rec or "step" in rec:
                         st.last_phase = rec.get("phase")
+                        st.phase_step = rec.get("step") if "phase" in rec else None
                 self._call(self._on_line, st.rank, name, line)
                 if rec is not None:
                     self._call(self._on_heartbeat, st.rank, rec)
@@ -453,6 +479,7 @@ class Supervisor:
             time.sleep(self._poll_s)
             self._poll(time.monotonic())
         failed = [st for st in self._ranks if st.returncode not in (None, 0)]
+        running = [st for st in self._ranks if st.returncode is None]
         for st in failed:  # let the readers drain the traceback
             for t in st.readers:
                 t.join(0.5)
@@ -468,10 +495,14 @@ class Supervisor:
             if -rc == signal.SIGKILL:
                 how += " (often the out-of-memory killer)"
         during = " while resharding to new ratios (live re-balancing)" if root.last_phase == "reshard" else ""
-        msg = (
-            f"rank {root.rank} {how} {_after(root.last_step)}{during}; the job was stopped. "
-            f"Last lines of its stderr:\n{_indent(root.tail() or '(no stderr output)')}"
-        )
+        named = root.collective_error()  # a collective that timed out or lost a peer names its instruction
+        msg = f"rank {root.rank} {how} {_after(root.last_step)}{during}" + (f": {named}" if named else "")
+        if named and running:
+            now = time.monotonic()
+            msg += ". Ranks still running then: " + "; ".join(
+                f"rank {s.rank} ({s.where(now)})" for s in running
+            )
+        msg += f"; the job was stopped. Last lines of its stderr:\n{_indent(root.tail() or '(no stderr output)')}"
         if secondary:
             msg += f"\n(ranks {_list(secondary)} failed after it because they lost a peer: secondary)"
         if others:

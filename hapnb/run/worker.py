@@ -26,7 +26,10 @@ Progress: the command line also prints a *phase* heartbeat on stdout whenever th
     {"rank": 0, "phase": "backward", "step": 2, "t": 4.51}
 
 so :mod:`hapnb.run.supervisor` can tell a slow rank (heartbeats keep coming) from a stuck one. Lines with
-a ``"phase"`` key are heartbeats, not metrics.
+a ``"phase"`` key are heartbeats, not metrics. A collective that waits longer than ``--timeout`` seconds
+for its peers (one stalled or died) raises
+:class:`~hapnb.runtime.collective_errors.CollectiveError`, naming the rank and the instruction; the
+traceback's last line is what the supervisor quotes.
 
 Python entry (for :mod:`hapnb.run.launch` and tests)::
 
@@ -437,7 +440,7 @@ def _train(
         t_opt = time.perf_counter()
         tr.opt.step()
         opt_s = (time.perf_counter() - t_opt) * slowdown  # slowed, at the next collective, like the rest
-        total = C.all_reduce(loss.detach().clone())
+        total = C.all_reduce(loss.detach().clone(), where=f"the global loss of step {step}")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -545,7 +548,13 @@ def rank_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics", default=None, help="append JSON lines to this file ({rank} is replaced)")
     g.add_argument("--metrics-fd", type=int, default=None, help="write JSON lines to this file descriptor")
     ap.add_argument("--verify-out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="collective timeout in seconds: a collective that waits longer for its peers fails, naming the "
+        "rank and the instruction (default 300)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

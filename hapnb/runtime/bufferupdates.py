@@ -107,7 +107,7 @@ def emit_buffer_updates(
             return detached(env[(tid, I)])
         if R in forms:
             notes.append(f"the update of buffer {buffer} all-reduces {t.name} (the plan keeps it partial)")
-            return emit(C.all_reduce, (detached(env[(tid, R)]),), {})
+            return emit(C.all_reduce, (detached(env[(tid, R)]),), {"where": f"the update of buffer {buffer}"})
         gs = sorted((f for f in forms if f.kind == "G"), key=lambda f: f.dim)
         if not gs:
             raise BufferUpdateError(
@@ -115,13 +115,15 @@ def emit_buffer_updates(
             )
         d = gs[0].dim
         notes.append(f"the update of buffer {buffer} all-gathers {t.name} (the plan keeps it sharded)")
-        return emit(C.all_gather, (detached(env[(tid, gs[0])]), d, lengths(t.name, d)), {})
+        where = {"where": f"the update of buffer {buffer}"}
+        return emit(C.all_gather, (detached(env[(tid, gs[0])]), d, lengths(t.name, d)), where)
 
-    def weight(name: str) -> fx.Node:
+    def weight(name: str, buffer: str) -> fx.Node:
         rec = records[name]
         if not rec.sharded:
             return detached(attr(name))
-        return emit(C.all_gather, (detached(attr(name)), rec.dim, rec.lengths), {})
+        where = {"where": f"the update of buffer {buffer}"}
+        return emit(C.all_gather, (detached(attr(name)), rec.dim, rec.lengths), where)
 
     def value(nd: fx.Node, buffer: str) -> Any:
         if nd in done:
@@ -133,7 +135,7 @@ def emit_buffer_updates(
                     f"the update of buffer {buffer} reads the user input {nd.name} directly; a distributed "
                     "program has only its shard of it. Compute the update from values the loss also uses"
                 )
-            res = weight(module_path(weights[nd.name]))
+            res = weight(module_path(weights[nd.name]), buffer)
         elif nd.op != "call_function":
             raise BufferUpdateError(f"the update of buffer {buffer} reads {nd.op} node {nd.name}")
         elif not isinstance(val, (torch.Tensor, list, tuple)):

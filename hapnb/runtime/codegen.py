@@ -40,7 +40,9 @@ from ..ir.forms import Form, G, I, R, shard_offsets
 from ..ir.graph import Graph, Op
 from . import collectives as C
 from .bufferupdates import BufferUpdateError, emit_buffer_updates
+from .collective_errors import instruction_label
 from .program import (
+    COLLECTIVE_FUNCTIONS,
     DROPOUT_TARGETS,
     NATIVE_DROPOUT,
     TRAINING_FLAG,
@@ -167,6 +169,7 @@ def generate(
     b.make_weights(weights)
     for k, ins in enumerate(plan.program):
         where = f"instruction {k} ({ins})"
+        b.index = k
         if ins.kind == "load":
             b.load(ins, where)
         elif ins.kind == "collective":
@@ -203,6 +206,7 @@ class _RankBuilder:
         self.attr_nodes: dict[str, fx.Node] = {}
         self.repl_nodes: dict[str, fx.Node] = {}
         self.bucketed: list[str] = []
+        self.index = 0  # the instruction being generated (its collectives are labelled with it)
         self.device_node: fx.Node | None = None
         self.training_node: fx.Node | None = None
         # what is loaded in which forms (ZeRO: the stored shard), and whether any load is ZeRO-3
@@ -240,6 +244,10 @@ class _RankBuilder:
             nd = self.attr_nodes[name] = self.fxg.get_attr(self.records[name].local_name)
         return nd
 
+    def label(self, role: str = "") -> str:
+        """What errors call the current instruction's collective (:func:`.collective_errors.instruction_label`)."""
+        return instruction_label(self.index, self.plan.program[self.index], role)
+
     def replicated(self, name: str) -> fx.Node:
         nd = self.repl_nodes.get(name)
         if nd is None:
@@ -249,7 +257,10 @@ class _RankBuilder:
                 if local not in self.bucketed:
                     self.bucketed.append(local)
             else:
-                nd = self.repl_nodes[name] = self.emit(C.replicate, (self.attr(name),), name=f"{local}_I")
+                where = {"where": self.label("the all-reduce of its gradient")}
+                nd = self.repl_nodes[name] = self.emit(
+                    C.replicate, (self.attr(name),), where, name=f"{local}_I"
+                )
         return nd
 
     def runtime_device(self) -> fx.Node:
@@ -429,7 +440,8 @@ class _RankBuilder:
                 )
             ls = self.lengths(t.name, stored.dim, where)
             fn = C.gather_param if ins.name == "load_zero3" else C.all_gather
-            self.env[key] = self.emit(fn, (self.attr(t.name), stored.dim, ls), name=_tname(t.name, f))
+            where = {"where": self.label()}
+            self.env[key] = self.emit(fn, (self.attr(t.name), stored.dim, ls), where, name=_tname(t.name, f))
             return
         if f.kind == "G" and rec.sharded:
             self.env[key] = self.attr(t.name)
@@ -468,6 +480,8 @@ class _RankBuilder:
             lambda: self.lengths(t.name, dst.dim, where),
             new_lens,
         )
+        if fn in COLLECTIVE_FUNCTIONS:  # it communicates: its errors name this instruction
+            kwargs = {**kwargs, "where": self.label()}
         nd = self.emit(fn, args, kwargs, _tname(t.name, dst))
         if ins.segment is not None:
             self.tagged[(t.id, dst, ins.segment)] = (nd, new_lens if new_lens is not None else ())

@@ -41,6 +41,12 @@ The ``*_async`` variants start the forward communication and return an :class:`A
 ``wait()`` gives the result; the result is connected to autograd and its backward runs synchronously.
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); only primitives both support are used.
 
+Every communicating call takes ``where=``, a label of what it runs for (generated rank programs pass
+``"instruction k (...)"``). It costs nothing while the collective runs; when the backend raises (a
+timeout, a peer that went away), the error becomes a
+:class:`~hapnb.runtime.collective_errors.CollectiveError` naming this rank, the label, forward or
+backward (the dual in the backward keeps its forward's label) and the timeout.
+
 This module holds each collective's autograd function (forward and dual), the public calls, ZeRO-3
 regathering and the async variants. The raw transfers they run are in :mod:`hapnb.runtime.transport`, and
 the argument checks in :mod:`hapnb.runtime.collective_checks`.
@@ -66,6 +72,7 @@ from .collective_checks import (
     _prep_reshard,
     _prep_scatter,
 )
+from .collective_errors import guarded
 from .transport import (
     Group,
     _Ctx,
@@ -101,6 +108,9 @@ __all__ = [
     "AsyncCollective",
 ]
 
+#: what a collective runs for, named in its error (``instruction 7 (...)``; :mod:`.collective_errors`)
+Where = str | None
+
 # Set to True to take the all-reduce + slice path for padded reduce-scatter on every backend (tests use
 # it to exercise the fallback that backends without reduce_scatter take).
 _FORCE_ALL_REDUCE_FOR_REDUCE_SCATTER = False
@@ -117,85 +127,116 @@ def _start_reduce_scatter(
 
 
 # --------------------------------------------------------------------------------------------------
+# the communication of each collective, under its label (a backend error names it: collective_errors)
+# --------------------------------------------------------------------------------------------------
+
+
+def _gather(x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, g: _Ctx, where: Where) -> Any:
+    return guarded(
+        g.rank, g.group, "all_gather", where,
+        lambda: _run(_start_all_gather(x, dim, lengths, padded, g, async_op=False)),
+    )  # fmt: skip
+
+
+def _scatter(x: torch.Tensor, dim: int, lengths: tuple[int, ...], padded: bool, g: _Ctx, where: Where) -> Any:
+    return guarded(
+        g.rank, g.group, "reduce_scatter", where,
+        lambda: _run(_start_reduce_scatter(x, dim, lengths, padded, g, async_op=False)),
+    )  # fmt: skip
+
+
+def _reduce(x: torch.Tensor, g: _Ctx, where: Where) -> Any:
+    return guarded(
+        g.rank, g.group, "all_reduce", where, lambda: _run(_start_all_reduce(x, g, async_op=False))
+    )
+
+
+def _to_all(
+    x: torch.Tensor, cd: int, sd: int, cl: tuple[int, ...], sl: tuple[int, ...], g: _Ctx, where: Where
+) -> Any:
+    return guarded(g.rank, g.group, "all_to_all", where, _raw_all_to_all, x, cd, sd, cl, sl, g)
+
+
+def _recut(
+    x: torch.Tensor, dim: int, old: tuple[int, ...], new: tuple[int, ...], g: _Ctx, where: Where
+) -> Any:
+    return guarded(g.rank, g.group, "reshard", where, _raw_reshard, x, dim, old, new, g)
+
+
+# --------------------------------------------------------------------------------------------------
 # autograd functions
 # --------------------------------------------------------------------------------------------------
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, lengths, padded, g):  # type: ignore[override]
-        ctx.args = (dim, lengths, padded, g)
-        return _run(_start_all_gather(x, dim, lengths, padded, g, async_op=False))
+    def forward(ctx, x, dim, lengths, padded, g, where):  # type: ignore[override]
+        ctx.args = (dim, lengths, padded, g, where)
+        return _gather(x, dim, lengths, padded, g, where)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        dim, lengths, padded, g = ctx.args
-        return (
-            _run(_start_reduce_scatter(grad, dim, lengths, padded, g, async_op=False)),
-            None,
-            None,
-            None,
-            None,
-        )
+        dim, lengths, padded, g, where = ctx.args
+        return _scatter(grad, dim, lengths, padded, g, where), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, lengths, padded, g):  # type: ignore[override]
-        ctx.args = (dim, lengths, padded, g)
-        return _run(_start_reduce_scatter(x, dim, lengths, padded, g, async_op=False))
+    def forward(ctx, x, dim, lengths, padded, g, where):  # type: ignore[override]
+        ctx.args = (dim, lengths, padded, g, where)
+        return _scatter(x, dim, lengths, padded, g, where)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        dim, lengths, padded, g = ctx.args
-        return _run(_start_all_gather(grad, dim, lengths, padded, g, async_op=False)), None, None, None, None
+        dim, lengths, padded, g, where = ctx.args
+        return _gather(grad, dim, lengths, padded, g, where), None, None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g):  # type: ignore[override]
-        ctx.g = g
-        return _run(_start_all_reduce(x, g, async_op=False))
+    def forward(ctx, x, g, where):  # type: ignore[override]
+        ctx.args = (g, where)
+        return _reduce(x, g, where)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _run(_start_all_reduce(grad, ctx.g, async_op=False)), None
+        return _reduce(grad, *ctx.args), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cat_dim, split_dim, cat_lengths, split_lengths, g):  # type: ignore[override]
-        ctx.args = (cat_dim, split_dim, cat_lengths, split_lengths, g)
-        return _raw_all_to_all(x, cat_dim, split_dim, cat_lengths, split_lengths, g)
+    def forward(ctx, x, cat_dim, split_dim, cat_lengths, split_lengths, g, where):  # type: ignore[override]
+        ctx.args = (cat_dim, split_dim, cat_lengths, split_lengths, g, where)
+        return _to_all(x, cat_dim, split_dim, cat_lengths, split_lengths, g, where)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        cat_dim, split_dim, cat_lengths, split_lengths, g = ctx.args
-        gx = _raw_all_to_all(grad, split_dim, cat_dim, split_lengths, cat_lengths, g)
-        return gx, None, None, None, None, None
+        cat_dim, split_dim, cat_lengths, split_lengths, g, where = ctx.args
+        gx = _to_all(grad, split_dim, cat_dim, split_lengths, cat_lengths, g, where)
+        return gx, None, None, None, None, None, None
 
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, old, new, g):  # type: ignore[override]
-        ctx.args = (dim, old, new, g)
-        return _raw_reshard(x, dim, old, new, g)
+    def forward(ctx, x, dim, old, new, g, where):  # type: ignore[override]
+        ctx.args = (dim, old, new, g, where)
+        return _recut(x, dim, old, new, g, where)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        dim, old, new, g = ctx.args
-        return _raw_reshard(grad, dim, new, old, g), None, None, None, None
+        dim, old, new, g, where = ctx.args
+        return _recut(grad, dim, new, old, g, where), None, None, None, None, None
 
 
 class _Replicate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g):  # type: ignore[override]
-        ctx.g = g
+    def forward(ctx, x, g, where):  # type: ignore[override]
+        ctx.args = (g, where)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _run(_start_all_reduce(grad, ctx.g, async_op=False)), None
+        return _reduce(grad, *ctx.args), None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,21 +245,35 @@ class _Replicate(torch.autograd.Function):
 
 
 def all_gather(
-    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    lengths: Sequence[int],
+    *,
+    padded: bool = True,
+    group: Group = None,
+    where: Where = None,
 ) -> torch.Tensor:
     """``G(dim) -> I``: concatenate every rank's slice along ``dim``; ``x`` is this rank's slice.
 
     ``lengths[r]`` is rank r's slice length on ``dim``. ``padded=True`` pads slices to ``max(lengths)``
     and runs one all-gather; ``padded=False`` runs one exact-size broadcast per rank. Backward: the
     (padded resp. grouped) reduce-scatter of the gradient, which turns the partial ``I`` gradients into
-    the complete gradient of this rank's slice.
+    the complete gradient of this rank's slice. ``where`` (every collective takes it) names what the
+    call runs for, e.g. ``"instruction 7 (...)"``: a timeout or a lost peer, in the forward or in the
+    backward, raises :class:`~hapnb.runtime.collective_errors.CollectiveError` naming it and the rank.
     """
     g, d, lens = _prep_gather("all_gather", x, dim, lengths, group)
-    return _AllGather.apply(x, d, lens, bool(padded), g)
+    return _AllGather.apply(x, d, lens, bool(padded), g, where)
 
 
 def reduce_scatter(
-    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    lengths: Sequence[int],
+    *,
+    padded: bool = True,
+    group: Group = None,
+    where: Where = None,
 ) -> torch.Tensor:
     """``R -> G(dim)``: sum the full-shape partials over ranks and keep this rank's slice of ``dim``.
 
@@ -227,14 +282,14 @@ def reduce_scatter(
     gradient (padded resp. grouped).
     """
     g, d, lens = _prep_scatter("reduce_scatter", x, dim, lengths, group)
-    return _ReduceScatter.apply(x, d, lens, bool(padded), g)
+    return _ReduceScatter.apply(x, d, lens, bool(padded), g, where)
 
 
-def all_reduce(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group = None, *, where: Where = None) -> torch.Tensor:
     """``R -> I``: the element-wise sum over ranks (out of place). Backward: all-reduce of the gradient."""
     g = _group_ctx(group)
     _check_tensor("all_reduce", x, g)
-    return _AllReduce.apply(x, g)
+    return _AllReduce.apply(x, g, where)
 
 
 def all_to_all(
@@ -244,6 +299,8 @@ def all_to_all(
     cat_lengths: Sequence[int],
     split_lengths: Sequence[int],
     group: Group = None,
+    *,
+    where: Where = None,
 ) -> torch.Tensor:
     """``G(cat_dim) -> G(split_dim)``: re-shard from one dim to another.
 
@@ -254,11 +311,17 @@ def all_to_all(
     g, cd, sd, cl, sl = _prep_all_to_all(
         "all_to_all", x, cat_dim, split_dim, cat_lengths, split_lengths, group
     )
-    return _AllToAll.apply(x, cd, sd, cl, sl, g)
+    return _AllToAll.apply(x, cd, sd, cl, sl, g, where)
 
 
 def reshard(
-    x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    old_lengths: Sequence[int],
+    new_lengths: Sequence[int],
+    group: Group = None,
+    *,
+    where: Where = None,
 ) -> torch.Tensor:
     """``G(dim)`` with ``old_lengths`` -> ``G(dim)`` with ``new_lengths`` (same total).
 
@@ -267,7 +330,7 @@ def reshard(
     reverse reshard of the gradient.
     """
     g, d, old, new = _prep_reshard("reshard", x, dim, old_lengths, new_lengths, group)
-    return _Reshard.apply(x, d, old, new, g)
+    return _Reshard.apply(x, d, old, new, g, where)
 
 
 def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:
@@ -284,7 +347,7 @@ def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None
     return x.narrow(d, shard_offsets(lens)[g.rank], lens[g.rank]).contiguous()
 
 
-def replicate(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def replicate(x: torch.Tensor, group: Group = None, *, where: Where = None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (Megatron's "f"); wrap replicated parameters.
 
     After ``loss.backward()`` every rank's parameter gradient is the complete (summed) gradient: this is
@@ -293,7 +356,7 @@ def replicate(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """
     g = _group_ctx(group)
     _check_tensor("replicate", x, g)
-    return _Replicate.apply(x, g)
+    return _Replicate.apply(x, g, where)
 
 
 def to_partial(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -312,7 +375,9 @@ def to_partial(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 _REGATHER = "_hapnb_regather"
 
 
-def gather_param(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None) -> torch.Tensor:
+def gather_param(
+    x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group = None, *, where: Where = None
+) -> torch.Tensor:
     """ZeRO-3 / FSDP: :func:`all_gather` (padded) of a parameter's shard ``x``, with the result marked so
     that ops run under :func:`regathering` do not keep it for the backward: they keep a token and the
     backward all-gathers the shard again. Backward of the gather itself: the reduce-scatter of the
@@ -323,8 +388,8 @@ def gather_param(x: torch.Tensor, dim: int, lengths: Sequence[int], group: Group
     >>> y.sum().backward(); w.grad.tolist()
     [2.0, 2.0, 2.0, 2.0]
     """
-    out = all_gather(x, dim, lengths, padded=True, group=group)
-    setattr(out, _REGATHER, (x, dim, tuple(lengths), group))
+    out = all_gather(x, dim, lengths, padded=True, group=group, where=where)
+    setattr(out, _REGATHER, (x, dim, tuple(lengths), group, where))
     return out
 
 
@@ -349,9 +414,9 @@ def _pack(t: torch.Tensor) -> Any:
 def _unpack(x: Any) -> torch.Tensor:
     if not isinstance(x, _Token):
         return x
-    shard, dim, lengths, group = x.source
+    shard, dim, lengths, group, where = x.source
     with torch.no_grad():
-        full = all_gather(shard.detach(), dim, lengths, padded=True, group=group)
+        full = all_gather(shard.detach(), dim, lengths, padded=True, group=group, where=where)
     return full.as_strided(x.size, x.stride, full.storage_offset() + x.offset)
 
 
@@ -395,14 +460,25 @@ def regathered(fn: Callable[..., Any]) -> Callable[..., Any]:
 class AsyncCollective:
     """A started collective; :meth:`wait` blocks until it is done and returns the result (once).
 
-    The result is connected to autograd: its backward is the synchronous dual collective.
+    The result is connected to autograd: its backward is the synchronous dual collective. ``g`` and
+    ``where`` name the rank and what the collective runs for when its wait fails.
     """
 
-    def __init__(self, name: str, works: list[Any], finish: _Finish, attach: Callable[[torch.Tensor], Any]):
+    def __init__(
+        self,
+        name: str,
+        works: list[Any],
+        finish: _Finish,
+        attach: Callable[[torch.Tensor], Any],
+        g: _Ctx | None = None,
+        where: Where = None,
+    ):
         self.name = name
         self._works = works
         self._finish = finish
         self._attach = attach
+        self._g = g if g is not None else _group_ctx(None)
+        self.where = where
         self._result: torch.Tensor | None = None
 
     def is_completed(self) -> bool:
@@ -412,7 +488,9 @@ class AsyncCollective:
     def wait(self) -> torch.Tensor:
         """Block until the communication is done and return the result (the same tensor on every call)."""
         if self._result is None:
-            self._result = self._attach(_run((self._works, self._finish)))
+            g = self._g
+            done = guarded(g.rank, g.group, self.name, self.where, _run, (self._works, self._finish))
+            self._result = self._attach(done)
             self._works = []
         return self._result
 
@@ -443,44 +521,71 @@ def _attacher(x: torch.Tensor, dual: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 
 def all_gather_async(
-    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    lengths: Sequence[int],
+    *,
+    padded: bool = True,
+    group: Group = None,
+    where: Where = None,
 ) -> AsyncCollective:
     """Start :func:`all_gather`; ``.wait()`` returns the gathered tensor. Backward is synchronous."""
     g, d, lens = _prep_gather("all_gather_async", x, dim, lengths, group)
     with torch.no_grad():
-        works, finish = _start_all_gather(x.detach(), d, lens, bool(padded), g, async_op=True)
+        works, finish = guarded(
+            g.rank,
+            g.group,
+            "all_gather",
+            where,
+            _start_all_gather,
+            x.detach(),
+            d,
+            lens,
+            bool(padded),
+            g,
+            True,
+        )
 
     def dual(grad: torch.Tensor) -> torch.Tensor:
-        return _run(_start_reduce_scatter(grad, d, lens, bool(padded), g, async_op=False))
+        return _scatter(grad, d, lens, bool(padded), g, where)
 
-    return AsyncCollective("all_gather", works, finish, _attacher(x, dual))
+    return AsyncCollective("all_gather", works, finish, _attacher(x, dual), g, where)
 
 
 def reduce_scatter_async(
-    x: torch.Tensor, dim: int, lengths: Sequence[int], *, padded: bool = True, group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    lengths: Sequence[int],
+    *,
+    padded: bool = True,
+    group: Group = None,
+    where: Where = None,
 ) -> AsyncCollective:
     """Start :func:`reduce_scatter`; ``.wait()`` returns this rank's summed slice (sync backward)."""
     g, d, lens = _prep_scatter("reduce_scatter_async", x, dim, lengths, group)
     with torch.no_grad():
-        works, finish = _start_reduce_scatter(x.detach(), d, lens, bool(padded), g, async_op=True)
+        works, finish = guarded(
+            g.rank, g.group, "reduce_scatter", where,
+            _start_reduce_scatter, x.detach(), d, lens, bool(padded), g, True,
+        )  # fmt: skip
 
     def dual(grad: torch.Tensor) -> torch.Tensor:
-        return _run(_start_all_gather(grad, d, lens, bool(padded), g, async_op=False))
+        return _gather(grad, d, lens, bool(padded), g, where)
 
-    return AsyncCollective("reduce_scatter", works, finish, _attacher(x, dual))
+    return AsyncCollective("reduce_scatter", works, finish, _attacher(x, dual), g, where)
 
 
-def all_reduce_async(x: torch.Tensor, group: Group = None) -> AsyncCollective:
+def all_reduce_async(x: torch.Tensor, group: Group = None, *, where: Where = None) -> AsyncCollective:
     """Start :func:`all_reduce`; ``.wait()`` returns the sum over ranks. Backward is synchronous."""
     g = _group_ctx(group)
     _check_tensor("all_reduce_async", x, g)
     with torch.no_grad():
-        works, finish = _start_all_reduce(x.detach(), g, async_op=True)
+        works, finish = guarded(g.rank, g.group, "all_reduce", where, _start_all_reduce, x.detach(), g, True)
 
     def dual(grad: torch.Tensor) -> torch.Tensor:
-        return _run(_start_all_reduce(grad, g, async_op=False))
+        return _reduce(grad, g, where)
 
-    return AsyncCollective("all_reduce", works, finish, _attacher(x, dual))
+    return AsyncCollective("all_reduce", works, finish, _attacher(x, dual), g, where)
 
 
 def all_to_all_async(
@@ -490,29 +595,41 @@ def all_to_all_async(
     cat_lengths: Sequence[int],
     split_lengths: Sequence[int],
     group: Group = None,
+    *,
+    where: Where = None,
 ) -> AsyncCollective:
     """Start :func:`all_to_all`; ``.wait()`` returns the re-sharded tensor. Backward is synchronous."""
     g, cd, sd, cl, sl = _prep_all_to_all(
         "all_to_all_async", x, cat_dim, split_dim, cat_lengths, split_lengths, group
     )
     with torch.no_grad():
-        works, finish = _start_all_to_all(x.detach(), cd, sd, cl, sl, g, async_op=True)
+        works, finish = guarded(
+            g.rank, g.group, "all_to_all", where, _start_all_to_all, x.detach(), cd, sd, cl, sl, g, True
+        )
 
     def dual(grad: torch.Tensor) -> torch.Tensor:
-        return _raw_all_to_all(grad, sd, cd, sl, cl, g)
+        return _to_all(grad, sd, cd, sl, cl, g, where)
 
-    return AsyncCollective("all_to_all", works, finish, _attacher(x, dual))
+    return AsyncCollective("all_to_all", works, finish, _attacher(x, dual), g, where)
 
 
 def reshard_async(
-    x: torch.Tensor, dim: int, old_lengths: Sequence[int], new_lengths: Sequence[int], group: Group = None
+    x: torch.Tensor,
+    dim: int,
+    old_lengths: Sequence[int],
+    new_lengths: Sequence[int],
+    group: Group = None,
+    *,
+    where: Where = None,
 ) -> AsyncCollective:
     """Start :func:`reshard`; ``.wait()`` returns the re-cut slice. Backward is synchronous."""
     g, d, old, new = _prep_reshard("reshard_async", x, dim, old_lengths, new_lengths, group)
     with torch.no_grad():
-        works, finish = _start_reshard(x.detach(), d, old, new, g, async_op=True)
+        works, finish = guarded(
+            g.rank, g.group, "reshard", where, _start_reshard, x.detach(), d, old, new, g, True
+        )
 
     def dual(grad: torch.Tensor) -> torch.Tensor:
-        return _raw_reshard(grad, d, new, old, g)
+        return _recut(grad, d, new, old, g, where)
 
-    return AsyncCollective("reshard", works, finish, _attacher(x, dual))
+    return AsyncCollective("reshard", works, finish, _attacher(x, dual), g, where)

@@ -211,13 +211,11 @@ def test_train_lm_example_equals_one_device_and_resumes_on_it(tmp_path: Path) ->
     plan.save(tmp_path / "plan.json")
     ckpt = tmp_path / "ckpt"
     argv = [sys.executable, str(ROOT / "examples" / "train_lm.py"), str(tmp_path / "plan.json"), *LM_OPTS,
-            "--ckpt-dir", str(ckpt), "--save-at", "2", "--save-at", "4"]  # fmt: skip
+            "--ckpt-dir", str(ckpt), "--save-at", "2", "--save-at", "4", "--timeout", "120"]  # fmt: skip
     got: list[dict] = []
     from procs import run_ranks  # tests/ helper; this file also runs as a rank worker, without it
 
-    run_ranks(
-        argv, 2, {"PYTHONPATH": str(ROOT), "TRAIN_LM_ARGS": ""}, on_heartbeat=lambda r, m: got.append(m)
-    )
+    run_ranks(argv, 2, {"PYTHONPATH": str(ROOT)}, on_heartbeat=lambda r, m: got.append(m))
     want, ref = train_lm.run(LM_OPTS, out=io.StringIO())
     assert len(got) == 8
     for m in got:
