@@ -59,6 +59,7 @@ from ..ir.forms import Form, I
 from ..ir.graph import Graph, Op
 from ..rules import Strategy
 from ..triples import Theory
+from .buffers import update_collectives
 from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
 from .memory import is_alias as _is_alias
 
@@ -615,6 +616,11 @@ class CostModel:
         loads, convs, sfb = self.step_parts(step) if parts is None else parts
         return tuple(tm for part in (*loads, *convs, sfb) for tm in part)
 
+    def update_terms(self, program: Sequence[Step]) -> tuple[Term, ...]:
+        """The collectives of the buffer updates after the forward (:mod:`.buffers`), forward only."""
+        cs = update_collectives(self.graph, program) if self.n > 1 else ()
+        return tuple(Term(c.kind, self._t(c.kind, float(c.nbytes)), 0.0, 0, c.what) for c in cs)
+
     def step_comp(self, step: Step, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         v = list(self.comp(step.op, step.strategy, ratios))
         for ld in step.loads:
@@ -676,7 +682,8 @@ class CostModel:
         comps: Sequence[Sequence[float]] | None = None,
     ) -> Evaluation:
         """Iteration time: stages of communication + the slowest device's computation; the optimizer
-        step of device-model devices is charged to the last stage. ``terms`` / ``comps``: each step's
+        step of device-model devices and the buffer updates' collectives (:meth:`update_terms`) are
+        charged to the last stage. ``terms`` / ``comps``: each step's
         :meth:`step_terms` / :meth:`step_comp` at ``ratios`` when the caller has them already."""
         stages = []
         total = 0.0
@@ -691,6 +698,7 @@ class CostModel:
                     comp[j] += x
             if k == len(groups) - 1:
                 comp = [c + x for c, x in zip(comp, opt)]
+                comm += sum(tm.time(ratios) for tm in self.update_terms(program))
             sc = StageCost(k, tuple(idx), comm, tuple(comp))
             stages.append(sc)
             total += sc.time_s

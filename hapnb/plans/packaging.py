@@ -2,7 +2,8 @@
 
 :func:`make_plan` prices every step under the cost model once, cuts the program into stages, writes one
 :class:`~hapnb.plans.plan.Instruction` per load, collective and computation (each with the terms the cost
-model charges to it) and records the shard lengths every sharded form needs, the predicted memory per
+model charges to it; the buffer updates' collectives, :mod:`hapnb.cost.buffers`, go to the last
+computation) and records the shard lengths every sharded form needs, the predicted memory per
 device and the ops that run replicated for lack of a rule. It is the only place that turns the search's
 steps into a plan; :func:`hapnb.plans.explain.program_steps` reads them back.
 
@@ -67,6 +68,7 @@ def make_plan(
     for k, st in enumerate(program):
         out.step(st, stage_of_step[k], parts[k], comps[k])
     last_stage = ev.stages[-1].index if ev.stages else 0
+    out.buffer_updates(cm.update_terms(program), last_stage)
     for cv in extra:
         out.emit(Instruction("collective", cv.name, last_stage, tensor=out.name(cv.tensor), src=str(cv.src),
                              form=str(cv.dst)))  # fmt: skip
@@ -151,6 +153,16 @@ class _Program:
                 CommCost(tm.what, tm.kind, total - bwd, bwd, tm.gradient, nbytes if tm.gradient else 0)
             )
         return tuple(out)
+
+    def buffer_updates(self, terms: Sequence[Any], stage: int) -> None:
+        """The buffer updates' collectives (batch norm's running statistics, :mod:`hapnb.cost.buffers`),
+        charged to the last computation, which they follow in every rank's forward, and to its stage."""
+        last = max((k for k, ins in enumerate(self.instrs) if ins.kind == "compute"), default=None)
+        if not terms or last is None:
+            return
+        ins = self.instrs[last]
+        self.instrs[last] = replace(ins, comm=ins.comm + self.priced(terms))
+        self.communicates(stage, terms)
 
     def step(self, st: Step, stage: int, parts: Any, comp: Sequence[float]) -> None:
         """One search step: its loads, its conversions, then its computation."""

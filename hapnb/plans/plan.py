@@ -403,12 +403,15 @@ class Plan:
                 + "   (* = new best)"
             )
         comm = sum(1 for i in self.program if i.communicates)
+        updates = sum(1 for i in self.program for c in i.comm if c.what.startswith("buffer update "))
         params = dict(self.options).get("params", ())
         loads = [i for i in self.program if i.kind == "load" and i.tensor in params]
         synced = sum(1 for i in loads if i.name == "load" and i.form == "I")
         zero = {z: sum(1 for i in loads if i.name == f"load_zero{z}") for z in (2, 3)}
         lines.append(
-            f"  {comm} collectives in the program, {synced} replicated parameters (gradient all-reduce); "
+            f"  {comm} collectives in the program"
+            + (f" (+{updates} for buffer updates)" if updates else "")
+            + f", {synced} replicated parameters (gradient all-reduce); "
             + "".join(f"{v} stored sharded (ZeRO-{z}); " for z, v in zero.items() if v)
             + f"synthesis {self.synthesis_s:.2f} s"
         )

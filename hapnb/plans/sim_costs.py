@@ -26,8 +26,8 @@ DEFAULT_OVERLAP_SLOWDOWN = 0.1
 
 def _kinds(kind: str, n: int, on_compute: bool) -> tuple[tuple[str, int], tuple[str, int]]:
     """The collective kinds and launches of a term's forward and backward part (cost/model.py's pricing)."""
-    if on_compute:  # SFB: all-gathers of the input and the output gradient
-        return ("all_gather", 1), ("all_gather", 1)
+    if on_compute:  # SFB's all-gathers (input, output gradient); a buffer update's collective (forward)
+        return (kind, 1), (kind, 1)
     spec = COLLECTIVES.get(kind)
     if spec is None or spec.forward is None:  # a gradient all-reduce, a ZeRO gather: one kind both ways
         return (kind, 1), (kind, 1)

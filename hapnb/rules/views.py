@@ -5,7 +5,9 @@ Algebra: these ops move elements without combining them, so they are all linear 
 sharded dim stays sharded wherever the op carries it. A view regroups contiguous dims: the outermost
 non-1 dims of a regrouped block map onto each other (a contiguous chunk of the block), so
 ``G(d_in) -> G(d_out)`` for them and for untouched dims (a dim inside a block, like the batch folded
-into ``(S, B, E) -> (S*B, E)``, is strided there and never offered). A permutation moves the sharded dim with it;
+into ``(S, B, E) -> (S*B, E)``, is strided there and never offered; where only row-wise ops sit between
+such a fold and the view that unfolds it, as around seq-first attention's output projection, tracing
+removes the fold instead: :mod:`hapnb.tracing.folds`). A permutation moves the sharded dim with it;
 indexing/concatenating/padding along a dim leaves the other dims sharded; triu/tril shift their
 diagonal by the shard's offset. Localized views rewrite their shape arguments to the LOCAL sizes.
 Flops: zero, except triu/tril (one per element).
@@ -93,7 +95,10 @@ def _view_pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
     A dim INSIDE a block (after a non-1 dim) is never paired: folding the batch into an inner
     position, ``(S, B, E) -> (S·B, E)`` with B sharded (seq-first attention), gives each rank a
     strided set of rows of the merged dim, not a contiguous shard, so offering ``G(1) -> G(0)`` there
-    would be unsound. Only ``S`` (the outer dim) can stay sharded through that view.
+    would be unsound. Only ``S`` (the outer dim) can stay sharded through that view. Seq-first attention
+    (``nn.MultiheadAttention``) folds so only around its output projection, a row-wise op followed by the
+    view back to ``(S, B, E)``: tracing rewrites that pattern so the projection works on ``(S, B, E)``
+    (:func:`hapnb.tracing.folds.unfold_rows`), and the batch stays sharded without this rule pairing it.
 
     >>> _view_pairs((4, 3, 5), (12, 5)), _view_pairs((3, 2, 5), (6, 5)), _view_pairs((1, 4, 3), (12,))
     ([(0, 0), (2, 1)], [(0, 0), (2, 1)], [(1, 0)])

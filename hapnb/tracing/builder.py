@@ -1,7 +1,8 @@
 """The Graph under construction while a traced program is walked: :class:`_Builder` gives every tensor a
 unique name, records each op with its canonical target, family and analytic flops (from :mod:`hapnb.rules`),
-and finishes with the consumers and the fingerprint. Every tracing path fills one: torch.export
-(:mod:`.exported`), the fx fallback (:mod:`.fx_fallback`) and the meta recorder (:mod:`.record`).
+and finishes with the consumers and the fingerprint, after unfolding the folds of leading dims around
+row-wise ops (:mod:`.folds`: seq-first attention keeps the batch sharded). Every tracing path fills one:
+torch.export (:mod:`.exported`), the fx fallback (:mod:`.fx_fallback`) and the meta recorder (:mod:`.record`).
 
 >>> module_path("model.encoder.layer.0")
 'encoder.layer.0'
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.graph import Graph, Op, TensorArg, TensorRef, TraceError, fingerprint
+from .folds import unfold_rows
 
 
 def module_path(path: str) -> str:
@@ -156,7 +158,7 @@ class _Builder:
                     lst.append(op.id)
         tensors = tuple(TensorRef(consumers=tuple(consumers.get(d["id"], ())), **d) for d in self.tensors)
         ops = tuple(self.ops)
-        return Graph(
+        graph = Graph(
             tensors=tensors,
             ops=ops,
             inputs=tuple(inputs),
@@ -166,6 +168,7 @@ class _Builder:
             fingerprint=fingerprint(tensors, ops),
             name=name,
         )
+        return unfold_rows(graph)  # every tracing path: a fold of the batch around row-wise ops (.folds)
 
 
 def _loss_of(b: _Builder, out_ids: list[int], where: str) -> int:

@@ -16,7 +16,9 @@ with ``ExportedProgram.run_decompositions``:
   semantics, exact against one device.
 
 A program whose ops all have rules and that mutates nothing is returned unchanged (the zoo's graphs do
-not move). Each op that lowering produced keeps the target it came from (:attr:`Lowered.origins`, by
+not move). One more rewrite happens on the Graph every tracing path builds, after lowering:
+:mod:`.folds` removes a fold of leading dims around row-wise ops (seq-first attention's
+``(S, B, E) -> (S*B, E)``, out-projection, ``-> (S, B, E)``), so the batch can stay sharded there. Each op that lowering produced keeps the target it came from (:attr:`Lowered.origins`, by
 node name; the tracer stores it as ``Op.origin``).
 
 >>> import torch

@@ -45,8 +45,9 @@ lm         layers 2, seq 64, hidden 256, heads hidden//64, ff 4*hidden, dropout 
 
 The default ``attention="sdpa"`` builds the encoder layers from :class:`PostLNEncoderLayer`; the
 alternative ``attention="torch"`` uses ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` as the
-paper does (still planned and verified, but less shardable): their export transposes to sequence-first and folds batch into other dims (``view [S, B*H, hd]``,
-``permute`` + ``reshape [S*B, D]``), which hides the batch dim from sharding rules. ``attention="sdpa"``
+paper does: their export transposes to sequence-first and folds batch into other dims (``view [S, B*H, hd]``,
+``permute`` + ``reshape [S*B, D]``); tracing unfolds the second fold around the output projection
+(:mod:`hapnb.tracing.folds`), so the batch stays sharded there too. ``attention="sdpa"``
 swaps in :class:`PostLNEncoderLayer` / :class:`SelfAttention`: same parameters, same math, and a
 batch-major graph (linear, split, view, transpose, SDPA, transpose, reshape, linear).
 

@@ -70,7 +70,9 @@ Notes for rule authors:
   view [S, B*H, hd], transpose(0, 1), view [B, H, S, hd], SDPA (attn_mask = the causal buffer,
   unsqueezed twice, for bert), permute [2, 0, 1, 3], reshape [S*B, D], linear (out_proj),
   view [S, B, D], transpose(1, 0). Batch is merged with heads, then with seq (as the inner dim) there, so
-  a batch shard is not a contiguous slice of the merged dim.
+  a batch shard is not a contiguous slice of the merged dim. hapnb's tracing turns reshape [S*B, D],
+  out_proj, view [S, B, D] into reshape [S, B, D], out_proj, an identity view (hapnb/tracing/folds.py),
+  so the batch stays sharded through the attention.
 * `attention="sdpa"` gives the same parameters and math with a batch-major graph: linear (packed
   in_proj), split, view [B, S, H, hd], transpose(1, 2), SDPA, transpose(1, 2), reshape [B, S, D], linear.
 * bert-moe gating (softmax, topk, one_hot, cumsum over the sequence dim, lt, sum, clamp, div, gt, to) is
