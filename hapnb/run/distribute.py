@@ -24,6 +24,7 @@ from ..ir.graph import Graph
 from ..plans.plan import Plan
 from ..runtime.bufferupdates import write_buffer
 from ..runtime.codegen import generate
+from ..runtime.collective_errors import set_group_timeout
 from ..runtime.expand import expand_virtual
 from ..runtime.program import RankProgram, program_weights
 from . import training
@@ -346,16 +347,25 @@ def _model_weights(model: torch.nn.Module, g: Graph) -> dict[str, torch.Tensor]:
     return weights
 
 
+#: the dtypes a plan made at float32 runs in when the model is cast to them (``model.double()``,
+#: ``model.to(torch.bfloat16)``, ``model.half()``): its program is the float32 trace's, run in that dtype
+RECAST_DTYPES = (torch.float64, torch.bfloat16, torch.float16)
+
+
 def _resolve(
     plan: Plan, model: Any, inputs: tuple[Any, ...]
 ) -> tuple[Graph, torch.dtype | None, Mapping[str, torch.Tensor] | None]:
-    """The graph the plan was made for, traced from ``model``; a float64 model (a float32 plan applied
-    for an exact check) is traced as a float32 copy, and its program runs in float64 on the model's own
-    weights (float32 dtype constants of the trace, such as an upcast before a softmax, become float64).
-    Returns ``(graph, dtype, weights)``. Other dtypes (bfloat16, float16) must be planned as they are:
-    rewriting a float32 trace's constants to them would not be the model's own computation."""
+    """The graph the plan was made for, traced from ``model``. A model cast to another floating dtype
+    than float32 (:data:`RECAST_DTYPES`: float64 for an exact check, bfloat16 or float16 to train in half
+    precision) is traced as a float32 copy, and its program runs in the model's dtype on the model's own
+    weights: the trace's float32 dtype constants (a mask's fill, an upcast before a softmax) become that
+    dtype, so every op and every collective runs in it. An explicit float32 upcast in the model's code
+    (Hugging Face's loss upcasts the logits) is a no-op in a float32 trace, so such a program computes it
+    in the model's dtype too: its losses match one device's run of the cast model to that dtype's
+    precision, not bit for bit. Returns ``(graph, dtype, weights)``; ``dtype`` is None for a model that
+    runs as it was traced (float32, or a plan made at the model's own dtype)."""
     dtype = _floating_dtype(model)
-    if dtype != torch.float64:
+    if dtype not in RECAST_DTYPES:
         g, _ = resolve_graph(plan, model, inputs)
         return g, None, None
     as32 = copy.deepcopy(model).float()  # plans are made at float32: try the model as it was planned first
@@ -375,18 +385,24 @@ def distribute(
     example_inputs: Sequence[Any] | None = None,
     inputs: str = "local",
     grad_sync: str = "buckets",
+    timeout: float | None = None,
 ) -> DistributedModule:
     """Inside an initialised process group (torchrun): this rank's module for ``plan``.
 
     ``model`` is the single-device model (its current weights are sliced for this rank), the same on
-    every rank; a plan made at float32 also runs it cast to float64 (``model.double()``). The module
+    every rank; a plan made at float32 also runs it cast to float64 (``model.double()``) or to bfloat16
+    or float16 (``model.to(torch.bfloat16)``): the program then runs in that dtype (see
+    ``docs/training.md``, *Precision*). The module
     keeps a reference to ``model`` to re-derive the program for another batch size, and starts in the
     model's mode (``train``/``eval``). ``example_inputs`` default to the plan's own (its graph, or its
     model spec). With ``inputs='local'`` feed this rank's rows (``dm.batch_sampler`` or
     ``dm.local_inputs(*global_batch)``), with ``'full'`` the whole batch. Like DDP: ``loss.backward()``
     returns with every gradient synchronised. ``grad_sync="buckets"`` (default): replicated gradients are
     all-reduced in DDP-like buckets during the backward (and ``dm.no_sync()`` defers them for gradient
-    accumulation); ``"sync"``: each in its own all-reduce inside autograd.
+    accumulation); ``"sync"``: each in its own all-reduce inside autograd. ``timeout``: seconds any
+    collective may wait for its peers (it sets the process group's timeout; None keeps the group's own,
+    ``init_process_group(timeout=...)``); one that waits longer, or loses a peer, raises
+    :class:`~hapnb.runtime.collective_errors.CollectiveError` naming this rank and the instruction.
 
     Every rank checks once that all ranks hold the same plan, trace the same graph and start from the
     same weights, and raises the same error everywhere naming the first difference.
@@ -399,6 +415,8 @@ def distribute(
             "torch.distributed.init_process_group() first (or use hapnb.verify for a local check)"
         )
     n, rank = dist.get_world_size(), dist.get_rank()
+    if timeout is not None:
+        set_group_timeout(timeout)  # before the first collective (the same-everywhere check below)
     if n != plan.cluster.gpus:
         raise ValueError(f"plan {plan.name} is for {plan.cluster.gpus} GPUs but the job has {n} ranks")
     info: dict[str, Any] = {"error": None, "plan": {}, "graph": "", "weights": {}}

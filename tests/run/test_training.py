@@ -1,7 +1,8 @@
 """The training helpers of ``hapnb.distribute`` (tied weights once, eval() without dropout, the batch
 shares, the global loss, clipping by the global norm, the strict state-dict round trip, fail-fast checks)
 against one device in float64, and bf16 autocast on a row-parallel plan against one device's autocast
-run, on 3 uneven gloo ranks (1xV100+2xP100) run as this file's ``worker``.
+run, and both float32 plans applied to their models cast to bfloat16 against one device's bfloat16 run,
+on 3 uneven gloo ranks (1xV100+2xP100) run as this file's ``worker``.
 
     python tests/run/test_training.py worker PLAN.json OUT_DIR AMP_PLAN.json    # one rank, under torchrun's env
 """
@@ -197,7 +198,8 @@ def test_eval_is_refused_where_the_program_updates_batch_norm_statistics(tmp_pat
 
 def test_gpt2_full_state_dict_loads_strictly(tmp_path: Path) -> None:
     """A Hugging Face GPT-2 with eager attention (the tracer lifts constants) and tied head: the
-    gathered state dict loads into the model with strict=True, and a float32 plan runs it in float64."""
+    gathered state dict loads into the model with strict=True, and a float32 plan runs it in float64 and
+    in bfloat16."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import hapnb
@@ -225,6 +227,13 @@ def test_gpt2_full_state_dict_loads_strictly(tmp_path: Path) -> None:
         with torch.no_grad():
             want = float(model64(ids))  # HF's loss upcasts the logits to float32; the program keeps float64
             assert dm.global_loss(dm(*dm.local_inputs(ids))) == pytest.approx(want, rel=1e-6)
+        # and in bfloat16: HF's loss upcasts the logits to float32, the program (a float32 trace) does not
+        model16 = copy.deepcopy(model).to(torch.bfloat16).eval()
+        dm16 = hapnb.distribute(model16, plan, example_inputs=(ids,))
+        with torch.no_grad():
+            loss16 = dm16(*dm16.local_inputs(ids))
+            assert loss16.dtype == torch.bfloat16
+            assert dm16.global_loss(loss16) == pytest.approx(float(model16(ids)), rel=2e-2)
 
 
 # ------------------------------------------------------------------------------------ on 3 ranks
@@ -289,6 +298,12 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
     for o in out:  # bf16 autocast: one device's loss and step, to bf16 precision
         assert o["amp_dtype"] == "torch.float32" and o["amp_loss"] == pytest.approx(o["amp_ref"], rel=1e-2)
         assert o["amp_weights_rel"] < 2e-2
+    for o in out:  # float32 plans on the models cast to bfloat16 (issue 20): one device's bf16 run
+        for key in ("bf16_tied", "bf16_rowpar"):
+            got = o[key]
+            assert got["dtypes"] == ["torch.bfloat16"], f"{key}: the program does not run in bfloat16"
+            assert got["loss"] == pytest.approx(got["ref"], rel=2e-2), key
+            assert got["grad_rel"] < 5e-2, f"{key}: gradients {got['grad_rel']:.3g} off one device's"
 
 
 def _error(fn) -> str:  # type: ignore[no-untyped-def]
@@ -398,6 +413,10 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     info = {"error": None, "plan": plan_digests(plan), "graph": "g", "weights": {}}
     res["errors"]["plan"] = _error(lambda: check_same_everywhere(info))
     res.update(autocast_step(Plan.load(amp_path)))
+    tied, _, _ = build()
+    res["bf16_tied"] = bf16_step(Plan.load(plan_path), tied.eval(), ex)
+    mlp, mlp_ex = build_mlp()
+    res["bf16_rowpar"] = bf16_step(Plan.load(amp_path), mlp, mlp_ex)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -426,6 +445,36 @@ def autocast_step(plan) -> dict:  # type: ignore[no-untyped-def]
         "amp_ref": float(rl),
         "amp_weights_rel": rel,
     }
+
+
+def bf16_step(plan, model: nn.Module, ex: tuple) -> dict:  # type: ignore[no-untyped-def]
+    """A float32 plan on ``model`` cast to bfloat16: one forward and backward on the plan and on one
+    device (the same bf16 model, the whole batch); the dtypes the program ran in, both losses, and the
+    largest gradient difference relative to each tensor's largest one-device gradient."""
+    from hapnb.run.distribute import distribute
+    from hapnb.runtime import collectives as C
+
+    model = model.to(torch.bfloat16)
+    ex = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in ex)
+    ref = copy.deepcopy(model)
+    dm = distribute(model, plan, example_inputs=ex)
+    loss = dm(*dm.local_inputs(*ex))
+    loss.backward()
+    rl = ref(*ex)
+    rl.backward()
+    dtypes = {str(loss.dtype)} | {str(p.grad.dtype) for p in dm.parameters() if p.grad is not None}
+    own = dict(dm.module.named_parameters())
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    rel = 0.0
+    with torch.no_grad():
+        for p in dm.program.unique_params:
+            if p.kind != "param":
+                continue
+            g = own[p.local_name].grad.contiguous()
+            full = C.all_gather(g, p.dim, p.lengths) if p.sharded else g
+            w = want[p.name].grad
+            rel = max(rel, float((full.float() - w.float()).abs().max() / w.float().abs().max()))
+    return {"dtypes": sorted(dtypes), "loss": dm.global_loss(loss), "ref": float(rl), "grad_rel": rel}
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":
