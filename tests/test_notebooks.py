@@ -36,6 +36,7 @@ EXPECTED = [
     "07_pipelines_and_comparison.ipynb",
     "08_tuning_a_big_model.ipynb",
     "09_exercises.ipynb",
+    "10_live_rebalancing.ipynb",
 ]
 BUDGET_S = float(os.environ.get("HAPNB_NOTEBOOK_BUDGET_S", "90"))
 #: output types that are pictures: a bokeh chart, a graphviz drawing (SVG), an ipywidget
@@ -139,6 +140,14 @@ assert next(iter(studies["1 CPU process (recorded)"]["summary"].values()))["pear
 assert len(feats) == 12 and all(f.measured_s > 0 for f in feats)
 assert after < before, "the fitted device model should predict the 12 runs better than flops-only"
 assert after < 10, after  # docs/benchmarks/fidelity.md: 2.89 % mean when fitted on all 12
+# section 8: a short AdamW run on the plan's uneven shares is one device's run, to rounding
+assert train_result.ok, train_result.error
+assert plan.lengths_of("tokens", 0) == (6, 2), "the prose says 6 and 2 rows of each batch of 8"
+assert len(dist_losses) == len(one_losses) == TRAIN_STEPS
+assert max_rel < (1e-12 if DTYPE == "float64" else 1e-4), f"the curves differ by {max_rel:.2e}"
+assert dist_losses[-1] < dist_losses[0] - 0.5, "thirty AdamW steps should lower the loss"
+assert loss_chart.legend and all(leg in loss_chart.right for leg in loss_chart.legend), "legend outside"
+assert len(loss_chart.renderers) == 3
 """,
     "06_simulator_and_duplex.ipynb": """
 assert abs(stage.iteration_s - plan.cost_s) <= 1e-9 * plan.cost_s
@@ -197,6 +206,19 @@ assert s4.status == "optimal" and sum(s4.plan.lengths_of("layers.1.moe.w1", 0)) 
 assert g5.status == "valid" and "ratio LP" in g5.hint
 assert g6.status == "valid" and "allow SFB" in g6.hint
 assert gaps[0] > gaps[-1] and abs(gaps[-1]) < 1e-6, gaps  # SFB pays at batch 4, not at 1024
+""",
+    "10_live_rebalancing.ipynb": """
+import math
+assert job.result.ok and static.ok, (job.result.error, static.error)
+assert live["rebalances"], f"no re-balance happened; declined: {live['rejected']}"
+first = live["rebalances"][0]
+assert first["new_ratios"][0][2] < first["old_ratios"][0][2], "work must move off the slowed rank 2"
+assert first["predicted_gain"] > 0 and "rank 2" in first["reason"]
+assert ex.session.rebalances[0] == first and base["rebalances"] == base["rejected"] == []  # telemetry only
+assert len(live["losses"]) == len(base["losses"]) == STEPS
+assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(live["losses"], base["losses"]))
+assert len(chart.children) == 2  # step times; compute vs blocked in collectives
+assert ex.outputs["live_chart"].value.startswith("<iframe srcdoc=") and "re-balanced" in ex.outputs["rebalances"].value
 """,
 }
 
