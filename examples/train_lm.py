@@ -250,13 +250,12 @@ def run(argv: Sequence[str] | None = None, out: Any = sys.stdout) -> tuple[list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import torch.distributed as dist
+    from hapnb.run.buckets import destroy_groups
 
     try:
         run(argv)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_groups()  # garbage first: a distributed module's groups must not outlive the interpreter
     return 0
 
 

@@ -34,6 +34,7 @@ bucket whose all-reduce times out or loses a peer raises
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from ..cost.model import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
 from ..runtime.collective_errors import group_timeout, guarded
 
-__all__ = ["GradBuckets", "program_buckets"]
+__all__ = ["GradBuckets", "program_buckets", "destroy_groups"]
 
 
 class GradBuckets:
@@ -220,3 +221,14 @@ def program_buckets(
     caps = {k: v for k, v in (("cap", cap), ("first_cap", first_cap)) if v is not None}
     named = [(nm, module.get_parameter(nm)) for nm in grad_sync]
     return GradBuckets(named, group=group, wait_at_backward_end=wait_at_backward_end, **caps)
+
+
+def destroy_groups() -> None:
+    """Destroy every process group (``torch.distributed.destroy_process_group``) after collecting garbage:
+    a distributed module sits in reference cycles (its hooks refer to it), so its buckets' process group and
+    work objects would otherwise be freed during interpreter shutdown, after the groups, where gloo can abort
+    the process (SIGABRT, "terminate called without an active exception") although the run succeeded.
+    Nothing happens without an initialised process group."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

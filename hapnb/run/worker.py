@@ -317,8 +317,10 @@ def run_worker(
         return out
     finally:
         sink.close()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+        if created:
+            from .buckets import destroy_groups
+
+            destroy_groups()
 
 
 def _make_trainer(

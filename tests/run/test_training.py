@@ -323,6 +323,7 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from hapnb.plans.plan import Plan
+    from hapnb.run.buckets import destroy_groups
     from hapnb.run.distribute import distribute, full_state_dict
     from hapnb.run.training import check_same_everywhere, plan_digests, weight_sums
 
@@ -419,7 +420,7 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     res["bf16_rowpar"] = bf16_step(Plan.load(amp_path), mlp, mlp_ex)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_groups()
 
 
 def autocast_step(plan) -> dict:  # type: ignore[no-untyped-def]
