@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from hapnb.cost.model import Load, Step
 from hapnb.ir.forms import G, I, R
 from hapnb.ir.graph import Graph, Op, TensorArg, TensorRef, fingerprint
@@ -161,3 +165,18 @@ DP_PINS = {
     "y": "G0",
     **{f"{m}.{k}": "I" for m in ("layers.0", "layers.1", "head") for k in ("weight", "bias")},
 }
+
+
+class BNNet(nn.Module):
+    """conv -> training batch norm -> relu -> pool -> linear -> cross-entropy: the smallest CNN whose batch
+    norm needs statistics over the whole batch (it replicated the batch before batch norm had a rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), y)

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from synthetic import BNNet
 from torch import nn
 
 import hapnb as hap
@@ -23,24 +23,11 @@ from hapnb.plans.explain import program_steps
 from hapnb.runtime.codegen import generate
 
 
-class OneBN(nn.Module):
-    """conv -> training batch norm -> relu -> pool -> linear -> cross-entropy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 5)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3))), y)
-
-
 @pytest.fixture(scope="module")
 def bn_graph():
     torch.manual_seed(0)
     inputs = (torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,)))
-    return hap.trace(OneBN(), inputs), inputs
+    return hap.trace(BNNet(), inputs), inputs
 
 
 def _ran(plan: hap.Plan, inputs: tuple[torch.Tensor, ...]) -> Counter:

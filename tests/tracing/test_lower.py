@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from synthetic import BNNet
 from torch import nn
 
 import hapnb as hap
@@ -35,20 +36,6 @@ class LabelShiftLM(nn.Module):
         logits = self.head(torch.relu(h))
         labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-class BNNet(nn.Module):
-    """conv -> training batch norm -> relu -> pool -> linear: the CNN pattern that replicated the batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 5)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn(self.conv(x)))
-        return F.cross_entropy(self.fc(h.mean((2, 3))), y)
 
 
 def _loads(plan: hap.Plan, tensor: str) -> list[str]:
