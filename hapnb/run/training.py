@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ..runtime.collective_errors import guarded
 from ..runtime.program import LocalParam
 
 __all__ = [
@@ -141,8 +142,17 @@ def global_loss(loss: torch.Tensor) -> float:
 
     total = loss.detach().reshape(()).to(torch.float64).clone()
     if dist.is_initialized():
-        dist.all_reduce(total)
+        _all_reduce(total, "the global loss (dm.global_loss)")
     return float(total)
+
+
+def _all_reduce(x: torch.Tensor, where: str, op: Any = None) -> None:
+    """In-place all-reduce of a training helper on the default group; a timeout or a lost peer raises the
+    :class:`~hapnb.runtime.collective_errors.CollectiveError` that names this rank and ``where``."""
+    import torch.distributed as dist
+
+    kw = {} if op is None else {"op": op}
+    guarded(dist.get_rank(), None, "all_reduce", where, lambda: dist.all_reduce(x, **kw))
 
 
 def clip_grad_norm_(
@@ -174,7 +184,7 @@ def clip_grad_norm_(
             if g.numel():
                 part = torch.maximum(part, g.detach().abs().max().to(torch.float64))
         if dist.is_initialized():
-            dist.all_reduce(part, op=dist.ReduceOp.MAX)
+            _all_reduce(part, "the gradients' global max norm (dm.clip_grad_norm_)", dist.ReduceOp.MAX)
         for g in replicated:
             if g.numel():
                 part = torch.maximum(part, g.detach().abs().max().to(torch.float64))
@@ -184,7 +194,7 @@ def clip_grad_norm_(
         for g in sharded:
             part = part + g.detach().to(torch.float64).abs().pow(norm_type).sum()
         if dist.is_initialized():
-            dist.all_reduce(part)
+            _all_reduce(part, "the gradients' global norm (dm.clip_grad_norm_)")
         for g in replicated:
             part = part + g.detach().to(torch.float64).abs().pow(norm_type).sum()
         total = part.pow(1.0 / norm_type)

@@ -108,6 +108,33 @@ def test_gradient_bucket_wait_names_the_bucket(monkeypatch) -> None:
     assert "gradient bucket 0 of 1 (the all-reduce of the gradients of fc.bias, fc.weight)" in msg
 
 
+def test_training_helpers_name_what_they_reduce(monkeypatch) -> None:
+    """dm.global_loss and dm.clip_grad_norm_ communicate too: a stalled peer there is named as well."""
+    import torch.distributed as dist
+
+    from hapnb.run import training
+    from hapnb.runtime.program import LocalParam
+
+    def stalls(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError(TIMED_OUT)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args: 2)
+    monkeypatch.setattr(dist, "all_reduce", stalls)
+    with pytest.raises(CollectiveError) as info:
+        training.global_loss(torch.tensor(1.5))
+    assert str(info.value).startswith(
+        "rank 2 waited more than 3 s"
+    ) and "the global loss (dm.global_loss)" in str(info.value)
+    fc = torch.nn.Linear(2, 2)
+    fc(torch.ones(1, 2)).sum().backward()
+    params = [LocalParam("weight", "weight", "param", "G0", (2, 2), dim=0, length=2, lengths=(2, 2))]
+    for norm_type, what in ((2.0, "global norm"), (float("inf"), "global max norm")):
+        with pytest.raises(CollectiveError) as info:
+            training.clip_grad_norm_(fc, params, 1.0, norm_type)
+        assert f"the gradients' {what} (dm.clip_grad_norm_)" in str(info.value)
+
+
 def test_generated_collectives_carry_their_instruction(mlp2) -> None:
     """Every communicating call of a rank program names its instruction (index, collective, tensor)."""
     for grad_sync in ("sync", "buckets"):
