@@ -285,6 +285,14 @@ def _run_commands(sub: Any) -> None:
         help="measure the ranks and reshard live to new ratios when a straggler's slowdown pays for it",
     )
     p.add_argument(
+        "--rebalance-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a re-balancing option (implies --rebalance), e.g. program=false (ratios only), links=false, "
+        "every=4, patience=3, threshold=0.5, payback_steps=50, min_gain=0.1, max_rebalances=3",
+    )
+    p.add_argument(
         "--slowdown",
         action="append",
         default=[],

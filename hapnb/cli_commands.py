@@ -381,6 +381,13 @@ def _worker_argv(worker: str) -> tuple[str, ...]:
     return (worker,) if worker.endswith(".py") else ("-m", worker)
 
 
+def _rebalance(ns: Any) -> bool | dict[str, Any]:
+    """``--rebalance`` / ``--rebalance-option KEY=VALUE``: False, True, or the options (which imply it)."""
+    from .run.rebalance import RebalanceOptions
+
+    return RebalanceOptions.parse(ns.rebalance_option) if ns.rebalance_option else bool(ns.rebalance)
+
+
 def _format_rebalance_summary(metrics: Any) -> str:
     from .run.rebalance import summarize
 
@@ -432,7 +439,7 @@ def _print_commands(ns: argparse.Namespace, backend: str, worker: tuple[str, ...
     try:  # issue 21: --rebalance, --slowdown and --dtype travel to every rank
         own = worker in (DEFAULT_WORKER, PIPELINE_WORKER_ARGV)  # hapnb's workers take the collective timeout
         extra = [
-            *live_argv(ns.rebalance, ns.slowdown, False, ns.dtype, per_node * ns.nnodes),
+            *live_argv(_rebalance(ns), ns.slowdown, False, ns.dtype, per_node * ns.nnodes),
             *_runtime_argv(ns),
             *(["--timeout", f"{ns.timeout:g}"] if own else []),
             *ns.worker_args,
@@ -489,7 +496,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             worker=worker,
             extra_args=[*_runtime_argv(ns), *ns.worker_args],  # the worker's own arguments (after --) last
             bundle_dir=ns.bundle_dir,
-            rebalance=ns.rebalance,
+            rebalance=_rebalance(ns),
             slowdown=ns.slowdown,
             dtype=ns.dtype,
         )
@@ -500,7 +507,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         for m in job.metrics():
             print(json.dumps(m) if ns.json else _format_metric(m), flush=True)
         result = job.wait()
-    live = ns.rebalance or bool(ns.slowdown)
+    live = bool(_rebalance(ns)) or bool(ns.slowdown)
     if ns.json:
         keys = {"ok": result.ok, "returncode": result.returncode, "median_step_s": result.median_step_s}
         keys.update(final_loss=result.final_loss, steps=len(result.step_times(0)), wall_s=result.wall_s)

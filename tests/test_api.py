@@ -113,4 +113,6 @@ CLI: dict[str, list[str]] = {
                "--nproc", "--pin", "--plan", "--quiet", "--ratio-pin", "--ratios", "--seq", "--set",
                "--stall-timeout", "--steps", "--timeout"],
 }  # fmt: skip
-CLI["launch"] = sorted([*CLI["launch"], "--dtype", "--rebalance", "--slowdown"])  # issue 21: live rebalance
+CLI["launch"] = sorted(
+    [*CLI["launch"], "--dtype", "--rebalance", "--rebalance-option", "--slowdown"]
+)  # issue 21: live rebalance

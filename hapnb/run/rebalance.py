@@ -136,6 +136,37 @@ class RebalanceOptions:
         return dataclasses.asdict(self)
 
     @staticmethod
+    def parse(items: Sequence[str]) -> dict[str, Any]:
+        """Options from ``KEY=VALUE`` strings (``hapnb launch --rebalance-option``), each value read as its
+        field's type (``true``/``false`` for the flags); the mapping ``launch(rebalance=...)`` takes.
+
+        >>> RebalanceOptions.parse(["program=false", "every=2", "threshold=0.3"])
+        {'program': False, 'every': 2, 'threshold': 0.3}
+        """
+        types = {f.name: f.type for f in dataclasses.fields(RebalanceOptions)}
+        out: dict[str, Any] = {}
+        for item in items:
+            key, sep, text = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in types:
+                raise ValueError(
+                    f"rebalance option {item!r}: expected KEY=VALUE with KEY one of {', '.join(types)}"
+                )
+            kind = types[key]
+            try:
+                if kind == "bool":
+                    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                        raise ValueError(text)
+                    out[key] = text.lower() in ("true", "1", "yes")
+                else:
+                    out[key] = int(text) if kind == "int" else float(text)
+            except ValueError:
+                what = {"int": "an integer", "float": "a number", "bool": "true or false"}[kind]
+                raise ValueError(f"rebalance option {key} takes {what}, got {text!r}") from None
+        RebalanceOptions.from_json(out)  # the ranges are checked here, before any rank starts
+        return out
+
+    @staticmethod
     def from_json(d: Mapping[str, Any] | None) -> RebalanceOptions:
         """Options from a mapping (unknown keys are an error naming them)."""
         d = dict(d or {})

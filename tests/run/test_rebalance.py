@@ -81,6 +81,13 @@ def test_options_and_slowdown_are_checked() -> None:
         RebalanceOptions(patience=0)
     with pytest.raises(ValueError, match="program must be true or false"):
         RebalanceOptions.from_json({"program": 1})
+    opts = RebalanceOptions.parse(["program=false", "every=2", "min-gain=0.2", "links=yes"])
+    assert opts == {"program": False, "every": 2, "min_gain": 0.2, "links": True}
+    assert RebalanceOptions.from_json(opts).program is False
+    for bad, why in ((["progam=false"], "KEY one of every"), (["every=2.5"], "every takes an integer"),
+                     (["links=maybe"], "links takes true or false"), (["every=0"], "integer >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            RebalanceOptions.parse(bad)
     assert parse_slowdown(["2=3", "0=1.5"]) == {2: 3.0, 0: 1.5}
     assert parse_slowdown({1: 2}) == {1: 2.0}
     for bad in (["2"], ["x=3"], ["1=0.5"]):
