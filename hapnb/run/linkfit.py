@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..hardware.parts import COLLECTIVE_KINDS, Collective
+from .telemetry import Streaks
 
 __all__ = ["LinkFit", "LinkDetector", "fit_links", "scaled_links"]
 
@@ -186,16 +187,14 @@ class LinkDetector:
     (module docstring); :meth:`update` returns the kinds that departed for ``patience`` windows in a row."""
 
     def __init__(self, threshold: float, patience: int) -> None:
-        self.threshold, self.patience = threshold, patience
+        self.threshold = threshold
         self.ref: dict[str, float] = {}
-        self.streak: dict[str, int] = {}
+        self._streaks = Streaks(patience)
 
     def update(self, fit: LinkFit) -> tuple[str, ...]:
-        out = set(fit.departing(self.threshold, self.ref))
-        self.streak = {k: self.streak.get(k, 0) + 1 for k in fit.kinds if k in out}
-        return tuple(k for k in fit.kinds if self.streak.get(k, 0) >= self.patience)
+        return self._streaks.update(fit.departing(self.threshold, self.ref), fit.kinds)
 
     def reset(self, ref: Mapping[str, float] | None = None) -> None:
         """Start counting again, against ``ref`` (kind -> scale; default: the plan's model, 1.0)."""
-        self.streak = {}
+        self._streaks.reset()
         self.ref = dict(ref or {})

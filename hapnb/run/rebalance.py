@@ -74,6 +74,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .telemetry import Streaks
+
 __all__ = [
     "RebalanceOptions",
     "SpeedFit",
@@ -223,19 +225,15 @@ class Detector:
     """Counts, per device, the consecutive windows its fitted scale departs (see :class:`SpeedFit`);
     :meth:`update` returns the devices that departed for ``patience`` windows in a row."""
 
-    def __init__(self, options: RebalanceOptions, n: int | None = None) -> None:
+    def __init__(self, options: RebalanceOptions) -> None:
         self.options = options
-        self.streak: list[int] = [0] * (n or 0)
+        self._streaks = Streaks(options.patience)
 
     def update(self, fit: SpeedFit) -> tuple[int, ...]:
-        if len(self.streak) != len(fit.scale):
-            self.streak = [0] * len(fit.scale)
-        out = set(fit.departing(self.options.threshold))
-        self.streak = [s + 1 if i in out else 0 for i, s in enumerate(self.streak)]
-        return tuple(i for i, s in enumerate(self.streak) if s >= self.options.patience)
+        return self._streaks.update(fit.departing(self.options.threshold), range(len(fit.scale)))
 
     def reset(self) -> None:
-        self.streak = [0] * len(self.streak)
+        self._streaks.reset()
 
 
 def variable(window: Mapping[str, Sequence[float]]) -> list[float]:

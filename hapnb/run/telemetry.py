@@ -44,7 +44,7 @@ from typing import Any
 
 from ..hardware.parts import COLLECTIVE_KINDS
 
-__all__ = ["CollectiveClock", "Window", "FIELDS", "LINK_FIELDS", "KIND_OF", "table"]
+__all__ = ["CollectiveClock", "Window", "Streaks", "FIELDS", "LINK_FIELDS", "KIND_OF", "table"]
 
 #: per collective kind, the fields of a rank's row: median seconds blocked per step, their relative
 #: standard deviation over the window, median bytes per step (as the cost model counts them), median calls
@@ -77,6 +77,11 @@ _BYTES_ARG = {"all_gather": 0, "all_gather_into_tensor": 0, "reduce_scatter": 1,
               "all_to_all": 1, "all_to_all_single": 1}  # fmt: skip
 
 
+#: the same argument passed by keyword (default ``tensor``)
+_BYTES_KWARG = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor", "reduce_scatter": "input_list",
+                "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list", "all_to_all_single": "input"}  # fmt: skip
+
+
 def _nbytes(x: Any) -> int:
     """Bytes of a tensor or a list of tensors (0 for anything else)."""
     if isinstance(x, (list, tuple)):
@@ -92,9 +97,7 @@ def _call_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int
     i = _BYTES_ARG.get(name, 0)
     if len(args) > i:
         return _nbytes(args[i])
-    keys = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor", "reduce_scatter": "input_list",
-            "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list", "all_to_all_single": "input"}  # fmt: skip
-    return _nbytes(kwargs.get(keys.get(name, "tensor")))
+    return _nbytes(kwargs.get(_BYTES_KWARG.get(name, "tensor")))
 
 
 class _TimedWork:
@@ -182,6 +185,28 @@ class CollectiveClock:
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved = {}
+
+
+class Streaks:
+    """Per key (a device, a collective kind), how many windows in a row it departed from the plan: what
+    the straggler and link detectors count. :meth:`update` takes the keys that departed in this window and
+    returns, in ``order``, those that departed for ``patience`` windows in a row.
+
+    >>> s = Streaks(2)
+    >>> s.update({1}, range(3)), s.update({1, 2}, range(3)), s.update({2}, range(3))
+    ((), (1,), (2,))
+    """
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience
+        self.count: dict[Any, int] = {}
+
+    def update(self, departed: Any, order: Any) -> tuple[Any, ...]:
+        self.count = {k: self.count.get(k, 0) + 1 for k in departed}
+        return tuple(k for k in order if self.count.get(k, 0) >= self.patience)
+
+    def reset(self) -> None:
+        self.count = {}
 
 
 class Window:

@@ -85,23 +85,26 @@ def test_lower_bound_is_total_flops_over_total_throughput(setup):
     assert cm.lower_bound() == pytest.approx(3 * sum(op.flops for op in g.ops) / 5e12)
 
 
+def _assert_comp_linear(cm: CostModel, step: Step, rnd: random.Random, samples: int) -> None:
+    """``cm.comp_linear(step)`` (what the LP reads) equals ``cm.step_comp`` at random ratios of 2 devices."""
+    coef, const = cm.comp_linear(step)
+    for _ in range(samples):
+        a = rnd.random()
+        r = ((a, 1 - a),)
+        want = cm.step_comp(step, r)
+        got = [sum(coef[k][j] * r[k][j] for k in coef) + const[j] for j in range(2)]
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
+
+
 def test_comp_linear_is_the_cost_models_own_computation(setup):
     g, th, c, cm = setup
     rnd = random.Random(0)
     for op in g.ops:
         for s in th.strategies[op.id]:
-            step = Step(
-                op.id,
-                s,
-                tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role != "activation"),
+            loads = tuple(
+                Load(t, f) for t, f in zip(op.inputs, s.inputs) if g.tensors[t].role != "activation"
             )
-            coef, const = cm.comp_linear(step)
-            for _ in range(3):
-                a = rnd.random()
-                r = ((a, 1 - a),)
-                want = cm.step_comp(step, r)
-                got = [sum(coef[s_][j] * r[s_][j] for s_ in coef) + const[j] for j in range(2)]
-                assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
+            _assert_comp_linear(cm, Step(op.id, s, loads), rnd, 3)
 
 
 def test_memory_counts_parameter_state_and_local_shards(setup):
@@ -183,13 +186,7 @@ def test_device_model_is_linear_in_the_ratio_and_comp_linear_matches(setup):
     for op in g.ops:
         for s in th.strategies[op.id]:
             step = Step(op.id, s, tuple(Load(t, f) for t, f in zip(op.inputs, s.inputs) if t != 2))
-            coef, const = cm.comp_linear(step)
-            for _ in range(5):
-                a = rnd.random()
-                r = ((a, 1 - a),)
-                want = cm.step_comp(step, r)
-                got = [sum(coef[k][j] * r[k][j] for k in coef) + const[j] for j in range(2)]
-                assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
+            _assert_comp_linear(cm, step, rnd, 5)
 
 
 def test_optimizer_step_is_charged_once_to_the_last_stage(setup):
