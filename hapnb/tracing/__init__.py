@@ -5,7 +5,8 @@ to ``torch.fx.symbolic_trace`` + shape propagation; it identifies parameters, bu
 the loss, and asks the rule table (:mod:`hapnb.rules`) for each op's analytic forward flops.
 
 The modules: :mod:`.tracer` (:func:`trace` and its error hints), :mod:`.exported` (the Graph of an
-exported program), :mod:`.lower` (rewriting ops without a rule), :mod:`.fx_fallback` (torch.fx),
+exported program), :mod:`.lower` (rewriting ops without a rule), :mod:`.constants` (folding what depends
+on no input and no weight into lifted constants), :mod:`.fx_fallback` (torch.fx),
 :mod:`.builder` (the Graph under construction) and :mod:`.folds` (unfolding a fold of the batch around
 row-wise ops, e.g. seq-first attention's output projection); for zoo models :mod:`.resolve` (:func:`resolve_model`,
 :func:`zoo_graph`), :mod:`.record` (the fast recorder on meta tensors) and :mod:`.cache` (the trace cache).

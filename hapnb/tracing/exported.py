@@ -142,10 +142,11 @@ def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
 
 
 def _from_lowered(ep: Any, names: list[str], name: str) -> Graph:
-    """The Graph of ``ep`` after :func:`.lower.lower` (unchanged when every op has a rule)."""
+    """The Graph of ``ep`` after :func:`.lower.lower` (unchanged when every op has a rule) and
+    :func:`.constants.fold_constants` (unchanged when nothing depends on no input and no weight)."""
+    from .constants import fold_constants
     from .lower import lower
 
     low = lower(ep)
-    if low.program is ep:
-        return from_export(ep, names, name)
-    return from_export(low.program, names, name, low.origins)
+    folded = fold_constants(low.program)
+    return from_export(folded.program, names, name, low.origins if low.program is not ep else None)
