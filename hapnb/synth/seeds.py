@@ -13,15 +13,16 @@ Seeding the loop with them means the plan is never worse than any of them under 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..hardware.cluster import Cluster
-from ..ir.forms import Form, FullShard, G, I, ShardGradOp
+from ..ir.forms import Form, FullShard, G, I, R, ShardGradOp
 from ..triples import Theory
-from .search import normalize_ratios
+from .search import NoProgramError, Search, normalize_ratios
 
-__all__ = ["baseline_specs", "seeds", "dp_pins", "fsdp_pins"]
+__all__ = ["baseline_specs", "seeds", "dp_pins", "fsdp_pins", "batch_dims"]
 
 #: a seed: (name, pins, ratios per segment, search options)
 Seed = tuple[str, dict[str, Any], tuple[tuple[float, ...], ...], dict[str, bool]]
@@ -60,14 +61,122 @@ def seeds(th: Theory, c: Cluster, user_pins: Mapping[str, Form], memory_bound: b
 
 
 def dp_pins(th: Theory) -> dict[str, Form]:
-    """Data parallel: parameters replicated, inputs split on the batch dim (when they can be)."""
+    """Data parallel: parameters replicated, inputs split on the batch dim (:func:`batch_dims`; replicated
+    where it cannot be split)."""
+    dims = batch_dims(th)
     out: dict[str, Form] = {}
     for t in th.graph.tensors:
         if t.role == "param":
             out[t.name] = I
         elif t.role == "input":
-            out[t.name] = G(0) if G(0) in th.forms[t.id] else I
+            d = dims.get(t.name)
+            out[t.name] = G(d) if d is not None else I
     return out
+
+
+#: the cluster a candidate batch dim's data-parallel program is priced on (:func:`batch_dims`): the choice
+#: is a property of the model, so it does not depend on the cluster being planned
+_JUDGE = "2xV100"
+_BATCH_DIMS: weakref.WeakKeyDictionary[Theory, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def batch_dims(th: Theory) -> dict[str, int]:
+    """The dim of each input that data parallelism splits (inputs that cannot be split are left out).
+
+    Dim 0 of every input, unless no data-parallel program that splits dim 0 avoids all-gathering or
+    re-partitioning a split tensor (it is not the batch: a seq-first ``(S, B, E)`` input's dim 0 is the
+    sequence, which attention needs whole). Then the candidates are the ways of choosing, in each input,
+    the first dim of one common size (a size every input has); the one that splits all along is the batch.
+    Where several (or none) do, each is priced as a data-parallel program on two equal devices and the
+    cheapest is the batch (ties: the earlier size). Cached per theory.
+
+    >>> import torch, hapnb
+    >>> enc = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # seq-first: (S, B, E)
+    >>> g = hapnb.trace(enc, (torch.randn(5, 6, 8),), loss=lambda y: y.square().mean())
+    >>> batch_dims(hapnb.theory(g))
+    {'src': 1}
+    """
+    hit = _BATCH_DIMS.get(th)
+    if hit is None:
+        hit = _BATCH_DIMS[th] = _choose_batch_dims(th)
+    return dict(hit)
+
+
+def _pins_at(th: Theory, dims: Mapping[str, int]) -> dict[str, Form]:
+    out: dict[str, Form] = {t.name: I for t in th.graph.tensors if t.role == "param"}
+    out.update(
+        {t.name: G(dims[t.name]) if t.name in dims else I for t in th.graph.tensors if t.role == "input"}
+    )
+    return out
+
+
+def _candidates(th: Theory) -> list[dict[str, int]]:
+    """Dim 0 of every input that can be split on it, then, per size that every splittable input has, the
+    first dim of that size in each (in order of the dims' sum)."""
+    inputs = [t for t in th.graph.tensors if t.role == "input" and any(f.kind == "G" for f in th.forms[t.id])]
+    first = {t.name: 0 for t in inputs if G(0) in th.forms[t.id]}
+    out = [first]
+    sizes = set.intersection(*(set(t.shape) for t in inputs)) if inputs else set()
+    more = []
+    for size in sorted(sizes):
+        dims = {t.name: t.shape.index(size) for t in inputs}
+        if all(G(d) in th.forms[th.graph.tensor(n).id] for n, d in dims.items()) and dims != first:
+            more.append(dims)
+    return out + sorted(more, key=lambda d: (sum(d.values()), sorted(d.items())))
+
+
+def _splits_through(th: Theory, dims: Mapping[str, int]) -> bool:
+    """Whether some program computes the loss with the inputs split on ``dims`` and the parameters
+    replicated, without all-gathering or re-partitioning a split tensor: the forms each tensor can reach
+    through the ops' strategies (not SFB), partial sums all-reduced and replicated tensors sliced for free
+    (an existence check over form sets, op by op)."""
+    g = th.graph
+    reach: dict[int, set[Form]] = {}
+
+    def close(t: int, forms: set[Form]) -> set[Form]:
+        if R in forms:
+            forms.add(I)
+        if I in forms:
+            forms.update(f for f in th.forms[t] if f.kind == "G")
+        return forms
+
+    for t in g.tensors:
+        if t.role == "input":
+            reach[t.id] = {G(dims[t.name])} if t.name in dims else close(t.id, {I})
+        elif t.role == "param":
+            reach[t.id] = close(t.id, {I})
+        elif t.role in ("buffer", "const"):
+            reach[t.id] = set(th.forms[t.id])
+    for op in g.ops:
+        outs: list[set[Form]] = [set() for _ in op.outputs]
+        for st in th.strategies[op.id]:
+            if not st.sfb and all(f in reach.get(t, ()) for t, f in zip(op.inputs, st.inputs)):
+                for k, f in enumerate(st.outputs):
+                    outs[k].add(f)
+        for t, forms in zip(op.outputs, outs):
+            reach[t] = close(t, forms)
+    return bool(reach.get(g.loss))
+
+
+def _choose_batch_dims(th: Theory) -> dict[str, int]:
+    cands = _candidates(th)
+    if len(cands) == 1 or _splits_through(th, cands[0]):
+        return cands[0]
+    through = [d for d in cands[1:] if _splits_through(th, d)]
+    if len(through) == 1:
+        return through[0]
+    judge = Cluster.parse(_JUDGE)
+    even = tuple(1.0 / judge.n for _ in range(judge.n))
+    plain = {"sfb": False, "grouped": False}
+    best: tuple[float, dict[str, int]] | None = None
+    for dims in through or cands:  # several (or no) candidates split all along: the cheapest program
+        try:
+            res = Search(th, judge, ratios=even, pins=_pins_at(th, dims), options=plain).run()
+        except (NoProgramError, ValueError):
+            continue
+        if best is None or res.cost < best[0] * (1 - 1e-9):
+            best = (res.cost, dims)
+    return best[1] if best is not None else cands[0]
 
 
 def fsdp_pins(

@@ -180,3 +180,26 @@ def test_seq_first_batch_sharded_plan_equals_one_device(seq_first) -> None:
     assert {i.tensor: i.form for i in plan.program if i.kind == "load"}["x"] == "G1"
     rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
     assert rep.ok, rep.text()
+
+
+def test_data_parallel_baselines_split_the_seq_first_batch(seq_first) -> None:
+    """dp_ev and dp_cp split the batch, which a seq-first input holds in dim 1 (dim 0 is the sequence that
+    attention needs whole), and need no activation collective; batch-first inputs keep dim 0."""
+    from hapnb import zoo
+    from hapnb.synth.seeds import batch_dims, dp_pins
+    from hapnb.tracing import zoo_graph
+
+    g, _ = seq_first
+    th = hap.theory(g)
+    assert batch_dims(th) == {"x": 1, "y": 0}
+    assert {k: str(v) for k, v in dp_pins(th).items() if k in ("x", "y")} == {"x": "G1", "y": "G0"}
+    cmp = hap.compare(th, CLUSTER, strategies=["dp_ev", "dp_cp"])
+    for name in ("dp_ev", "dp_cp"):
+        plan = cmp[name].plan
+        assert {i.tensor: i.form for i in plan.program if i.kind == "load"}["x"] == "G1"
+        gathers = [
+            i.name for i in plan.program if i.communicates and ("gather" in i.name or "to_all" in i.name)
+        ]
+        assert not gathers, f"{name} gathers the split batch: {gathers}"
+    lm = hap.theory(zoo_graph("lm", **zoo.TINY["lm"])[0])
+    assert set(batch_dims(lm).values()) == {0}
