@@ -212,6 +212,33 @@ class Theory:
             lens = self._cuts[key] = shard_lengths(base, key[1])
         return tuple(unit * n for n in lens) if unit != 1 else lens
 
+    def without(self, drop: Callable[[Op, Strategy], bool]) -> Theory:
+        """This theory less the compute strategies ``drop(op, strategy)`` rejects, with the same graph,
+        forms and shard cuts: a smaller program space (the tensor-parallel baseline keeps the batch whole,
+        :func:`hapnb.synth.seeds.batch_replicated`). Raises ValueError naming an op left without a strategy.
+
+        >>> import torch, hapnb
+        >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+        >>> th = hapnb.theory(g)
+        >>> len(th.without(lambda op, s: s.name != "replicate").strategies[0])
+        1
+        """
+        g, forms = self.graph, self.forms
+        per_op: list[tuple[Strategy, ...]] = []
+        for op, ss in zip(g.ops, self.strategies):
+            kept = tuple(s for s in ss if not drop(op, s))
+            if not kept:
+                raise ValueError(f"op {op.name} ({op.target}) has no strategy left in the restricted theory")
+            per_op.append(kept)
+        return Theory(
+            g,
+            _Triples(lambda: _all_triples(g, per_op, forms)),
+            tuple(per_op),
+            forms,
+            self.units,
+            self.requires_grad,
+        )
+
     def format(self, tr: Triple) -> str:
         return tr.format(self.graph)
 

@@ -27,7 +27,7 @@ from ..ir.graph import Graph
 from ..synth.balance import solver_name
 from ..synth.optimize import assign_segments, parse_pins, without_gc
 from ..synth.search import NoProgramError, Search
-from ..synth.seeds import baseline_specs
+from ..synth.seeds import baseline_specs, batch_replicated
 from ..tracing import resolve_model
 from ..triples import Theory, coverage, theory
 from .fit import OutOfMemoryError, out_of_memory
@@ -148,8 +148,9 @@ def baselines(
     out = Baselines()
     for name, pins, ratios, opts in baseline_specs(th, c, {}):
         try:
+            space = batch_replicated(th) if name == "tp_ev" else th  # tensor parallel: the batch whole
             out[name] = fixed_plan(
-                th, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
+                space, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
             )
         except (NoProgramError, ValueError) as e:
             out.unavailable[name] = _unavailable(th, e)

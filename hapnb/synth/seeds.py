@@ -19,10 +19,10 @@ from typing import Any
 
 from ..hardware.cluster import Cluster
 from ..ir.forms import Form, FullShard, G, I, R, ShardGradOp
-from ..triples import Theory
+from ..triples import Theory, dim_class
 from .search import NoProgramError, Search, normalize_ratios
 
-__all__ = ["baseline_specs", "seeds", "dp_pins", "fsdp_pins", "batch_dims"]
+__all__ = ["baseline_specs", "seeds", "dp_pins", "fsdp_pins", "batch_dims", "batch_replicated"]
 
 #: a seed: (name, pins, ratios per segment, search options)
 Seed = tuple[str, dict[str, Any], tuple[tuple[float, ...], ...], dict[str, bool]]
@@ -100,6 +100,32 @@ def batch_dims(th: Theory) -> dict[str, int]:
     if hit is None:
         hit = _BATCH_DIMS[th] = _choose_batch_dims(th)
     return dict(hit)
+
+
+def batch_replicated(th: Theory) -> Theory:
+    """``th`` without the strategies that split the batch: every (tensor, dim) in the dim class of an
+    input's batch dim (:func:`batch_dims`, :func:`hapnb.triples.dim_class`) stays whole, as in Megatron-style
+    tensor parallelism, where only weights (and the dims they split) are divided. The ``tp`` baseline of
+    :func:`hapnb.baselines` searches this space: without it, its replicated token ids could be cut by a
+    free slice, which is data parallelism again.
+
+    >>> import torch, hapnb
+    >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+    >>> th = hapnb.theory(g)
+    >>> sorted({str(s.outputs[0]) for s in batch_replicated(th).strategies[0]})
+    ['G1', 'I', 'R']
+    """
+    whole: set[tuple[int, int]] = set()
+    for name, d in batch_dims(th).items():
+        whole.update(dim_class(th, th.graph.tensor(name).id, d))
+    if not whole:
+        return th
+
+    def splits(op: Any, s: Any) -> bool:
+        pairs = zip(op.inputs + op.outputs, s.inputs + s.outputs)
+        return any(f.kind == "G" and (t, f.dim) in whole for t, f in pairs)
+
+    return th.without(splits)
 
 
 def _pins_at(th: Theory, dims: Mapping[str, int]) -> dict[str, Form]:

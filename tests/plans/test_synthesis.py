@@ -24,6 +24,28 @@ def graphs():
     return out
 
 
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_the_tensor_parallel_baseline_keeps_the_batch_whole(graphs, name):
+    """``tp_ev`` is Megatron-style: weights split, no tensor split on the batch (its replicated token ids
+    are never cut by a free slice, which would make it data parallelism)."""
+    from hapnb.synth.seeds import batch_dims
+    from hapnb.triples import dim_class
+
+    g = graphs[(name, "2xV100+2xP100")]
+    th = hap.theory(g)
+    whole = {p for n, d in batch_dims(th).items() for p in dim_class(th, g.tensor(n).id, d)}
+    tp = hap.baselines(th, "2xV100+2xP100")["tp_ev"]
+    assert any(i.kind == "load" and i.form.startswith("G") for i in tp.program), "weights are split"
+    for i in tp.program:
+        for tensor, form in i.outputs:
+            f = hap.parse_form(form) if form else None
+            assert f is None or f.kind != "G" or (g.tensor(tensor).id, f.dim) not in whole, (
+                i.name,
+                tensor,
+                form,
+            )
+
+
 @pytest.mark.parametrize("name", zoo.ZOO_NAMES)
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_plan_between_lower_bound_and_baselines(graphs, name, cluster):
