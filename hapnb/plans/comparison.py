@@ -12,8 +12,9 @@ strategy      what it is, and how its row is computed
               given: ``"simulated"`` by default, ``"cost"`` for HAP's own stage-model choice)
 ``dp_ev``     data parallel (PyTorch DDP), even ratios: parameters replicated, inputs sharded on the batch
 ``dp_cp``     data parallel, ratios proportional to the devices' throughput
-``tp``        Megatron-style tensor parallel: the batch replicated, weights split by the search, even
-              ratios (:func:`hapnb.baselines`' ``tp_ev``; absent when no weight can be split that way)
+``tp``        Megatron-style tensor parallel: the batch whole on every device (no tensor split on it), weights
+              split by the search, even ratios (:func:`hapnb.baselines`' ``tp_ev``; absent when splitting no
+              weight is cheaper)
 ``ep``        expert parallel as DeepSpeed-MoE runs it (MoE models only): expert weights sharded on their
               expert dim with even ratios, the expert count padded to a multiple of the devices (every
               device holds ``ceil(E/n)`` expert slots), everything else data parallel (even ratios)

@@ -139,7 +139,8 @@ def baselines(
     **zoo_options: Any,
 ) -> dict[str, Plan]:
     """Data parallel with even (``dp_ev``) and throughput-proportional (``dp_cp``) ratios, and Megatron-style
-    tensor parallel (``tp_ev``: replicated batch, weights split by the search, even ratios), all under the
+    tensor parallel (``tp_ev``: the batch whole on every device, weights split by the search, even ratios;
+    :func:`hapnb.synth.seeds.batch_replicated`), all under the
     same cost model. A baseline that cannot be built for this model is left out; the result's
     ``unavailable`` says which and why (:class:`Baselines`)."""
     c = cluster if isinstance(cluster, Cluster) else Cluster.resolve(cluster)
