@@ -92,6 +92,8 @@ def measure_one(name: str, size: str, cluster: str) -> dict[str, Any]:
         row["expansions"] = stats.get("expansions")
         row["chosen"] = stats.get("chosen")  # "search" or "baseline NAME": where the picked program came from
         row["synthesis_s"] = plan.synthesis_s
+        row["ratios"] = [round(x, 4) for x in plan.ratios[0]]  # the first segment's share per device
+        row["devices"] = list(plan.devices)
         row["input_forms"] = corpus.input_forms(plan)
         row["batch_sharded"] = corpus.batch_sharded(plan)
         row["fallback_ops"] = dict(Counter(t for _, t in plan.fallback_ops))
@@ -147,19 +149,28 @@ def _optimal(r: dict[str, Any]) -> str:
     return f"{opt} ({r['chosen']})" if r.get("chosen") else opt
 
 
+def _shares(r: dict[str, Any]) -> str:
+    """The plan's share of the batch per device kind, e.g. ``v100 0.187, p100 0.104`` (uneven where the
+    kinds differ: heterogeneous ratios)."""
+    seen: dict[str, set[float]] = {}
+    for name, x in zip(r.get("devices", ()), r.get("ratios", ())):
+        seen.setdefault(name.rsplit("-", 1)[0], set()).add(round(x, 3))
+    return ", ".join(f"{k} " + "/".join(f"{v:.3f}" for v in sorted(xs)) for k, xs in seen.items())
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table: one line per model."""
     head = (
         "| model | params (M) | batch sharded | HAP cost / sim (ms) | dp_ev cost / sim (ms) | HAP vs dp_ev "
-        "(sim) | best fitting baseline (sim) | unavailable | replicated ops (targets) | optimal (picked) | trace (s) | "
-        "synthesis (s) | RSS (GiB) |"
+        "(sim) | best fitting baseline (sim) | unavailable | replicated ops (targets) | optimal (picked) | "
+        "share per device | trace (s) | synthesis (s) | RSS (GiB) |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         rss = r.get("rss_bytes", 0) / 2**30
         if "error" in r or "strategies" not in r:
             lines.append(
-                f"| {r['model']} | | | | | | | | error: {r.get('error', '?')[:120]} | | | | {rss:.1f} |"
+                f"| {r['model']} | | | | | | | | error: {r.get('error', '?')[:120]} | | | | | {rss:.1f} |"
             )
             continue
         s = r["strategies"]
@@ -193,7 +204,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             )
             + " | "
             f"{_ms(d['cost_s'])} / {_ms(d['simulated_s'])}{_oom(d)} | {'' if speed is None else f'{speed:.2f}x'} | "
-            f"{best_txt} | {unavailable} | {rep_txt} | {_optimal(r)} | {r.get('trace_s', 0):.1f} | "
+            f"{best_txt} | {unavailable} | {rep_txt} | {_optimal(r)} | {_shares(r)} | {r.get('trace_s', 0):.1f} | "
             f"{r.get('synthesis_s', 0):.1f} | {rss:.1f} |"
         )
     return "\n".join(lines)
