@@ -18,6 +18,7 @@ factory                 model
 ======================  ============================================================================
 ``llama``               HF ``LlamaForCausalLM`` (GQA, RoPE, RMSNorm, SwiGLU), the library's own loss
 ``llama_handloss``      the same model returning logits, next-token cross-entropy written by hand
+``gemma``               HF ``GemmaForCausalLM`` (tied, scaled embeddings; ``(1 + w)`` RMSNorm, ``type_as``)
 ``t5``                  HF ``T5ForConditionalGeneration`` with ``labels=`` (relative position bias)
 ``vit``                 HF ``ViTForImageClassification`` with ``labels=``
 ``resnet50``            HF ``ResNetForImageClassification`` (bottleneck [3, 4, 6, 3]), train-mode BN
@@ -178,6 +179,35 @@ def llama(size: str = "tiny", batch: int | None = None, seq: int | None = None, 
     model = LlamaForCausalLM(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)
     return _finish(model, "llama", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
+
+
+def gemma(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
+    """Hugging Face ``GemmaForCausalLM`` with the library's own loss: tied input and output embeddings, the
+    embedding scaled by ``sqrt(hidden)``, RMSNorm with ``(1 + weight)`` cast back by ``type_as`` to the
+    residual stream's dtype, GELU-tanh gated MLP, GQA, RoPE, SDPA.
+    tiny: hidden 32, 2 layers, 4 heads of 8 / 2 kv heads, intermediate 64, vocab 128, seq 16, batch 8.
+    real: hidden 1024, 8 layers, 16 heads of 64 / 4 kv heads, intermediate 2816, vocab 32000, seq 512,
+    batch 64.
+    """
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    batch = batch or _pick(size, 8, 64)
+    seq = seq or _pick(size, 16, 512)
+    tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}  # fmt: skip
+    real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip
+    torch.manual_seed(seed)
+    cfg = GemmaConfig(
+        **_pick(size, tiny, real),
+        max_position_embeddings=max(seq, 16),
+        use_cache=False,
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+    model = GemmaForCausalLM(cfg)
+    ids = _tokens(batch, seq, cfg.vocab_size, seed)
+    return _finish(model, "gemma", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
 
 
 def _hand_next_token_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -533,6 +563,7 @@ def convnext_t(
 CORPUS: dict[str, Callable[..., Built]] = {
     "llama": llama,
     "llama_handloss": llama_handloss,
+    "gemma": gemma,
     "t5": t5,
     "vit": vit,
     "resnet50": resnet50,

@@ -360,7 +360,15 @@ def _gen_to(g: Graph, op: Op) -> list[_Cand]:
     if _is_float(_tin(g, op, 0)) and _is_float(_tout(g, op)) and len(op.inputs) == 1:
         cands.append(_Cand("partial", (R,), (R,), "full"))
     if op.target in ("aten.type_as.default", "aten.to.other"):
-        cands = [_Cand(c.name, (c.inputs[0], I), c.outputs) for c in _broadcast_cands(g, op, skip=(1,))]
+        # the second tensor gives its dtype only: it may be in any form (requiring I gathered a
+        # batch-sharded residual stream at every Gemma/Llama-style ``x.type_as(residual)``)
+        other = g.tensors[op.inputs[1]]
+        forms = [I, R] + [G(d) for d in range(other.ndim)]
+        cands = [
+            _Cand(c.name if f == I else f"{c.name}, dtype of {f}", (c.inputs[0], f), c.outputs)
+            for c in _broadcast_cands(g, op, skip=(1,))
+            for f in forms
+        ]
     return cands
 
 
@@ -390,13 +398,19 @@ def _i(*shape: int) -> Any:
     return torch.randint(-4, 5, shape)
 
 
+def _f32(*shape: int) -> Any:
+    """A float32 tensor: the dtype source of ``type_as`` / ``to.other`` (the others are float64)."""
+    return _t(*shape).float()
+
+
 def _nz(x: Any) -> Any:
     """``x`` with its zeros replaced by 3 (a divisor for floor/trunc division and remainder)."""
     return x.masked_fill(x == 0, 3)
 
 
 #: ``(target, build(rng) -> (args, kwargs))`` samples for the ground-truth checker: the integer and
-#: boolean ops (never ``R``), comparisons of both overloads, floor/trunc division, and the ternary ops.
+#: boolean ops (never ``R``), comparisons of both overloads, floor/trunc division, the ternary ops, and
+#: ``type_as`` (its dtype source in every form).
 CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.bitwise_and.Tensor", lambda r: ((_i(*(s := _bsh(r))), _i(s[2])), {})),
     ("aten.bitwise_or.Tensor", lambda r: ((_t(*(s := _bsh(r))) > 0, _t(s[1], 1) > 0), {})),
@@ -430,5 +444,7 @@ CASES: tuple[tuple[str, Callable[[Any], tuple[tuple, dict]]], ...] = (
     ("aten.addcdiv.default", lambda r: ((_t(*(s := _bsh(r))), _t(*s), _t(s[2]).abs() + 1), {})),
     ("aten.lerp.Scalar", lambda r: ((_t(*(s := _bsh(r))), _t(s[2]), 0.3), {})),
     ("aten.lerp.Tensor", lambda r: ((_t(*(s := _bsh(r))), _t(*s), _t(s[1], s[2])), {})),
+    ("aten.type_as.default", lambda r: ((_t(*(s := _bsh(r))), _f32(*s)), {})),
+    ("aten.type_as.default", lambda r: ((_t(*(s := _bsh(r))), _f32(s[2])), {})),
 )
 _register_samples(CASES)
