@@ -12,10 +12,11 @@ like a weight, and each rank computes nothing of them per step.
 
 What is folded (the rest of the program is left as it is):
 
-* a **constant op** is a ``call_function`` of an aten overload with one tensor result, that is neither
-  random (``nondeterministic_seeded``: ``rand``, ``dropout``, ``bernoulli``, ...), nor in-place, nor
-  uninitialized memory (``empty``), and whose tensor arguments are lifted constants or results of
-  constant ops (a size read from an input's shape is a number: shapes are static);
+* a **constant op** is a ``call_function`` of an aten overload with one tensor result that no later op
+  changes in place, that is neither random (``nondeterministic_seeded``: ``rand``, ``dropout``,
+  ``bernoulli``, ...), nor in-place, nor uninitialized memory (``empty``), and whose tensor arguments
+  are lifted constants or results of constant ops (a size read from an input's shape is a number:
+  shapes are static);
 * a constant op's result that a non-constant op uses is **materialized** (becomes a lifted constant,
   named ``<module path>.folded_<node name>``) unless it is a lone factory (an op without tensor arguments, such
   as GPT's position ``arange``, is already as cheap to choose a form for as a constant), or it is large:
@@ -84,7 +85,16 @@ def _is_constant_op(node: Any, constant: set[Any]) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded in target.tags or "empty" in target._schema.name:
         return False
+    if any(_mutates(u) for u in node.users):  # changed in place later (a program not functionalized yet)
+        return False
     return all(a in constant for a in _tensor_args(node))
+
+
+def _mutates(node: Any) -> bool:
+    """Whether ``node`` is an in-place op (``x.add_(1)`` in a program not functionalized yet)."""
+    import torch
+
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _constant_ops(ep: Any) -> set[Any]:
@@ -220,5 +230,6 @@ def fold_constants(ep: Any) -> Folded:
         module_call_graph=ep.module_call_graph,
         example_inputs=ep.example_inputs,
         constants=constants,
+        verifiers=ep.verifiers,
     )
     return Folded(program, tuple(names))

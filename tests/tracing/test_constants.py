@@ -134,3 +134,19 @@ def test_a_plan_with_folded_constants_equals_one_device(relbias) -> None:
     plan = hap.synthesize(g, "1xV100+1xP100")
     rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
     assert rep.ok, rep.text()
+
+
+class InPlace(nn.Module):
+    """A shape-only table changed in place before use (a program not functionalized yet)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).float()
+        doubled = pos * 2
+        pos.add_(1)
+        return (x * doubled + x * pos).sum()
+
+
+def test_a_table_changed_in_place_is_not_folded_from_its_old_value() -> None:
+    model, x = InPlace(), torch.randn(3, 5)
+    out = fold_constants(_export(model, x))
+    torch.testing.assert_close(out.program.module()(x), model(x), rtol=0, atol=0)
