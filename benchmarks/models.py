@@ -145,7 +145,7 @@ def _oom(strategy: dict[str, Any]) -> str:
 def _optimal(r: dict[str, Any]) -> str:
     opt = {True: "yes", False: "no"}.get(r.get("optimal"), "?")
     if r.get("optimal") is False and r.get("gap"):
-        opt += f", gap {r['gap']:.1%}"
+        opt += f", gap {r['gap']:.1%}" if r["gap"] >= 1e-3 else f", gap {r['gap']:.3%}"
     return f"{opt} ({r['chosen']})" if r.get("chosen") else opt
 
 
