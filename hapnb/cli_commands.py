@@ -401,14 +401,12 @@ def _format_rebalance_summary(metrics: Any) -> str:
 
 
 def _format_metric(m: dict[str, Any]) -> str:
+    from . import display
+
     if m.get("event") == "rebalance":
-        r = m["rebalance"]
-        new = "/".join(f"{x:.3f}" for x in (r.get("new_ratios") or [[]])[0])
-        verdict = "re-balance" if r.get("accepted") else "no re-balance"
-        return f"{verdict} after step {r.get('step')}: ratios {new}; {r.get('reason')}"
+        return display.rebalance_text(m["rebalance"])
     if m.get("event") == "telemetry":
-        scale = ", ".join(f"{x:.2f}" for x in m.get("scale", []))
-        return f"telemetry after step {m.get('step')}: time per device vs plan {scale}"
+        return f"telemetry at {display.telemetry_text(m)}"
     parts = [f"rank {m.get('rank', '?')}", f"step {m.get('step', '?')}"]
     if "stage" in m:  # a pipeline plan's rank
         parts.insert(1, f"stage {m['stage']}")

@@ -713,7 +713,7 @@ class Session:
     @property
     def rebalances(self) -> list[dict[str, Any]]:
         """The launch's re-balance decisions so far (accepted or declined, in order; see :class:`Change`)."""
-        return [dict(m["rebalance"]) for m in self.metrics if m.get("event") == "rebalance"]
+        return display.decisions(self.metrics)
 
     @property
     def measured(self) -> list[float]:

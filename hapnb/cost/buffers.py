@@ -64,27 +64,18 @@ def _exported_reads(graph: Graph, program: Any) -> tuple[UpdateRead, ...]:
     :func:`hapnb.runtime.bufferupdates.emit_buffer_updates`: back from each new value through the ops the
     graph left out, stopping at graph activations and at weights)."""
     import torch
-    from torch.export.graph_signature import OutputKind
 
-    from ..tracing import module_path
-    from ..tracing.exported import _live_nodes
+    from ..tracing.exported import live_nodes, mutated_buffers, weight_names
 
-    sig = program.graph_signature
-    nodes = {nd.name: nd for nd in program.graph.nodes}
-    updates = [
-        (module_path(s.target), nodes[s.arg.name])
-        for s in sig.output_specs
-        if s.kind == OutputKind.BUFFER_MUTATION and s.target is not None
-    ]
+    updates = mutated_buffers(program)
     if not updates:
         return ()
-    weights = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    weights.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    live = _live_nodes(program)
+    weights = weight_names(program)
+    live = live_nodes(program)
     ids = {t.name: t.id for t in graph.tensors}
     out = []
     for name, new in updates:
-        if new.op == "placeholder" and module_path(weights.get(new.name, "")) == name:
+        if new.op == "placeholder" and weights.get(new.name) == name:
             continue  # written back unchanged
         acts: list[int] = []
         reads: list[int] = []
@@ -96,7 +87,7 @@ def _exported_reads(graph: Graph, program: Any) -> tuple[UpdateRead, ...]:
                 continue
             seen.add(nd)
             if nd.op == "placeholder":
-                tid = ids.get(module_path(weights.get(nd.name, "")))
+                tid = ids.get(weights.get(nd.name, ""))
                 if tid is not None:
                     reads.append(tid)
             elif nd in live and isinstance(nd.meta.get("val"), torch.Tensor):

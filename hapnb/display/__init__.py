@@ -24,8 +24,9 @@ HTML                    ``graph_html``, ``theory_html`` (filter by op/tensor/kin
                         ``report_html(plan, baselines=...)`` (a whole self-contained page),
                         ``sensitivity_html``, ``why_not_html``, ``what_if_html`` (hapnb.plans.explain's values),
                         ``comparison_html`` (hapnb.compare), ``pipeline_html`` (a PipelinePlan),
-                        ``rebalance_html(metrics)`` (a job's re-balance decisions), ``live_frame(metrics)``
-                        (the live chart as an iframe for a widget)
+                        ``rebalance_html(metrics)`` (a job's re-balance decisions; ``decisions(metrics)``
+                        gives them as records), ``live_frame(metrics)`` (the live chart as an iframe for a
+                        widget)
 graphviz                ``graph_dot(graph, plan=None)``, ``search_tree_dot(search, around=None,
                         depth=2, event=None)``, ``proof_dot(plan)``, ``pipeline_dot(pipeline_plan)``
                         (its stages on the cluster); ``svg(drawing)`` renders one to an SVG string
@@ -57,7 +58,15 @@ from .basics import FORM_COLORS, esc, form_text, safe_html, short_target, time_u
 from .charts import gantt, gantt_frame, gantt_html
 from .comparison import comparison_chart, comparison_html
 from .drawings import graph_dot, has_dot, proof_dot, search_tree_dot, svg
-from .live import live_chart, live_chart_html, live_frame, rebalance_html, rebalance_text, telemetry_text
+from .live import (
+    decisions,
+    live_chart,
+    live_chart_html,
+    live_frame,
+    rebalance_html,
+    rebalance_text,
+    telemetry_text,
+)
 from .pipeline_views import pipeline_dot, pipeline_gantt, pipeline_html
 from .plans import forms_by_tensor, gantt_svg, history_html, plan_diff_html, plan_html, sharding_html
 from .report import launch_html, report_html, verify_status_html
@@ -101,6 +110,7 @@ __all__ = [
     "pipeline_html",
     "pipeline_dot",
     "pipeline_gantt",
+    "decisions",
     "live_chart",
     "live_chart_html",
     "live_frame",

@@ -167,7 +167,12 @@ def gantt_frame(plan: Any, measured: Any = None, width: int = 860) -> str:
         page = gantt_html(plan, measured or None, width=width)
     except Exception:  # noqa: BLE001 - no bokeh: the static timeline
         return safe_html(gantt_svg, plan)
-    height = 110 + 28 * (plan.cluster.n + (2 if measured else 0))
+    return sandboxed_frame(page, 110 + 28 * (plan.cluster.n + (2 if measured else 0)))
+
+
+def sandboxed_frame(page: str, height: int) -> str:
+    """A standalone HTML ``page`` (its scripts inlined) as a sandboxed iframe ``height`` pixels high, what a
+    widget shows a bokeh chart in."""
     return (
         f"<iframe srcdoc=\"{esc(page)}\" style='width:100%;height:{height}px;border:0' "
         "sandbox='allow-scripts'></iframe>"

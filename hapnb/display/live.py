@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .basics import _DEVICE_COLORS, _table, esc, time_unit
-from .charts import legend_outside
+from .charts import legend_outside, sandboxed_frame
 
 __all__ = [
     "live_rows",
@@ -362,8 +362,4 @@ def live_frame(metrics: Sequence[Mapping[str, Any]], *, steps: int | None = None
     except ImportError:  # no bokeh: the decisions in a table
         return rebalance_html(metrics)
     telemetry = any(v is not None for cols in rows.values() for v in cols["compute_s"])
-    height = (2 if telemetry else 1) * 250 + 40 + 18 * len(decisions(metrics))
-    return (
-        f"<iframe srcdoc=\"{esc(page)}\" style='width:100%;height:{height}px;border:0' "
-        "sandbox='allow-scripts'></iframe>"
-    )
+    return sandboxed_frame(page, (2 if telemetry else 1) * 250 + 40 + 18 * len(decisions(metrics)))

@@ -112,7 +112,7 @@ def diff_plans(old: Plan, new: Plan) -> PlanDiff:
         (old.cluster.name, new.cluster.name) if old.cluster != new.cluster else None,
         (len(old.stages), len(new.stages)),
         (len(old.program), len(new.program)),
-        [str(i) for i in old.program] == [str(i) for i in new.program],
+        old.same_program(new),
         old,
         new,
     )

@@ -379,6 +379,11 @@ class Plan:
 
         return display.gantt(self, **kw)
 
+    def same_program(self, other: Plan) -> bool:
+        """Whether ``other`` runs the same instructions (loads, collectives and strategies, in the same
+        order), whatever its ratios and costs."""
+        return [str(i) for i in self.program] == [str(i) for i in other.program]
+
     def summary(self) -> str:
         lines = [
             f"Plan for {self.name} on {self.cluster.name} ({self.cluster.n} devices)",

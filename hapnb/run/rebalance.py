@@ -361,11 +361,6 @@ def _simulated_s(plan: Any) -> float:
     return plan.simulated_s if plan.simulated_s is not None else iteration_time(plan)
 
 
-def _program_key(plan: Any) -> tuple[tuple[str, ...], ...]:
-    """What makes a program (the instructions without lengths or costs): equal keys, same program."""
-    return tuple((i.kind, i.name, i.tensor, i.src, i.form, i.op) for i in plan.program)
-
-
 def _verdict(
     o: _Option, step_s: float, options: RebalanceOptions, horizon: int
 ) -> tuple[bool, str, float, float]:
@@ -440,7 +435,7 @@ def propose(
         t0 = time.perf_counter()
         other = replan(measured)
         replan_s = time.perf_counter() - t0
-        if _program_key(other) != _program_key(plan):
+        if not other.same_program(plan):
             # the difference the planner ranks programs by (the overlap simulation's iteration time)
             # between the two programs, both on the measured cluster, in measured seconds
             p_s = predicted + (_simulated_s(other) - _simulated_s(new)) * fit.k_ref

@@ -248,17 +248,14 @@ class Window:
         n = len(self.step)
         if n == 0:
             return [0.0] * len(FIELDS)
-        comp = statistics.median(self.compute)
-        rsd = statistics.pstdev(self.compute) / comp if n > 1 and comp > 0 else 0.0
+        comp, rsd = _median_rsd(self.compute)
         step = statistics.median(self.step)
         comm = statistics.median(self.comm)
         opt = statistics.median(self.optimizer)
         out = [comp, rsd, comm, step, max(self.step), float(self.memory), float(compile_s), float(n), opt]
-        for k in COLLECTIVE_KINDS:
-            secs, nbytes, calls = zip(*self.links[k]) if self.links[k] else ((0.0,), (0.0,), (0.0,))
-            med = statistics.median(secs)
-            k_rsd = statistics.pstdev(secs) / med if len(secs) > 1 and med > 0 else 0.0
-            out += [med, k_rsd, float(statistics.median(nbytes)), float(statistics.median(calls))]
+        for k in COLLECTIVE_KINDS:  # every step adds a row for every kind (zeros where it ran none)
+            secs, nbytes, calls = zip(*self.links[k])
+            out += [*_median_rsd(secs), float(statistics.median(nbytes)), float(statistics.median(calls))]
         return out
 
     def gather(
@@ -277,6 +274,12 @@ class Window:
             gather(rows, mine)
         self.__init__()  # type: ignore[misc]
         return [[float(x) for x in r.cpu()] for r in rows]
+
+
+def _median_rsd(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and their relative standard deviation (0 for one value or a zero median)."""
+    med = statistics.median(values)
+    return med, statistics.pstdev(values) / med if len(values) > 1 and med > 0 else 0.0
 
 
 def table(rows: list[list[float]]) -> dict[str, list[float]]:

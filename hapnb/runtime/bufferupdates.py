@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from ..ir.forms import Form, I, R
 from ..ir.graph import Graph
+from ..tracing.exported import live_nodes, mutated_buffers, weight_names
 from . import collectives as C
 
 __all__ = ["BufferUpdateError", "emit_buffer_updates", "mutated_buffers", "write_buffer"]
@@ -37,23 +38,6 @@ __all__ = ["BufferUpdateError", "emit_buffer_updates", "mutated_buffers", "write
 
 class BufferUpdateError(ValueError):
     """A buffer update the generated program cannot compute (names the buffer and why)."""
-
-
-def mutated_buffers(program: Any) -> list[tuple[str, fx.Node]]:
-    """``(buffer name, node of its new value)`` for every buffer an exported program updates, in output
-    order; the name is the graph tensor's (the model FQN). Empty for other programs (fx fallback)."""
-    from torch.export.graph_signature import OutputKind
-
-    from ..tracing import module_path
-
-    if not isinstance(program, torch.export.ExportedProgram):
-        return []
-    nodes = {nd.name: nd for nd in program.graph.nodes}
-    out = []
-    for spec in program.graph_signature.output_specs:
-        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target is not None:
-            out.append((module_path(spec.target), nodes[spec.arg.name]))
-    return out
 
 
 def write_buffer(buffer: torch.Tensor, value: torch.Tensor, dim: int = -1, start: int = 0) -> None:
@@ -85,13 +69,8 @@ def emit_buffer_updates(
     updates = mutated_buffers(program)
     if not updates:
         return []
-    from ..tracing import module_path
-    from ..tracing.exported import _live_nodes
-
-    sig = program.graph_signature
-    weights = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    weights.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    live = _live_nodes(program)
+    weights = weight_names(program)
+    live = live_nodes(program)
     activations = {t.name: t.id for t in graph.tensors if t.role == "activation"}
     done: dict[fx.Node, Any] = {}
     notes: list[str] = []
@@ -135,7 +114,7 @@ def emit_buffer_updates(
                     f"the update of buffer {buffer} reads the user input {nd.name} directly; a distributed "
                     "program has only its shard of it. Compute the update from values the loss also uses"
                 )
-            res = weight(module_path(weights[nd.name]), buffer)
+            res = weight(weights[nd.name], buffer)
         elif nd.op != "call_function":
             raise BufferUpdateError(f"the update of buffer {buffer} reads {nd.op} node {nd.name}")
         elif not isinstance(val, (torch.Tensor, list, tuple)):
@@ -154,7 +133,7 @@ def emit_buffer_updates(
         return res
 
     for name, nd in updates:
-        if nd.op == "placeholder" and module_path(weights.get(nd.name, "")) == name:
+        if nd.op == "placeholder" and weights.get(nd.name) == name:
             continue  # written back unchanged
         rec = records[name]
         new = value(nd, name)

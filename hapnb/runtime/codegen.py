@@ -168,8 +168,8 @@ def generate(
     b.place_inputs()
     b.make_weights(weights)
     for k, ins in enumerate(plan.program):
-        where = f"instruction {k} ({ins})"
         b.index = k
+        where = b.label()  # how errors name it, codegen's and a collective's at run time alike
         if ins.kind == "load":
             b.load(ins, where)
         elif ins.kind == "collective":
@@ -440,8 +440,8 @@ class _RankBuilder:
                 )
             ls = self.lengths(t.name, stored.dim, where)
             fn = C.gather_param if ins.name == "load_zero3" else C.all_gather
-            where = {"where": self.label()}
-            self.env[key] = self.emit(fn, (self.attr(t.name), stored.dim, ls), where, name=_tname(t.name, f))
+            kw = {"where": where}
+            self.env[key] = self.emit(fn, (self.attr(t.name), stored.dim, ls), kw, name=_tname(t.name, f))
             return
         if f.kind == "G" and rec.sharded:
             self.env[key] = self.attr(t.name)
@@ -481,7 +481,7 @@ class _RankBuilder:
             new_lens,
         )
         if fn in COLLECTIVE_FUNCTIONS:  # it communicates: its errors name this instruction
-            kwargs = {**kwargs, "where": self.label()}
+            kwargs = {**kwargs, "where": where}
         nd = self.emit(fn, args, kwargs, _tname(t.name, dst))
         if ins.segment is not None:
             self.tagged[(t.id, dst, ins.segment)] = (nd, new_lens if new_lens is not None else ())

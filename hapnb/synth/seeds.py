@@ -63,15 +63,7 @@ def seeds(th: Theory, c: Cluster, user_pins: Mapping[str, Form], memory_bound: b
 def dp_pins(th: Theory) -> dict[str, Form]:
     """Data parallel: parameters replicated, inputs split on the batch dim (:func:`batch_dims`; replicated
     where it cannot be split)."""
-    dims = batch_dims(th)
-    out: dict[str, Form] = {}
-    for t in th.graph.tensors:
-        if t.role == "param":
-            out[t.name] = I
-        elif t.role == "input":
-            d = dims.get(t.name)
-            out[t.name] = G(d) if d is not None else I
-    return out
+    return _pins_at(th, batch_dims(th))
 
 
 #: the cluster a candidate batch dim's data-parallel program is priced on (:func:`batch_dims`): the choice
@@ -129,6 +121,7 @@ def batch_replicated(th: Theory) -> Theory:
 
 
 def _pins_at(th: Theory, dims: Mapping[str, int]) -> dict[str, Form]:
+    """Parameters replicated, each input split on its dim of ``dims`` (replicated when it has none)."""
     out: dict[str, Form] = {t.name: I for t in th.graph.tensors if t.role == "param"}
     out.update(
         {t.name: G(dims[t.name]) if t.name in dims else I for t in th.graph.tensors if t.role == "input"}

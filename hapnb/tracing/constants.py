@@ -192,22 +192,18 @@ def fold_constants(ep: Any) -> Folded:
     sig = ep.graph_signature
     specs = list(sig.input_specs)
     first_user = next((k for k, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
-    anchor = next(
-        (remap[n] for n in ep.graph.nodes if n.op == "placeholder" and n.name == specs[first_user].arg.name),
-        None,
-    ) if first_user < len(specs) else None  # fmt: skip
+    users = {remap[n] for n in ep.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs}
+    # the new placeholders go where their specs go: before the user inputs (after every other placeholder)
+    anchor = next(n for n in graph.nodes if n in users or n.op != "placeholder")
     constants = dict(ep.constants)
+    taken = set(ep.state_dict) | set(constants)
     new_specs: list[Any] = []
     names: list[str] = []
     for node in chosen:
-        fqn = _fqn(node, set(ep.state_dict) | set(constants))
-        if anchor is not None:
-            with graph.inserting_before(anchor):
-                holder = graph.placeholder(f"c_{node.name}")
-        else:
-            last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-            with graph.inserting_after(last):
-                holder = graph.placeholder(f"c_{node.name}")
+        fqn = _fqn(node, taken)
+        taken.add(fqn)
+        with graph.inserting_before(anchor):
+            holder = graph.placeholder(f"c_{node.name}")
         holder.meta.update(remap[node].meta)
         remap[node].replace_all_uses_with(holder)
         constants[fqn] = values[node]

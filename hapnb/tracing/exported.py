@@ -12,7 +12,7 @@ from ..ir.graph import Graph, TraceError, normalize_args
 from .builder import _Builder, _canonical, _loss_of, module_path
 
 
-def _live_nodes(ep: Any) -> set[Any]:
+def live_nodes(ep: Any) -> set[Any]:
     """The nodes the exported program's user outputs depend on (a lowered program also returns its
     buffer updates, e.g. batch norm's running statistics: they do not reach the loss)."""
     import torch
@@ -31,6 +31,31 @@ def _live_nodes(ep: Any) -> set[Any]:
     return live
 
 
+def mutated_buffers(program: Any) -> list[tuple[str, Any]]:
+    """``(buffer name, node of its new value)`` for every buffer an exported program updates, in output
+    order; the name is the graph tensor's (the model FQN). Empty for other programs (fx fallback)."""
+    import torch
+    from torch.export.graph_signature import OutputKind
+
+    if not isinstance(program, torch.export.ExportedProgram):
+        return []
+    nodes = {nd.name: nd for nd in program.graph.nodes}
+    return [
+        (module_path(spec.target), nodes[spec.arg.name])
+        for spec in program.graph_signature.output_specs
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target is not None
+    ]
+
+
+def weight_names(program: Any) -> dict[str, str]:
+    """Placeholder name -> graph tensor name (the model FQN) of every parameter, buffer and lifted constant
+    of an exported program: what a walk back from a buffer update meets as an old weight."""
+    sig = program.graph_signature
+    src = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    src.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    return {k: module_path(v) for k, v in src.items()}
+
+
 def from_export(ep: Any, names: list[str], name: str, origins: dict[str, str] | None = None) -> Graph:
     """The Graph of an exported program. ``origins`` (a lowered program, :mod:`.lower`): the target each
     lowered op node came from (kept as ``Op.origin``). A program that also returns buffer updates (batch
@@ -39,7 +64,7 @@ def from_export(ep: Any, names: list[str], name: str, origins: dict[str, str] | 
     import torch
 
     live = (
-        _live_nodes(ep)
+        live_nodes(ep)
         if len(ep.graph_signature.output_specs) > len(ep.graph_signature.user_outputs)
         else None
     )
