@@ -15,8 +15,9 @@ What is folded (the rest of the program is left as it is):
 * a **constant op** is a ``call_function`` of an aten overload with one tensor result that no later op
   changes in place, that is neither random (``nondeterministic_seeded``: ``rand``, ``dropout``,
   ``bernoulli``, ...), nor in-place, nor uninitialized memory (``empty``), and whose tensor arguments
-  are lifted constants or results of constant ops (a size read from an input's shape is a number:
-  shapes are static);
+  are lifted constants, frozen buffers (non-persistent buffers the program never updates: no checkpoint
+  holds them and no step changes them, e.g. a rotary embedding's ``inv_freq``) or results of constant
+  ops (a size read from an input's shape is a number: shapes are static);
 * a constant op's result that a non-constant op uses is **materialized** (becomes a lifted constant,
   named ``<module path>.folded_<node name>``) unless it is a lone factory (an op without tensor arguments, such
   as GPT's position ``arange``, is already as cheap to choose a form for as a constant), or it is large:
@@ -97,9 +98,24 @@ def _mutates(node: Any) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
+def _sources(ep: Any) -> dict[str, str]:
+    """Placeholder name -> name in ``ep.constants`` of every value the program reads but no step changes:
+    its lifted constants and its *frozen buffers*, the non-persistent buffers the program never updates
+    (in no state dict, so no checkpoint restores them; e.g. a rotary embedding's ``inv_freq``)."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    out = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    updated = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.BUFFER and spec.persistent is False and spec.target not in updated:
+            out[spec.arg.name] = spec.target
+    return out
+
+
 def _constant_ops(ep: Any) -> set[Any]:
     """The constant ops of ``ep`` (module doc)."""
-    consts = set(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    consts = _sources(ep)
     constant = {n for n in ep.graph.nodes if n.op == "placeholder" and n.name in consts}
     ops: set[Any] = set()
     for node in ep.graph.nodes:  # topological order: arguments first
@@ -133,8 +149,7 @@ def _evaluate(ep: Any, wanted: list[Any]) -> dict[Any, Any]:
     """The values of ``wanted`` (constant ops), computed from the lifted constants."""
     import torch
 
-    sig = ep.graph_signature
-    consts = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    consts = _sources(ep)
     need: set[Any] = set()
     stack = list(wanted)
     while stack:

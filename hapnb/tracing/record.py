@@ -17,7 +17,8 @@ argument defaults from the op schema (:func:`normalize_args`). Meta kernels that
 made here (:data:`_RESULTS`: layouts export's fake CPU tensors have, and slow Python meta kernels).
 
 What it refuses (:class:`Unsupported`, and the caller falls back to torch.export): in-place ops in the
-forward, tensors that are neither a parameter, buffer, input nor an op's result (lifted constants), and
+forward, non-persistent buffers (export folds the ops that read only them, :mod:`.constants`), tensors
+that are neither a parameter, buffer, input nor an op's result (lifted constants), and
 results other than tensors, tuples of tensors and None.
 ``tests/tracing/test_fasttrace.py`` checks the recorded Graph against torch.export for every zoo model.
 
@@ -327,6 +328,10 @@ def record(
     where: dict[int, tuple[_Ref, Any]] = {}
     holders = [(fqn, p, "param") for fqn, p in wrapper.named_parameters()]
     holders += [(fqn, b, "buffer") for fqn, b in wrapper.named_buffers()]
+    for path, mod in wrapper.named_modules():
+        if mod._non_persistent_buffers_set:  # export folds what depends on them alone (..constants)
+            first = sorted(mod._non_persistent_buffers_set)[0]
+            raise Unsupported(f"{path + '.' if path else ''}{first} is a non-persistent buffer")
     for k, x in enumerate(example):
         if not isinstance(x, torch.Tensor):
             raise Unsupported(f"example input {k} is a {type(x).__name__}, not a tensor")

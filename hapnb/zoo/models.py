@@ -319,8 +319,9 @@ class CausalLM(nn.Module):
         self.hidden = hidden
         self.vocab = vocab
         self.embed = nn.Embedding(vocab, hidden)
-        self.register_buffer("pos", _sinusoid(seq, hidden), persistent=False)
-        self.register_buffer("mask", _causal_mask(seq), persistent=False)
+        # persistent: tables in the state dict stay in the program (export folds non-persistent ones)
+        self.register_buffer("pos", _sinusoid(seq, hidden))
+        self.register_buffer("mask", _causal_mask(seq))
         self.drop = nn.Dropout(dropout)
         blocks: list[nn.Module] = []
         for i in range(layers):

@@ -150,3 +150,61 @@ def test_a_table_changed_in_place_is_not_folded_from_its_old_value() -> None:
     model, x = InPlace(), torch.randn(3, 5)
     out = fold_constants(_export(model, x))
     torch.testing.assert_close(out.program.module()(x), model(x), rtol=0, atol=0)
+
+
+class Rotary(nn.Module):
+    """Rotary cos/sin tables from a non-persistent ``inv_freq`` buffer (as Hugging Face models compute them),
+    applied to a projection of the input."""
+
+    def __init__(self, dim: int = 4, persistent: bool = False) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=persistent)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, dim)
+        pos = torch.arange(x.shape[1]).float()
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        h = self.proj(x)
+        return (h * emb.cos() + h.flip(-1) * emb.sin()).sum()
+
+
+def test_tables_of_non_persistent_buffers_are_folded_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = Rotary(), torch.randn(2, 6, 4)
+    out = fold_constants(_export(model, x))
+    assert {"aten.cos.default", "aten.sin.default", "aten.outer.default"}.isdisjoint(_targets(out.program))
+    assert len(out.folded) == 2  # cos and sin, (6, 4) each
+    torch.testing.assert_close(out.program.module()(x), model(x), rtol=0, atol=0)
+    # a persistent buffer is state (a checkpoint may restore it): its tables stay computed
+    kept = fold_constants(_export(Rotary(persistent=True), x)).program
+    assert {"aten.cos.default", "aten.sin.default", "aten.outer.default"} <= _targets(kept)
+
+
+class Counter(nn.Module):
+    """A non-persistent buffer the forward updates: not a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return (x * self.steps.exp()).sum()
+
+
+def test_a_non_persistent_buffer_the_program_updates_is_not_folded() -> None:
+    from hapnb.tracing.lower import lower
+
+    ep = lower(_export(Counter(), torch.randn(3, 5))).program
+    assert fold_constants(ep).program is ep
+
+
+def test_the_meta_recorder_refuses_non_persistent_buffers() -> None:
+    """The recorder cannot compute on meta tensors, so it leaves such models to torch.export, which folds."""
+    from hapnb.tracing.record import Unsupported, record
+
+    model = Rotary().to("meta")
+    with pytest.raises(Unsupported, match="inv_freq is a non-persistent buffer"):
+        record(model, (torch.empty(2, 6, 4, device="meta"),), loss=None)
