@@ -37,6 +37,7 @@ from .ir.collective_table import conversions
 from .ir.forms import Form, G, I, R, shard_lengths
 from .ir.graph import Graph, Op, TensorRef
 from .rules import RULE_SOURCES, Strategy
+from .tracing.constants import folded_constants
 
 __all__ = [
     "Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES",
@@ -431,10 +432,12 @@ class CoverageRow:
 @dataclass(frozen=True)
 class Coverage:
     """Every op of a program by rule source (:func:`coverage`); ``fallback`` lists the ops without any
-    rule, which run replicated."""
+    rule, which run replicated; ``folded`` names the constants that replaced work depending on no input,
+    weight or state (:mod:`hapnb.tracing.constants`: those ops are not in the program)."""
 
     name: str
     rows: tuple[CoverageRow, ...]
+    folded: tuple[str, ...] = ()
 
     @property
     def fallback(self) -> tuple[CoverageRow, ...]:
@@ -462,6 +465,7 @@ class Coverage:
             "targets": {s: self.targets(s) for s in RULE_SOURCES},
             "lowered_from": sorted({r.origin for r in self.rows if r.origin}),
             "fallback_ops": [[r.op, r.target] for r in self.fallback],
+            "folded_constants": list(self.folded),
         }
 
     def summary(self) -> str:
@@ -475,6 +479,13 @@ class Coverage:
         lowered = sorted({r.origin for r in self.rows if r.origin})
         if lowered:
             lines.append(f"  lowered at trace time: {', '.join(lowered)}")
+        if self.folded:
+            shown = ", ".join(self.folded[:4]) + (
+                f", ... ({len(self.folded)} in all)" if len(self.folded) > 4 else ""
+            )
+            lines.append(
+                f"  computed once at trace time (no input, weight or state), loaded as constants: {shown}"
+            )
         if self.fallback:
             lines.append(
                 "  ops without a rule run replicated and force their tensors to I; see docs/benchmarks/models.md "
@@ -504,7 +515,7 @@ def coverage(th: Theory) -> Coverage:
         else:
             src = "discovered" if len(strats) > 1 else "none"
         rows.append(CoverageRow(op.name, op.target, src, len(strats), op.origin, op.module))
-    return Coverage(g.name, tuple(rows))
+    return Coverage(g.name, tuple(rows), folded_constants(g))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

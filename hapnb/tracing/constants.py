@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Folded", "fold_constants", "SMALL_BYTES", "MAX_BYTES"]
+__all__ = ["Folded", "fold_constants", "folded_constants", "SMALL_BYTES", "MAX_BYTES"]
 
 #: a constant that grows past its op's arguments is still materialized up to this size (bytes)
 SMALL_BYTES = 64 * 1024
@@ -175,6 +175,13 @@ def _evaluate(ep: Any, wanted: list[Any]) -> dict[Any, Any]:
                 kwargs = torch.fx.node.map_aggregate(n.kwargs, value)
                 env[n] = n.target(*args, **kwargs)
     return {n: env[n].clone() for n in wanted}
+
+
+def folded_constants(graph: Any) -> tuple[str, ...]:
+    """The names of a traced Graph's folded constants (``<module path>.folded_<node name>``, :func:`_fqn`)."""
+    return tuple(
+        t.name for t in graph.tensors if t.role == "const" and t.name.rsplit(".", 1)[-1].startswith("folded_")
+    )
 
 
 def _fqn(node: Any, taken: Any) -> str:

@@ -208,3 +208,16 @@ def test_the_meta_recorder_refuses_non_persistent_buffers() -> None:
     model = Rotary().to("meta")
     with pytest.raises(Unsupported, match="inv_freq is a non-persistent buffer"):
         record(model, (torch.empty(2, 6, 4, device="meta"),), loss=None)
+
+
+def test_coverage_lists_the_folded_constants() -> None:
+    """The folded ops are gone from the program; the coverage report names the constants that replaced them."""
+    from hapnb.triples import coverage
+
+    torch.manual_seed(0)
+    cov = coverage(hap.theory(hap.trace(Rotary(), (torch.randn(2, 6, 4),))))
+    assert len(cov.folded) == 2 and all(n.rsplit(".", 1)[-1].startswith("folded_") for n in cov.folded)
+    assert cov.to_json()["folded_constants"] == list(cov.folded)
+    assert "loaded as constants: " + cov.folded[0] in cov.summary()
+    plain = hap.trace(nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
+    assert coverage(hap.theory(plain)).folded == ()
