@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hapnb import zoo
 from hapnb.plans.plan import Plan
+from hapnb.run.buckets import destroy_groups
 from hapnb.run.distribute import distribute, full_state_dict
 
 
@@ -111,7 +112,7 @@ def main() -> int:
             torch.save({k: v.cpu() for k, v in full.items()}, args.out)
             print(f"saved the full state_dict to {args.out}", flush=True)
     dist.barrier()  # let every rank finish before the group goes away
-    dist.destroy_process_group()
+    destroy_groups()  # garbage first: a distributed module's groups must not outlive the interpreter
     return 0
 
 

@@ -35,4 +35,4 @@ def run_ranks(argv: list[str], n: int, env: dict[str, str], on_heartbeat=None) -
         pids = sup.pids
         res = sup.wait()
     assert_gone(pids)
-    assert res.ok, f"{res.error}\n" + "\n".join("\n".join(t) for t in res.stderr_tails)
+    assert res.ok, f"{res.error}\n" + "\n".join(res.stderr_tails)  # each rank's last lines, one string
