@@ -358,7 +358,7 @@ class _Inputs:
 
 
 def _dp_ev(th: Theory, c: Cluster) -> tuple[dict[str, Any], Any, dict[str, bool]]:
-    """The pins, ratios and search options of the ``dp_ev`` baseline (:func:`hapnb.synth.optimize.baseline_specs`),
+    """The pins, ratios and search options of the ``dp_ev`` baseline (:func:`hapnb.synth.seeds.baseline_specs`),
     which ``ep`` and ``fsdp`` start from."""
     _, pins, ratios, opts = next(s for s in baseline_specs(th, c, {}) if s[0] == "dp_ev")
     return pins, ratios, opts

@@ -113,9 +113,8 @@ def _sources(ep: Any) -> dict[str, str]:
     return out
 
 
-def _constant_ops(ep: Any) -> set[Any]:
-    """The constant ops of ``ep`` (module doc)."""
-    consts = _sources(ep)
+def _constant_ops(ep: Any, consts: dict[str, str]) -> set[Any]:
+    """The constant ops of ``ep`` (module doc), given its :func:`_sources`."""
     constant = {n for n in ep.graph.nodes if n.op == "placeholder" and n.name in consts}
     ops: set[Any] = set()
     for node in ep.graph.nodes:  # topological order: arguments first
@@ -145,11 +144,10 @@ def _materialize(ep: Any, ops: set[Any]) -> list[Any]:
     return [n for n in ep.graph.nodes if n in chosen]
 
 
-def _evaluate(ep: Any, wanted: list[Any]) -> dict[Any, Any]:
-    """The values of ``wanted`` (constant ops), computed from the lifted constants."""
+def _evaluate(ep: Any, wanted: list[Any], consts: dict[str, str]) -> dict[Any, Any]:
+    """The values of ``wanted`` (constant ops), computed from the values of ``consts`` (:func:`_sources`)."""
     import torch
 
-    consts = _sources(ep)
     need: set[Any] = set()
     stack = list(wanted)
     while stack:
@@ -202,11 +200,12 @@ def fold_constants(ep: Any) -> Folded:
     import torch
     from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
 
-    ops = _constant_ops(ep)
+    sources = _sources(ep)
+    ops = _constant_ops(ep, sources)
     chosen = _materialize(ep, ops)
     if not chosen:
         return Folded(ep)
-    values = _evaluate(ep, chosen)
+    values = _evaluate(ep, chosen, sources)
     graph = torch.fx.Graph()
     remap: dict[Any, Any] = {}
     out = graph.graph_copy(ep.graph, remap)
