@@ -22,9 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hapnb import zoo
+from hapnb import destroy_groups, zoo
 from hapnb.plans.plan import Plan
-from hapnb.run.buckets import destroy_groups
 from hapnb.run.distribute import distribute, full_state_dict
 
 

@@ -250,7 +250,7 @@ def run(argv: Sequence[str] | None = None, out: Any = sys.stdout) -> tuple[list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hapnb.run.buckets import destroy_groups
+    from hapnb import destroy_groups
 
     try:
         run(argv)

@@ -8,7 +8,7 @@ heterogeneous GPU clusters.
 
 The main entry points (docs/architecture.md §4): :func:`trace`, :func:`theory`, :class:`Search`, :func:`synthesize`,
 :class:`Plan`, :func:`baselines`, :func:`verify`, :func:`distribute`, :func:`full_state_dict`,
-:func:`launch`, :func:`pipeline` (Ditto's heterogeneous pipelines), :func:`compare` (every strategy under
+:func:`launch`, :func:`destroy_groups` (end a job), :func:`pipeline` (Ditto's heterogeneous pipelines), :func:`compare` (every strategy under
 one cost model) and :class:`Cluster`. Heavy modules load on first use.
 """
 
@@ -61,6 +61,7 @@ _LAZY = {
     "full_state_dict": "run.distribute",
     "save_checkpoint": "run.checkpoint",
     "load_checkpoint": "run.checkpoint",
+    "destroy_groups": "run.buckets",
     "launch": "run.launch",
     "zoo": "zoo",
     "rules": "rules",

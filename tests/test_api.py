@@ -20,11 +20,13 @@ PUBLIC = [
     "FullShard", "ShardGradOp", "Storage", "parse_pin",  # issue 10: parameter storage pins (ZeRO-3 / ZeRO-2)
     "Planner",  # issue 19: one Planner owns the theory, the arguments and every cache; Plan is a value
     "save_checkpoint", "load_checkpoint",  # issue 20: sharded checkpoints
+    "destroy_groups",  # issue 18 (closing note): end a job's process groups after collecting garbage
 ]  # fmt: skip
 
 FUNCTIONS = ["baselines", "compare", "distribute", "full_state_dict", "launch", "parse_form", "parse_pin", "pipeline", "shard_lengths",
              "simulate", "synthesize", "theory", "trace", "verify",
              "save_checkpoint", "load_checkpoint",  # issue 20: sharded checkpoints
+             "destroy_groups",
              ]  # fmt: skip
 MODULES = ["collectives", "display", "rules", "zoo"]
 

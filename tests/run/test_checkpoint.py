@@ -150,7 +150,6 @@ def worker(plan_a: str, plan_b: str, out_dir: str) -> None:
 
     import hapnb
     from hapnb.plans.plan import Plan
-    from hapnb.run.buckets import destroy_groups
 
     dist.init_process_group("gloo")
     rank, res = dist.get_rank(), {}
@@ -184,7 +183,7 @@ def worker(plan_a: str, plan_b: str, out_dir: str) -> None:
     dist.barrier()
     # garbage first: plan A's distributed module sits in a reference cycle; freed at interpreter shutdown,
     # after the groups, its gloo group aborted the process (SIGABRT, seen once in CI)
-    destroy_groups()
+    hapnb.destroy_groups()
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":

@@ -322,8 +322,8 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
+    from hapnb import destroy_groups
     from hapnb.plans.plan import Plan
-    from hapnb.run.buckets import destroy_groups
     from hapnb.run.distribute import distribute, full_state_dict
     from hapnb.run.training import check_same_everywhere, plan_digests, weight_sums
 
