@@ -19,7 +19,9 @@ saved twice in one form counts once) and its *deferred* parameters (a bit mask).
 * **Pruning.** A node is pruned when a lower bound of its final peak exceeds a device's capacity: its parts
   plus the least the rest must add (every later parameter and input in its leanest allowed form, every
   later op's least saved activations that no earlier op can have saved) through the peak formula. The peak
-  only grows as a program grows, so this never prunes a program that fits.
+  only grows as a program grows, so this never prunes a program that fits. Most nodes are far below every
+  capacity; a quick screen (:meth:`MemoryTracker.check`: both phases as one linear map of the parts)
+  settles those without the exact arithmetic, with a margin far above rounding, so no decision changes.
 * **Dominance.** Of two partial programs with the same key, one dominates the other only if it is no
   costlier (the plain search's test), no larger in every memory part on every device, has saved at least
   the other's live activations and deferred no parameter the other did not. Then for every completion of
@@ -85,6 +87,7 @@ class MemoryTracker:
                 self._compile_op(pos, c, s._last_use)  # each tensor's last reader (the search's tables)
         self._future(s)
         self._groups()
+        self._screen()
         self.stats = {"realized": 0, "milp": 0, "pruned_memory": 0}
 
     # ------------------------------------------------------------------ pieces as vectors
@@ -207,8 +210,53 @@ class MemoryTracker:
         raw = 3.0 * P + In + np.maximum(2.0 * P, A + 2.0 * mem[_L] + mem[_F] + mem[_X])
         return raw * self.scale + self.const
 
+    def _screen(self) -> None:
+        """Tables for a quick test that a node is clear of every device's capacity (:meth:`_clear`):
+        both phases of the peak as one linear map of the parts (``3P + In + A + 2L + F + X`` and ``5P +
+        In``, which is the peak formula's maximum written out) plus the rest's least parts per position."""
+        self._lin = np.array([[3.0, 1.0, 1.0, 2.0, 1.0, 1.0], [5.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+        f = self._fut
+        self._clin = np.stack([3.0 * f[:, 0] + f[:, 1] + f[:, 2], 5.0 * f[:, 0] + f[:, 1]], axis=1)
+        self._mult = np.array([[3.0], [5.0]])  # what one replicated byte of P adds to each phase
+        # raw bytes per device below which the exact tests cannot fire, with a margin far above rounding
+        self._room = (self.cap - self.const) / self.scale * (1.0 - 1e-6)
+        self._gall = 0
+        for m in self._gmask:
+            self._gall |= m
+        self._counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _deferred(self, dm: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per group of :meth:`_groups`, how many of deferred mask ``dm``'s parameters it holds, and the P
+        per device they would add kept replicated."""
+        hit = self._counts.get(dm)
+        if hit is None:
+            counts = np.array([(dm & m).bit_count() for m in self._gmask], dtype=float)
+            hit = self._counts[dm] = (counts, counts @ self._gdP)
+        return hit
+
+    def check(self, state: MemState, pos: int) -> tuple[str, float]:
+        """:meth:`exceeds` and :meth:`storage_bound` at once: ``(why the node cannot fit, or "", the extra
+        seconds its storage will cost)``; one quick test settles both for a node far from the capacities."""
+        dm = state[2]
+        extra = self._deferred(dm)[1] if dm & self._gall else None
+        if self._clear(state[0], pos, extra):
+            return "", 0.0
+        why = self.exceeds(state, pos)
+        return (why, 0.0) if why else ("", self.storage_bound(state, pos))
+
+    def _clear(self, mem: np.ndarray, pos: int, extra: np.ndarray | None = None) -> bool:
+        """Whether every device's peak (with the least the ops from ``pos`` on must add and, with ``extra``,
+        that many more bytes of P) is clearly below its capacity: then neither :meth:`exceeds` nor
+        :meth:`storage_bound` can fire, and their exact arithmetic is skipped."""
+        raw = self._lin @ mem + self._clin[pos]
+        if extra is not None:
+            raw = raw + self._mult * extra
+        return bool((raw.max(axis=0) < self._room).all())
+
     def exceeds(self, state: MemState, pos: int) -> str:
         """Why the node cannot fit (empty when it may)."""
+        if self._clear(state[0], pos):
+            return ""
         peak = self.peak(state[0], pos)
         over = peak - self.cap * (1 + 1e-9) - 1.0
         j = int(np.argmax(over))
@@ -249,11 +297,14 @@ class MemoryTracker:
         add; switching one parameter to ZeRO saves at most ``5 * scale * extra P`` bytes of the optimizer
         phase (``3 *`` of the backward) and costs at least its group's extra seconds: the cheapest
         fractional cover of ``need`` (a fractional knapsack per device and phase) bounds the cost."""
-        counts = np.array([(state[2] & m).bit_count() for m in self._gmask], dtype=float)
-        if not counts.any():
+        dm = state[2]
+        if not dm & self._gall:
+            return 0.0
+        counts, extra = self._deferred(dm)
+        if self._clear(state[0], pos, extra):
             return 0.0
         mem, f = state[0], self._fut[pos]
-        P = mem[_P] + f[0] + counts @ self._gdP
+        P = mem[_P] + f[0] + extra
         In, A = mem[_IN] + f[1], mem[_A] + f[2]
         T = 2.0 * mem[_L] + mem[_F] + mem[_X]
         best = 0.0

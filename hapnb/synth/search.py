@@ -388,12 +388,12 @@ class Search(Moves):
                 ms, real = None, ()
                 if self._mem is not None and score < best_cost - _EPS:
                     ms = self._mem.advance(node.ms, pos, c, loads)
-                    why = self._mem.exceeds(ms, npos)
+                    why, storage = self._mem.check(ms, npos)
                     if why:
                         if record:
                             pruned.append((desc, why))
                         continue
-                    score += self._mem.storage_bound(ms, npos)  # storage the memory will force
+                    score += storage  # what the storage that memory forces will cost
                 if score >= best_cost - _EPS and self._best is not None:
                     self._stats.pruned_bound += 1
                     if record:

@@ -9,6 +9,7 @@ import gc
 import math
 import weakref
 
+import numpy as np
 import pytest
 import synthetic as S
 import torch
@@ -25,7 +26,7 @@ from hapnb.plans.synthesis import OutOfMemoryError
 from hapnb.runtime import collectives as C
 from hapnb.synth.balance import MemoryCapError, balance, balance_in_memory
 from hapnb.synth.search import NoProgramError, Search
-from hapnb.tracing import resolve_model
+from hapnb.tracing import resolve_model, zoo_graph
 from hapnb.triples import theory
 
 CLUSTERS = ["2xV100+2xP100", "V100+P100", "4xA100", "1x5e12+1x1e12+1x2e12"]
@@ -69,6 +70,36 @@ def test_astar_with_memory_matches_brute_force_over_programs_that_fit(seed, frac
     cm = CostModel(th, c)
     assert cm.evaluate(res.program, s.ratios).cost_s == pytest.approx(res.cost, rel=1e-9)
     assert max(overflow(cm, res.program, s.final_conversions(), s.ratios)) <= 0
+
+
+def test_the_quick_memory_screen_never_changes_a_decision():
+    """``MemoryTracker.check`` skips the exact peak and storage arithmetic for a node clearly below every
+    capacity. On every node of a search over a small GPT, with the capacities swept from roomy to below
+    the leanest program (so that both pruning and storage costs fire), it returns what :meth:`exceeds`
+    and :meth:`storage_bound` return without the screen."""
+    th = theory(zoo_graph("gpt", **zoo.TINY["gpt"])[0])
+    c = Cluster.parse("2xV100+2xP100")
+    s = Search(th, c, memory=True)
+    s.run(max_expansions=3000)
+    tr = s._mem
+    states = [(n.ms, n.pos) for n in s._nodes if n.ms is not None]
+    peaks = [float(tr.peak(ms[0], pos).max()) for ms, pos in states]
+    assert len(states) > 100
+    pruned = stored = screened = 0
+    for cap in np.linspace(2.0 * max(peaks), 0.5 * min(peaks), 8):
+        tr.cap = np.full(c.n, cap)
+        tr._screen()
+        for ms, pos in states:
+            quick = tr.check(ms, pos)
+            screened += tr._clear(ms[0], pos)
+            tr._clear = lambda *a: False  # the exact arithmetic alone
+            why = tr.exceeds(ms, pos)
+            exact = (why, 0.0) if why else ("", tr.storage_bound(ms, pos))
+            del tr._clear
+            assert quick == exact
+            pruned += bool(why)
+            stored += exact[1] > 0
+    assert pruned and stored and screened  # every path was taken
 
 
 @pytest.mark.parametrize("seed", range(6))
