@@ -298,6 +298,7 @@ def _run(bundle: Path, extra: list[str], **kw) -> hapnb.run.launch.JobResult:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # the choice between the two options rests on measured step times: run alone
 def test_straggler_changes_the_program_live_and_the_math_does_not_change(
     plan: hapnb.Plan, tmp_path: Path
 ) -> None:
@@ -349,6 +350,7 @@ def test_straggler_changes_the_program_live_and_the_math_does_not_change(
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # a reshard happens only if a measured straggler is worth re-balancing: run alone
 def test_rank_dying_in_a_reshard_names_it(plan: hapnb.Plan, tmp_path: Path) -> None:
     job = launch(
         plan, nproc=3, steps=60, timeout_s=30, wall_timeout_s=120, rebalance={"max_rebalances": 1},
