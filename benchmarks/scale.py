@@ -82,7 +82,10 @@ def command() -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     wall = time.perf_counter() - t0
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr)
-    out = {"command": " ".join(cmd[2:]), "wall_s": wall, "returncode": res.returncode}
+    # the interpreter as the reader would type it (relative to the repository; no path of this machine)
+    exe = Path(sys.executable)
+    shown = os.path.relpath(exe, ROOT) if exe.is_relative_to(ROOT) else "python"
+    out = {"command": " ".join([shown, *cmd[3:]]), "wall_s": wall, "returncode": res.returncode}
     if rss:
         out["rss_bytes"] = int(rss.group(1)) * 1024
     if res.returncode == 0:
