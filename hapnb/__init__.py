@@ -8,8 +8,9 @@ heterogeneous GPU clusters.
 
 The main entry points (docs/architecture.md §4): :func:`trace`, :func:`theory`, :class:`Search`, :func:`synthesize`,
 :class:`Plan`, :func:`baselines`, :func:`verify`, :func:`distribute`, :func:`full_state_dict`,
-:func:`launch`, :func:`destroy_groups` (end a job), :func:`pipeline` (Ditto's heterogeneous pipelines), :func:`compare` (every strategy under
-one cost model) and :class:`Cluster`. Heavy modules load on first use.
+:func:`launch`, :func:`destroy_groups` (a training job's last call), :func:`pipeline` (Ditto's
+heterogeneous pipelines), :func:`compare` (every strategy under one cost model) and :class:`Cluster`.
+Heavy modules load on first use.
 """
 
 from __future__ import annotations

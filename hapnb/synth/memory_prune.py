@@ -49,6 +49,9 @@ from .balance import _quiet_stdout, _solver
 __all__ = ["MemoryTracker", "MemState"]
 
 _P, _IN, _A, _L, _F, _X = range(6)
+#: the peak's two phases as rows over the parts (P, In, A, L, F, X): the backward ``3P + In + A + 2L + F +
+#: X`` and the optimizer step ``5P + In`` (:meth:`MemoryTracker.peak`'s maximum written out)
+_PHASES = np.array([[3.0, 1.0, 1.0, 2.0, 1.0, 1.0], [5.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
 _ROW = {kind: _PARTS.index(part) for kind, part in _PART_OF.items()}  # a summed piece kind -> its row
 #: one node's memory: (parts per device, live saved keys, deferred parameters)
 MemState = tuple[np.ndarray, int, int]
@@ -211,28 +214,33 @@ class MemoryTracker:
         return raw * self.scale + self.const
 
     def _screen(self) -> None:
-        """Tables for a quick test that a node is clear of every device's capacity (:meth:`_clear`):
-        both phases of the peak as one linear map of the parts (``3P + In + A + 2L + F + X`` and ``5P +
-        In``, which is the peak formula's maximum written out) plus the rest's least parts per position."""
-        self._lin = np.array([[3.0, 1.0, 1.0, 2.0, 1.0, 1.0], [5.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+        """Tables for :meth:`_clear`: per position, the two phases of the least the rest must add, and per
+        device the raw bytes below which no exact test can fire (a margin far above rounding)."""
         f = self._fut
-        self._clin = np.stack([3.0 * f[:, 0] + f[:, 1] + f[:, 2], 5.0 * f[:, 0] + f[:, 1]], axis=1)
-        self._mult = np.array([[3.0], [5.0]])  # what one replicated byte of P adds to each phase
-        # raw bytes per device below which the exact tests cannot fire, with a margin far above rounding
+        self._rest = np.stack([3.0 * f[:, 0] + f[:, 1] + f[:, 2], 5.0 * f[:, 0] + f[:, 1]], axis=1)
         self._room = (self.cap - self.const) / self.scale * (1.0 - 1e-6)
-        self._gall = 0
+        self._gall = 0  # every group's deferred bits
         for m in self._gmask:
             self._gall |= m
-        self._counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._deferred_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _deferred(self, dm: int) -> tuple[np.ndarray, np.ndarray]:
         """Per group of :meth:`_groups`, how many of deferred mask ``dm``'s parameters it holds, and the P
         per device they would add kept replicated."""
-        hit = self._counts.get(dm)
+        hit = self._deferred_of.get(dm)
         if hit is None:
             counts = np.array([(dm & m).bit_count() for m in self._gmask], dtype=float)
-            hit = self._counts[dm] = (counts, counts @ self._gdP)
+            hit = self._deferred_of[dm] = (counts, counts @ self._gdP)
         return hit
+
+    def _clear(self, mem: np.ndarray, pos: int, extra: np.ndarray | None = None) -> bool:
+        """Whether every device's peak (with the least the ops from ``pos`` on must add and, with ``extra``,
+        that many more bytes of P) is clearly below its capacity: then neither pruning nor the storage
+        bound can fire."""
+        raw = _PHASES @ mem + self._rest[pos]
+        if extra is not None:
+            raw = raw + _PHASES[:, :1] * extra  # a byte of P counts 3x in the backward, 5x in the step
+        return bool((raw.max(axis=0) < self._room).all())
 
     def check(self, state: MemState, pos: int) -> tuple[str, float]:
         """:meth:`exceeds` and :meth:`storage_bound` at once: ``(why the node cannot fit, or "", the extra
@@ -241,22 +249,14 @@ class MemoryTracker:
         extra = self._deferred(dm)[1] if dm & self._gall else None
         if self._clear(state[0], pos, extra):
             return "", 0.0
-        why = self.exceeds(state, pos)
-        return (why, 0.0) if why else ("", self.storage_bound(state, pos))
-
-    def _clear(self, mem: np.ndarray, pos: int, extra: np.ndarray | None = None) -> bool:
-        """Whether every device's peak (with the least the ops from ``pos`` on must add and, with ``extra``,
-        that many more bytes of P) is clearly below its capacity: then neither :meth:`exceeds` nor
-        :meth:`storage_bound` can fire, and their exact arithmetic is skipped."""
-        raw = self._lin @ mem + self._clin[pos]
-        if extra is not None:
-            raw = raw + self._mult * extra
-        return bool((raw.max(axis=0) < self._room).all())
+        why = self._exceeds(state, pos)
+        return (why, 0.0) if why else ("", self._storage(state, pos) if extra is not None else 0.0)
 
     def exceeds(self, state: MemState, pos: int) -> str:
         """Why the node cannot fit (empty when it may)."""
-        if self._clear(state[0], pos):
-            return ""
+        return "" if self._clear(state[0], pos) else self._exceeds(state, pos)
+
+    def _exceeds(self, state: MemState, pos: int) -> str:
         peak = self.peak(state[0], pos)
         over = peak - self.cap * (1 + 1e-9) - 1.0
         j = int(np.argmax(over))
@@ -298,11 +298,12 @@ class MemoryTracker:
         phase (``3 *`` of the backward) and costs at least its group's extra seconds: the cheapest
         fractional cover of ``need`` (a fractional knapsack per device and phase) bounds the cost."""
         dm = state[2]
-        if not dm & self._gall:
+        if not dm & self._gall or self._clear(state[0], pos, self._deferred(dm)[1]):
             return 0.0
-        counts, extra = self._deferred(dm)
-        if self._clear(state[0], pos, extra):
-            return 0.0
+        return self._storage(state, pos)
+
+    def _storage(self, state: MemState, pos: int) -> float:
+        counts, extra = self._deferred(state[2])
         mem, f = state[0], self._fut[pos]
         P = mem[_P] + f[0] + extra
         In, A = mem[_IN] + f[1], mem[_A] + f[2]
