@@ -19,9 +19,9 @@ saved twice in one form counts once) and its *deferred* parameters (a bit mask).
 * **Pruning.** A node is pruned when a lower bound of its final peak exceeds a device's capacity: its parts
   plus the least the rest must add (every later parameter and input in its leanest allowed form, every
   later op's least saved activations that no earlier op can have saved) through the peak formula. The peak
-  only grows as a program grows, so this never prunes a program that fits. Most nodes are far below every
-  capacity; a quick screen (:meth:`MemoryTracker.check`: both phases as one linear map of the parts)
-  settles those without the exact arithmetic, with a margin far above rounding, so no decision changes.
+  only grows as a program grows, so this never prunes a program that fits. The peak's two phases are one
+  linear map of the parts (:data:`_PHASES`), evaluated once per node for both this test and the storage
+  bound (:meth:`MemoryTracker.check`).
 * **Dominance.** Of two partial programs with the same key, one dominates the other only if it is no
   costlier (the plain search's test), no larger in every memory part on every device, has saved at least
   the other's live activations and deferred no parameter the other did not. Then for every completion of
@@ -90,7 +90,7 @@ class MemoryTracker:
                 self._compile_op(pos, c, s._last_use)  # each tensor's last reader (the search's tables)
         self._future(s)
         self._groups()
-        self._screen()
+        self._phase_tables()
         self.stats = {"realized": 0, "milp": 0, "pruned_memory": 0}
 
     # ------------------------------------------------------------------ pieces as vectors
@@ -204,61 +204,30 @@ class MemoryTracker:
                 sv |= bit
         return mem, sv & ~self._dies[pos], dm
 
+    def _raw(self, mem: np.ndarray, pos: int | None = None) -> np.ndarray:
+        """Raw bytes of each phase (rows of :data:`_PHASES`) per device of ``mem``, with the least the ops from
+        ``pos`` on must add."""
+        raw = _PHASES @ mem
+        return raw if pos is None else raw + self._rest[pos]
+
     def peak(self, mem: np.ndarray, pos: int | None = None) -> np.ndarray:
         """Peak bytes per device of ``mem`` (with the least the ops from ``pos`` on must add)."""
-        P, In, A = mem[_P], mem[_IN], mem[_A]
-        if pos is not None:
-            f = self._fut[pos]
-            P, In, A = P + f[0], In + f[1], A + f[2]
-        raw = 3.0 * P + In + np.maximum(2.0 * P, A + 2.0 * mem[_L] + mem[_F] + mem[_X])
-        return raw * self.scale + self.const
-
-    def _screen(self) -> None:
-        """Tables for :meth:`_clear`: per position, the two phases of the least the rest must add, and per
-        device the raw bytes below which no exact test can fire (a margin far above rounding)."""
-        f = self._fut
-        self._rest = np.stack([3.0 * f[:, 0] + f[:, 1] + f[:, 2], 5.0 * f[:, 0] + f[:, 1]], axis=1)
-        self._room = (self.cap - self.const) / self.scale * (1.0 - 1e-6)
-        self._gall = 0  # every group's deferred bits
-        for m in self._gmask:
-            self._gall |= m
-        self._deferred_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _deferred(self, dm: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per group of :meth:`_groups`, how many of deferred mask ``dm``'s parameters it holds, and the P
-        per device they would add kept replicated."""
-        hit = self._deferred_of.get(dm)
-        if hit is None:
-            counts = np.array([(dm & m).bit_count() for m in self._gmask], dtype=float)
-            hit = self._deferred_of[dm] = (counts, counts @ self._gdP)
-        return hit
-
-    def _clear(self, mem: np.ndarray, pos: int, extra: np.ndarray | None = None) -> bool:
-        """Whether every device's peak (with the least the ops from ``pos`` on must add and, with ``extra``,
-        that many more bytes of P) is clearly below its capacity: then neither pruning nor the storage
-        bound can fire."""
-        raw = _PHASES @ mem + self._rest[pos]
-        if extra is not None:
-            raw = raw + _PHASES[:, :1] * extra  # a byte of P counts 3x in the backward, 5x in the step
-        return bool((raw.max(axis=0) < self._room).all())
+        return self._raw(mem, pos).max(axis=0) * self.scale + self.const
 
     def check(self, state: MemState, pos: int) -> tuple[str, float]:
-        """:meth:`exceeds` and :meth:`storage_bound` at once: ``(why the node cannot fit, or "", the extra
-        seconds its storage will cost)``; one quick test settles both for a node far from the capacities."""
-        dm = state[2]
-        extra = self._deferred(dm)[1] if dm & self._gall else None
-        if self._clear(state[0], pos, extra):
-            return "", 0.0
-        why = self._exceeds(state, pos)
-        return (why, 0.0) if why else ("", self._storage(state, pos) if extra is not None else 0.0)
+        """:meth:`exceeds` and :meth:`storage_bound` from one evaluation of the node's phases: ``(why the
+        node cannot fit, or "", the extra seconds its storage will cost)``."""
+        raw = self._raw(state[0], pos)
+        why = self._over(raw)
+        return (why, 0.0) if why else ("", self._storage(raw, state[2]))
 
     def exceeds(self, state: MemState, pos: int) -> str:
         """Why the node cannot fit (empty when it may)."""
-        return "" if self._clear(state[0], pos) else self._exceeds(state, pos)
+        return self._over(self._raw(state[0], pos))
 
-    def _exceeds(self, state: MemState, pos: int) -> str:
-        peak = self.peak(state[0], pos)
-        over = peak - self.cap * (1 + 1e-9) - 1.0
+    def _over(self, raw: np.ndarray) -> str:
+        peak = raw.max(axis=0) * self.scale + self.const
+        over = peak - self._limit
         j = int(np.argmax(over))
         if over[j] <= 0:
             return ""
@@ -297,33 +266,49 @@ class MemoryTracker:
         add; switching one parameter to ZeRO saves at most ``5 * scale * extra P`` bytes of the optimizer
         phase (``3 *`` of the backward) and costs at least its group's extra seconds: the cheapest
         fractional cover of ``need`` (a fractional knapsack per device and phase) bounds the cost."""
-        dm = state[2]
-        if not dm & self._gall or self._clear(state[0], pos, self._deferred(dm)[1]):
-            return 0.0
-        return self._storage(state, pos)
+        return self._storage(self._raw(state[0], pos), state[2])
 
-    def _storage(self, state: MemState, pos: int) -> float:
-        counts, extra = self._deferred(state[2])
-        mem, f = state[0], self._fut[pos]
-        P = mem[_P] + f[0] + extra
-        In, A = mem[_IN] + f[1], mem[_A] + f[2]
-        T = 2.0 * mem[_L] + mem[_F] + mem[_X]
+    def _phase_tables(self) -> None:
+        """Per position, the two phases of the least the rest must add (:meth:`_raw`); per device, the peak
+        beyond which a node is pruned; the deferred bits of every group of :meth:`_groups`."""
+        self._rest = _PHASES[:, :3] @ self._fut  # (positions, phases, devices): the rest adds P, In, A only
+        self._limit = self.cap * (1 + 1e-9) + 1.0
+        self._gall = 0
+        for m in self._gmask:
+            self._gall |= m
+        self._deferred_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _deferred(self, dm: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per group of :meth:`_groups`, how many of deferred mask ``dm``'s parameters it holds, and the P
+        per device they would add kept replicated."""
+        hit = self._deferred_of.get(dm)
+        if hit is None:
+            counts = np.array([(dm & m).bit_count() for m in self._gmask], dtype=float)
+            hit = self._deferred_of[dm] = (counts, counts @ self._gdP)
+        return hit
+
+    def _storage(self, raw: np.ndarray, dm: int) -> float:
+        """:meth:`storage_bound` from the node's phases ``raw`` (:meth:`_raw`) and deferred mask ``dm``."""
+        if not dm & self._gall:
+            return 0.0
+        counts, extra = self._deferred(dm)
+        mult = _PHASES[:, :1]  # a byte of P counts 3x in the backward, 5x in the optimizer step
+        need = (raw + mult * extra) * self.scale + self.const - self.cap  # bytes over, per phase and device
+        if not (need > 0).any():
+            return 0.0
         best = 0.0
-        for mult, need in (
-            (5.0, self.scale * (5.0 * P + In) + self.const - self.cap),
-            (3.0, self.scale * (3.0 * P + In + A + T) + self.const - self.cap),
-        ):
-            hot = need > 0
+        for k, row in zip(mult[:, 0], need):
+            hot = row > 0
             if not hot.any():
                 continue
-            save = mult * self.scale[hot] * self._gdP[:, hot]  # bytes of peak one switch saves (G, hot)
+            save = k * self.scale[hot] * self._gdP[:, hot]  # bytes of peak one switch saves (G, hot)
             with np.errstate(divide="ignore", invalid="ignore"):
                 q = np.where(save > 0, self._gcost[:, None] / save, np.inf)
             order = np.argsort(q, axis=0, kind="stable")
             qs = np.take_along_axis(q, order, 0)
             supply = np.take_along_axis(counts[:, None] * save, order, 0)
             before = np.cumsum(supply, axis=0) - supply
-            take = np.clip(need[hot][None, :] - before, 0.0, supply)
+            take = np.clip(row[hot][None, :] - before, 0.0, supply)
             cost = np.where(take > 0, qs * take, 0.0).sum(axis=0)
             best = max(best, float(cost.max()))
         return best
