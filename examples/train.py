@@ -41,8 +41,16 @@ def main() -> int:
     for opt in ("layers", "hidden", "batch", "seq", "heads", "vocab", "input"):
         ap.add_argument(f"--{opt}", type=int, default=None)
     args = ap.parse_args()
-
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:
+        destroy_groups()  # garbage first: a distributed module's groups must not outlive the interpreter
+    return 0
+
+
+def train(args: argparse.Namespace) -> None:
+    """Plan (rank 0), distribute, train ``args.steps`` steps and check the gathered weights."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if args.backend == "nccl":
@@ -111,8 +119,6 @@ def main() -> int:
             torch.save({k: v.cpu() for k, v in full.items()}, args.out)
             print(f"saved the full state_dict to {args.out}", flush=True)
     dist.barrier()  # let every rank finish before the group goes away
-    destroy_groups()  # garbage first: a distributed module's groups must not outlive the interpreter
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ bucket whose all-reduce times out or loses a peer raises
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,10 @@ from ..cost.model import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
 from ..runtime.collective_errors import group_timeout, guarded
 
 __all__ = ["GradBuckets", "program_buckets", "destroy_groups"]
+
+#: the buckets with a process group of their own, so :func:`destroy_groups` can let go of their groups
+#: while a distributed module is still referenced
+_WITH_GROUP: weakref.WeakSet[GradBuckets] = weakref.WeakSet()
 
 
 class GradBuckets:
@@ -79,6 +84,9 @@ class GradBuckets:
         self.buckets: tuple[tuple[str, ...], ...] = ddp_buckets(ready, cap=cap, first_cap=first_cap)
         self._bucket_of = {name: k for k, names in enumerate(self.buckets) for name in names}
         self.group = group
+        if group is not None:
+            _WITH_GROUP.add(self)
+        self._closed = False
         self.on_event = on_event
         self.events: list[tuple[str, int]] = []
         self._active = dist.is_available() and dist.is_initialized()
@@ -109,6 +117,7 @@ class GradBuckets:
         def hook(_p: torch.Tensor) -> None:
             if self.paused:
                 return
+            self._check_open()
             if self.wait_at_backward_end and not self._queued:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.wait)
@@ -149,6 +158,7 @@ class GradBuckets:
     def wait(self) -> int:
         """Start the buckets not started yet (missing gradients count as zeros), wait for every bucket,
         write the sums into ``.grad`` and reset for the next step. Returns the number of buckets."""
+        self._check_open()
         while self._next < len(self.buckets):
             self._start(self._next)
         for k, names in enumerate(self.buckets):
@@ -195,6 +205,20 @@ class GradBuckets:
             h.remove()
         self._hooks = []
 
+    def close(self) -> None:
+        """Let go of the process group and of every pending all-reduce (:func:`destroy_groups` calls it
+        before the groups go); a later backward or :meth:`wait` raises instead of syncing nothing."""
+        self._closed = True
+        self.group = None
+        self._pending = [None] * len(self.buckets)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{self!r}: the process groups were destroyed (hapnb.destroy_groups), so these gradients "
+                "can no longer be all-reduced; destroy the groups after the last backward"
+            )
+
     def __repr__(self) -> str:
         return f"GradBuckets({len(self.params)} parameters in {len(self.buckets)} buckets)"
 
@@ -224,11 +248,15 @@ def program_buckets(
 
 
 def destroy_groups() -> None:
-    """Destroy every process group (``torch.distributed.destroy_process_group``) after collecting garbage:
-    a distributed module sits in reference cycles (its hooks refer to it), so its buckets' process group and
-    work objects would otherwise be freed during interpreter shutdown, after the groups, where gloo can abort
-    the process (SIGABRT, "terminate called without an active exception") although the run succeeded.
-    Nothing happens without an initialised process group."""
+    """Destroy every process group (``torch.distributed.destroy_process_group``) after collecting garbage
+    and closing the gradient buckets still alive (:meth:`GradBuckets.close`): a distributed module sits in
+    reference cycles (its hooks refer to it), and a script may still hold it, so its buckets' process group
+    and work objects would otherwise be freed during interpreter shutdown, after the groups, where gloo can
+    abort the process (SIGABRT, "terminate called without an active exception") although the run
+    succeeded. Nothing happens without an initialised process group."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
+        for buckets in list(_WITH_GROUP):
+            buckets.close()
+        gc.collect()
         dist.destroy_process_group()

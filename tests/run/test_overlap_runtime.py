@@ -105,6 +105,29 @@ def test_two_backwards_before_wait_is_refused() -> None:
         gb.wait()
 
 
+def test_destroy_groups_lets_go_of_live_buckets_and_a_later_backward_raises(tmp_path) -> None:
+    """A script that still holds its distributed module when it ends the job: destroy_groups closes the
+    buckets' own group first (a group freed after the default one can abort gloo at exit), and a backward
+    after that is refused instead of syncing nothing."""
+    import torch.distributed as dist
+
+    from hapnb import destroy_groups
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        a = torch.nn.Parameter(torch.ones(3))
+        gb = GradBuckets([("a", a)], group=dist.new_group([0]))
+        (a * 2).sum().backward()
+        assert gb.wait() == 1 and a.grad.tolist() == [2.0, 2.0, 2.0]
+        destroy_groups()
+        assert not dist.is_initialized() and gb.group is None
+        with pytest.raises(RuntimeError, match="process groups were destroyed"):
+            (a * 2).sum().backward()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_codegen_buckets_leave_replicated_gradients_partial(dp_plan: Plan) -> None:
     """grad_sync='buckets' uses replicated weights without the in-graph all-reduce and lists them in
     order of first use; 'sync' keeps the in-graph replicate and lists none."""
