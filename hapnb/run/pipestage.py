@@ -309,7 +309,7 @@ def _strip_dropout(module: nn.Module) -> None:
                 g.erase_node(nd)
                 changed = True
                 continue
-            a, kw = _zero_dropout(nd.target, tuple(nd.args), dict(nd.kwargs))
+            a, kw = _zero_dropout(nd.target, tuple(nd.args), dict(nd.kwargs), all_dropout=True)
             if a != tuple(nd.args) or kw != dict(nd.kwargs):
                 nd.args, nd.kwargs, changed = a, kw, True
         if changed:

@@ -303,12 +303,13 @@ def as_run(
     fn: Any, args: tuple, kwargs: dict, *, dtype: torch.dtype | None, dropout: bool, device: Callable[[], Any]
 ) -> tuple[Any, tuple, dict]:
     """A traced op's call as a program runs it: float32 dtype constants as ``dtype``, fixed devices as the
-    program's own (``device()``), ``dropout_p`` zeroed when ``dropout`` is off, a stride-dependent view
+    program's own (``device()``), when ``dropout`` is off every dropout the identity (``dropout_p`` zeroed,
+    ``train=False``: ``native_dropout`` too, which returns a tuple and cannot be cut out), a stride-dependent view
     as ``reshape`` (:data:`STRIDE_FREE`). The one rewrite rank programs and the single-device program
     share."""
     args, kwargs = run_constants(args, dtype, device), run_constants(kwargs, dtype, device)
     if not dropout:
-        args, kwargs = zero_dropout(fn, args, kwargs)
+        args, kwargs = zero_dropout(fn, args, kwargs, all_dropout=True)
     return STRIDE_FREE.get(fn, fn), args, kwargs
 
 

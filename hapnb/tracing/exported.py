@@ -119,6 +119,14 @@ def from_export(ep: Any, names: list[str], name: str, origins: dict[str, str] | 
     raise TraceError(f"{name}: the exported graph has no output node")
 
 
+def _added_by_load(getitem: Any) -> bool:
+    """Whether ``getitem`` is one that ``torch.export.load`` adds, unread, for a tuple result the saved program
+    does not read (``<op>_unused_<k>``, e.g. ``native_dropout``'s mask): the graph leaves it out, so a
+    saved and loaded program (a bundle) gives the graph the program gave before it was saved."""
+    src, k = getitem.args
+    return not getitem.users and getitem.name == f"{src.name}_unused_{k}"
+
+
 def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
     import operator
 
@@ -129,7 +137,7 @@ def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
         src, idx = node.args
         if (src, idx) in b.node_tensor:
             b.node_tensor[node] = b.node_tensor[(src, idx)]
-        elif isinstance(val, torch.Tensor):
+        elif isinstance(val, torch.Tensor) and not _added_by_load(node):
             raise TraceError(f"getitem {node.name} of {src.name} has no traced tuple output")
         else:
             b.folded[node] = val
@@ -146,7 +154,11 @@ def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
         outs = []
         items = []
         for user in sorted(node.users, key=lambda u: u.args[1] if u.target is operator.getitem else 1 << 30):
-            if user.target is operator.getitem and isinstance(val[user.args[1]], torch.Tensor):
+            if (
+                user.target is operator.getitem
+                and isinstance(val[user.args[1]], torch.Tensor)
+                and not _added_by_load(user)
+            ):
                 k = user.args[1]
                 if k in items:
                     continue

@@ -6,7 +6,10 @@ without a rule runs replicated and, worse, forces every tensor it touches to be 
 ``aten.pad`` in a library's label shift replicates the whole batch. :func:`lower` rewrites such a program
 with ``ExportedProgram.run_decompositions``:
 
-* it functionalizes in-place ops (``add_`` -> ``add``, buffer updates become outputs);
+* it functionalizes in-place ops (``add_`` -> ``add``, buffer updates become outputs); an in-place dropout
+  (``nn.Dropout(inplace=True)``, ``aten.dropout_``) first becomes ``native_dropout``
+  (:func:`functional_dropout`), what an out-of-place dropout traces to, since torch would decompose it into
+  a ``bernoulli`` mask that neither ``eval()`` nor verification (dropout off) could tell from other math;
 * it decomposes, with torch's own core-ATen table (:func:`torch.export.default_decompositions`), every
   op that has no rule, and keeps whole every op that has one (``linear``, ``scaled_dot_product_attention``,
   ``embedding``, ``layer_norm``, ``cross_entropy_loss``, ... are never decomposed);
@@ -38,7 +41,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "HAPNB_DECOMPOSITIONS"]
+__all__ = [
+    "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "HAPNB_DECOMPOSITIONS",
+]  # fmt: skip
+
+#: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
+INPLACE_DROPOUT = ("aten.dropout_.default",)
 
 
 def _batch_norm_stats(x: Any) -> tuple[Any, Any, Any, int]:
@@ -203,6 +211,48 @@ def needs_lowering(ep: Any, has_rule: Callable[[str], bool]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def functional_dropout(ep: Any) -> int:
+    """Rewrite, in ``ep``'s graph, each in-place dropout ``dropout_(x, p, train)`` of an intermediate tensor
+    as ``native_dropout(x, p, train)[0]`` and point the later readers of ``x`` at that result (what the
+    in-place op did to them). Returns how many were rewritten. A dropout of a graph input, or one whose
+    result the program returns, is left to :func:`lower` (the program's signature names them)."""
+    import operator
+
+    import torch
+
+    graph = ep.graph_module.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) not in INPLACE_DROPOUT:
+            continue
+        x = node.args[0]
+        if x.op == "placeholder" or any(u.op == "output" for u in node.users):
+            continue
+        p, train = (list(node.args[1:]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+        val = node.meta.get("val")
+        with graph.inserting_after(node):
+            nd = graph.call_function(torch.ops.aten.native_dropout.default, (x, p, train))
+        with graph.inserting_after(nd):
+            out = graph.call_function(operator.getitem, (nd, 0))
+        if val is not None:
+            with val.fake_mode:
+                nd.meta["val"] = torch.ops.aten.native_dropout.default(val, p, train)
+            out.meta["val"] = val
+        for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if k in node.meta:
+                nd.meta[k] = out.meta[k] = node.meta[k]
+        node.replace_all_uses_with(out)
+        for user in list(x.users):
+            if user is not nd and order.get(user, len(order)) > order[node]:
+                user.replace_input_with(x, out)
+        graph.erase_node(node)
+        done += 1
+    if done:
+        ep.graph_module.recompile()
+    return done
+
+
 def _root_target(node: Any) -> str | None:
     src = node.meta.get("from_node")
     s = src[-1] if src else None
@@ -225,6 +275,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
 
         known = set(registered())
         has_rule = known.__contains__
+    functional_dropout(ep)
     todo = needs_lowering(ep, has_rule)
     if not todo:
         return Lowered(ep)

@@ -101,6 +101,71 @@ def test_lowered_programs_shard_the_batch_and_equal_one_device() -> None:
     assert rep.ok, rep.text()
 
 
+class DropoutBNNet(nn.Module):
+    """A CNN as vision libraries write it: batch norm, an in-place dropout before the classifier (Hugging
+    Face's MobileNetV2 uses ``nn.Dropout(inplace=True)``) whose input is read again after it, and an
+    out-of-place dropout."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop_ = nn.Dropout(p, inplace=True)
+        self.fc = nn.Linear(4, 5)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x))).mean((2, 3))
+        self.drop_(h)  # the result is not used: h itself was changed
+        return F.cross_entropy(self.drop(self.fc(h)), y)
+
+
+def _images(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 6, 6, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+
+
+def test_in_place_dropout_stays_a_dropout_and_dropout_off_is_the_identity() -> None:
+    """``dropout_`` becomes ``native_dropout`` (torch would decompose it into a bernoulli mask that neither
+    ``eval()`` nor verification could switch off), the later readers of its input read its result, and the
+    single-device program with dropout off (what ``verify`` compares against) equals the model without
+    dropout, ``native_dropout`` included."""
+    from hapnb.runtime.reference import reference_module
+
+    torch.manual_seed(0)
+    m = DropoutBNNet()
+    g = hap.trace(m, _images())
+    targets = [op.target for op in g.ops]
+    assert targets.count("aten.native_dropout.default") == 2
+    assert not any("bernoulli" in t or "dropout_" in t for t in targets)
+    first = next(op for op in g.ops if op.target == "aten.native_dropout.default")
+    fc = next(op for op in g.ops if op.target == "aten.linear.default")
+    assert fc.inputs[0] == first.outputs[0]  # fc reads h as the dropout left it
+    twin = DropoutBNNet(p=0.0)
+    twin.load_state_dict(m.state_dict())
+    out = reference_module(g, dropout=False)(*_images())
+    torch.testing.assert_close(out, twin(*_images()), rtol=1e-6, atol=1e-7)
+
+
+def test_a_bundle_of_a_program_with_an_unread_result_loads_as_the_same_graph(tmp_path) -> None:
+    """torch.export.load names every result a saved program does not read (``native_dropout``'s mask):
+    the graph leaves them out either way, so a plan's bundle loads (it failed with "the model traces to
+    another graph")."""
+    from hapnb.run.bundle import load_bundle, write_bundle
+
+    plan = hap.synthesize(DropoutBNNet(), "2xV100", example_inputs=_images())
+    b = load_bundle(write_bundle(plan, tmp_path / "b"))
+    assert b.graph.fingerprint == plan.graph_fingerprint
+
+
+@pytest.mark.slow
+def test_a_cnn_with_dropout_and_batch_norm_verifies_with_the_batch_sharded() -> None:
+    plan = hap.synthesize(DropoutBNNet(), "1xV100+1xP100", example_inputs=_images(), pins={"x": hap.Shard(0)})
+    assert _loads(plan, "x") == ["G0"]
+    rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
+    assert rep.ok, rep.text()
+
+
 def test_theory_cli_lists_named_rules_and_model_coverage(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["theory", "linear", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
