@@ -27,6 +27,7 @@ from ..runtime.codegen import generate
 from ..runtime.collective_errors import set_group_timeout
 from ..runtime.expand import expand_virtual
 from ..runtime.program import RankProgram, program_weights
+from ..runtime.random_stream import continue_stream
 from . import training
 from .buckets import GradBuckets, program_buckets
 from .bundle import program_inputs, resolve_graph
@@ -310,6 +311,7 @@ def _share_weights(module: torch.nn.Module, owner: torch.nn.Module) -> None:
         if name not in buffers or buffers[name].shape != b.shape:
             raise ValueError(f"its buffer {name} is not the planned program's")
         module._buffers[name] = buffers[name]
+    continue_stream(module, owner)  # its random ops go on with the planned program's draws
 
 
 def _floating_dtype(model: Any) -> torch.dtype | None:
@@ -435,7 +437,10 @@ def distribute(
     plan = expand_virtual(plan, g)  # a virtual plan runs one rank per physical GPU
     if grad_sync not in ("buckets", "sync"):
         raise ValueError(f"grad_sync must be 'buckets' or 'sync', got {grad_sync!r}")
-    prog = generate(plan, g, rank, inputs=inputs, dtype=dtype, weights=weights, grad_sync=grad_sync)
+    seed = training.rank0_seed()  # the random ops draw the same numbers on every rank
+    prog = generate(
+        plan, g, rank, inputs=inputs, dtype=dtype, weights=weights, grad_sync=grad_sync, seed=seed
+    )
     state_keys = list(model.state_dict()) if isinstance(model, torch.nn.Module) else None
     shapes = [g.tensors[t].shape for t in g.inputs]
     dev = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
@@ -451,8 +456,9 @@ def distribute(
             ex = tuple(torch.zeros(sh, dtype=dt, device=dev) for sh, dt in zip(batch_shapes, dtypes))
             g2 = trace(source, ex, name=plan.name)
             return generate(
-                training.rescale_plan(plan, g, g2), g2, rank, inputs=inputs, dtype=dtype, grad_sync=grad_sync
-            )
+                training.rescale_plan(plan, g, g2), g2, rank, inputs=inputs, dtype=dtype, grad_sync=grad_sync,
+                seed=seed,
+            )  # fmt: skip
 
     dm = DistributedModule(prog, plan, shapes, state_keys, retrace)
     if dev is not None:

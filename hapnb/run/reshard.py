@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.random_stream import continue_stream
 from .linkfit import LinkDetector, fit_links
 from .rebalance import Detector, RebalanceOptions, fit_speeds, pool, predicted_compute, propose, variable
 from .telemetry import CollectiveClock, Window, table
@@ -333,4 +334,5 @@ class LiveRebalancer:
         plan = Plan.from_json(json.loads(plan_json))
         new = self.make(plan)
         load_state(new.prog, new.module, new.opt, weights, states)
+        continue_stream(new.module, trainer.module)  # the random ops go on with their draws
         return new

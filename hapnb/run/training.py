@@ -27,7 +27,7 @@ from ..runtime.program import LocalParam
 
 __all__ = [
     "ShareSampler", "batch_share", "scaled_shares", "rescale_plan", "global_loss", "clip_grad_norm_",
-    "check_same_everywhere", "plan_digests", "weight_sums", "PROGRAM_FIELDS",
+    "check_same_everywhere", "plan_digests", "weight_sums", "PROGRAM_FIELDS", "rank0_seed",
 ]  # fmt: skip
 
 
@@ -298,6 +298,20 @@ def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
         elif va != vb:
             return k
     return None
+
+
+def rank0_seed(seed: int | None = None) -> int:
+    """The seed of every rank's random stream (:mod:`hapnb.runtime.random_stream`): ``seed`` where given
+    (the same on every rank), else rank 0's ``torch.initial_seed()`` sent to every rank, so ranks seeded
+    apart still draw the same numbers in the program's random ops."""
+    import torch.distributed as dist
+
+    if seed is not None:
+        return int(seed)
+    box: list[Any] = [torch.initial_seed()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 def check_same_everywhere(info: Mapping[str, Any], own_error: BaseException | None = None) -> None:

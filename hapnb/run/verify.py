@@ -2,7 +2,8 @@
 
 :func:`verify` writes a bundle, starts K worker ranks (gloo on CPU) under the process supervisor, trains
 a few optimizer steps with dropout off (float64 by default) and compares, against the single-device
-program with the same weights and batch: the loss at every step, every parameter gradient after the
+program with the same weights, batch and random numbers (the random ops of both draw from a stream seeded
+with :data:`VERIFY_SEED`, :mod:`hapnb.runtime.random_stream`: drop path verifies exactly): the loss at every step, every parameter gradient after the
 first backward and every weight and buffer (batch norm's running statistics) after the last step.
 Workers report progress (a heartbeat per phase and step); a run that stops reporting for
 ``stall_timeout`` seconds is *stuck*, one that keeps reporting but passes ``timeout`` is *slow*, and the
@@ -51,7 +52,11 @@ __all__ = [
     "resize",
     "run_reference",
     "verify",
+    "VERIFY_SEED",
 ]
+
+#: the seed of the random ops' stream in the ranks and the single-device program of :func:`verify`
+VERIFY_SEED = 0
 
 #: Progress events passed to ``verify(progress=...)``: worker heartbeats (``{"rank": r, "phase": ...}``
 #: or a step's metrics ``{"rank": r, "step": s, ...}``) and the single-device run's
@@ -188,16 +193,18 @@ def run_reference(
     lr: float | None = None,
     dtype: str | None = "float64",
     progress: ProgressFn | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Train the single-device program (dropout off) for ``steps``: losses per step, gradients after the
     first backward, weights and buffers after the last step, keyed by model FQN (a tied parameter under
-    each of its names). ``progress`` gets ``{"rank": None, "phase": "reference", "step": s}`` per step."""
+    each of its names). ``progress`` gets ``{"rank": None, "phase": "reference", "step": s}`` per step.
+    ``seed``: of the random ops' stream, the ranks' (:data:`VERIFY_SEED` in :func:`verify`)."""
     prev = torch.get_default_dtype()
     tdtype = getattr(torch, dtype) if dtype else None
     try:
         if tdtype is not None:
             torch.set_default_dtype(tdtype)
-        gm = reference_module(graph, dropout=False, dtype=tdtype)
+        gm = reference_module(graph, dropout=False, dtype=tdtype, seed=seed)
         params = reference_params(graph, gm)
         xs = tuple(x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in inputs)
         unique = {id(p): p for p in params.values() if p.requires_grad}  # a tied parameter counts once
@@ -649,6 +656,7 @@ def verify(
             "--optimizer", optimizer,
             "--inputs", "full",
             "--no-dropout",
+            "--seed", str(VERIFY_SEED),
             "--verify-out", str(out),
             "--timeout", f"{backstop:g}",
         ]  # fmt: skip
@@ -677,8 +685,9 @@ def verify(
             )
         recs = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(n)]
         ref = run_reference(
-            bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress
-        )
+            bundle.graph, bundle.inputs, steps, optimizer=optimizer, lr=lr, dtype=dtype, progress=progress,
+            seed=VERIFY_SEED,
+        )  # fmt: skip
         checks = _checks(bundle.graph, recs, ref, steps, rtol, atol, program_weights(bundle.graph))
         return _report(plan.name, n, steps, dtype, checks, t0, rtol, atol)
     finally:

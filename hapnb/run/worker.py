@@ -225,6 +225,7 @@ def run_worker(
     telemetry: bool = False,
     slowdown: float = 1.0,
     fault_rank: int | None = None,
+    seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``steps`` training steps of the bundle's plan as ``rank`` of ``world_size`` (see module doc).
 
@@ -242,7 +243,8 @@ def run_worker(
     to each step's metrics line, and rank 0 writes an ``"event": "telemetry"`` line per window and an
     ``"event": "rebalance"`` line per decision. ``slowdown``: this rank's compute takes that many times as
     long (it sleeps in proportion before each collective: a straggler on local ranks). ``fault_rank``:
-    that rank exits during a reshard (tests the failure handling)."""
+    that rank exits during a reshard (tests the failure handling). ``seed``: the seed of the program's
+    random ops (:mod:`hapnb.runtime.random_stream`; default rank 0's ``torch.initial_seed()``)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     t_start = time.perf_counter()
 
@@ -260,6 +262,7 @@ def run_worker(
 
     from ..runtime.expand import physical_plan
     from .bundle import load_bundle
+    from .training import rank0_seed
 
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
     bundle = load_bundle(bundle_dir)
@@ -282,7 +285,7 @@ def run_worker(
         full = tuple(
             x.to(tdtype) if tdtype is not None and x.is_floating_point() else x for x in bundle.inputs
         )
-        gen = dict(inputs=inputs, dropout=dropout, dtype=tdtype, grad_sync=grad_sync)
+        gen = dict(inputs=inputs, dropout=dropout, dtype=tdtype, grad_sync=grad_sync, seed=rank0_seed(seed))
 
         def make(p: Any) -> Any:
             return _make_trainer(
@@ -567,6 +570,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("bundle", help="bundle folder (plan.json + program.pt2 + inputs.pt)")
     rank_options(ap)
     ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the program's random ops, the same on every rank (default: rank 0's torch seed)",
+    )
+    ap.add_argument(
         "--inputs", default="local", choices=("local", "full"), help="feed local slices or the full batch"
     )
     ap.add_argument(
@@ -658,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             telemetry=args.telemetry,
             slowdown=slow,
             fault_rank=args.fault_reshard_rank,
+            seed=args.seed,
         ),
     )
 

@@ -58,6 +58,7 @@ from .program import (
     tied_groups,
     when_training,
 )
+from .random_stream import STREAM_ATTR, RandomStream, from_stream, is_random
 
 __all__ = ["generate"]
 
@@ -112,6 +113,7 @@ def generate(
     strategies: Callable[[Graph, Op], Sequence[Any]] | None = None,
     localize: Callable[..., Any] | None = None,
     grad_sync: str = "sync",
+    seed: int | None = None,
 ) -> RankProgram:
     """Build rank ``rank``'s program for ``plan`` on ``graph`` (default ``plan.graph``).
 
@@ -126,6 +128,8 @@ def generate(
     :func:`hapnb.runtime.collectives.replicate` (its gradient is all-reduced inside autograd); ``"buckets"``: it is
     used as it is and listed in :attr:`RankProgram.grad_sync` for the runtime to all-reduce (DDP-like
     async buckets, :mod:`hapnb.run.buckets`). A parameter also loaded ``load_sfb`` always syncs in-graph.
+    Random ops draw from the module's :class:`~hapnb.runtime.random_stream.RandomStream` seeded with
+    ``seed`` (default ``torch.initial_seed()``): every rank must be given the same one.
     """
     from .. import rules
 
@@ -178,7 +182,11 @@ def generate(
             b.compute(ins, where)
         else:
             raise CodegenError(f"{where}: unknown instruction kind {ins.kind!r}")
-    return b.finish()
+    prog = b.finish()
+    stream = getattr(prog.module, STREAM_ATTR, None)
+    if stream is not None:
+        stream.reseed(torch.initial_seed() if seed is None else seed)
+    return prog
 
 
 class _RankBuilder:
@@ -209,6 +217,7 @@ class _RankBuilder:
         self.index = 0  # the instruction being generated (its collectives are labelled with it)
         self.device_node: fx.Node | None = None
         self.training_node: fx.Node | None = None
+        self.stream_node: fx.Node | None = None
         # what is loaded in which forms (ZeRO: the stored shard), and whether any load is ZeRO-3
         self.load_forms: dict[str, list[tuple[Form, bool]]] = {}
         self.zero3 = any(ins.kind == "load" and ins.name == "load_zero3" for ins in plan.program)
@@ -274,6 +283,14 @@ class _RankBuilder:
             self.training_node = self.fxg.get_attr(TRAINING_FLAG)
         return self.training_node
 
+    def random_stream(self) -> fx.Node:
+        """The node of the module's :class:`~hapnb.runtime.random_stream.RandomStream` (what random ops draw
+        from)."""
+        if self.stream_node is None:
+            self.root.add_module(STREAM_ATTR, RandomStream())
+            self.stream_node = self.fxg.get_attr(STREAM_ATTR)
+        return self.stream_node
+
     def constants(self, value: Any) -> Any:
         """An argument tree's traced constants as this program runs them (dtype, device)."""
         return run_constants(value, self.dtype, self.runtime_device)
@@ -285,6 +302,8 @@ class _RankBuilder:
         )
         if self.dropout and has_dropout(fn):  # dropout as traced while training, none after module.eval()
             fn, args = when_training(fn), (self.training(), *args)
+        if is_random(fn):  # the same numbers on every rank
+            fn, args = from_stream(fn), (self.random_stream(), *args)
         return self.emit(C.regathered(fn) if self.zero3 else fn, args, kwargs, name)
 
     def need(self, tid: int, f: Form, where: str) -> fx.Node:

@@ -20,17 +20,22 @@ from .program import (
     strip_prefix,
     tied_groups,
 )
+from .random_stream import STREAM_ATTR, RandomStream, from_stream, is_random
 
 __all__ = ["reference_module", "reference_params"]
 
 
-def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | str | None = None) -> Any:
+def reference_module(
+    graph: Graph, dropout: bool = False, dtype: torch.dtype | str | None = None, seed: int | None = None
+) -> Any:
     """The single-device program as an fx GraphModule: ``module(*inputs)`` is the loss.
 
     Parameters live under their model FQNs (``module.get_parameter(fqn)`` with the traced wrapper's
     ``model.`` prefix; use :func:`reference_params` for a name -> parameter map). ``dropout=False``
     replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 dtype
-    constants (float64 verification).
+    constants (float64 verification). Random ops draw from a
+    :class:`~hapnb.runtime.random_stream.RandomStream` seeded with ``seed`` (default
+    ``torch.initial_seed()``): the numbers a rank program (:func:`generate`) given the same seed draws.
     """
     prog = graph.traced_program()
     if isinstance(dtype, str):
@@ -69,6 +74,11 @@ def reference_module(graph: Graph, dropout: bool = False, dtype: torch.dtype | s
         fn, a, kw = as_run(
             nd.target, tuple(nd.args), dict(nd.kwargs), dtype=dtype, dropout=dropout, device=runtime_device
         )
+        if is_random(fn):
+            if not hasattr(gm, STREAM_ATTR):
+                gm.add_module(STREAM_ATTR, RandomStream(torch.initial_seed() if seed is None else seed))
+            with gm.graph.inserting_before(nd):
+                fn, a = from_stream(fn), (gm.graph.get_attr(STREAM_ATTR), *a)
         if (fn, a, kw) != (nd.target, tuple(nd.args), dict(nd.kwargs)):
             nd.target, nd.args, nd.kwargs = fn, a, kw
             changed = True
