@@ -150,6 +150,7 @@ def trace(
     import torch
 
     from .lower import cumulative_batch_norm
+    from .patches import static_mask_hints
 
     if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
         specs = model.graph_signature.user_inputs
@@ -170,7 +171,7 @@ def trace(
     try:
         tracker = _ModuleTracker(wrapper)
         try:
-            with cumulative_batch_norm(wrapper):
+            with cumulative_batch_norm(wrapper), static_mask_hints():
                 ep = torch.export.export(wrapper, example, strict=False)
             return _from_lowered(ep, names, gname)
         except TraceError:
@@ -181,7 +182,7 @@ def trace(
         finally:
             tracker.remove()
         try:
-            with cumulative_batch_norm(wrapper):
+            with cumulative_batch_norm(wrapper), static_mask_hints():
                 ep = torch.export.export(wrapper, example, strict=True)
             return _from_lowered(ep, names, gname)
         except TraceError:
