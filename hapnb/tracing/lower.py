@@ -10,6 +10,9 @@ with ``ExportedProgram.run_decompositions``:
   (``nn.Dropout(inplace=True)``, ``aten.dropout_``) first becomes ``native_dropout``
   (:func:`functional_dropout`), what an out-of-place dropout traces to, since torch would decompose it into
   a ``bernoulli`` mask that neither ``eval()`` nor verification (dropout off) could tell from other math;
+* a product with a transposed weight, ``x @ W.T`` (``matmul(x, permute(W))``: Falcon's ``FalconLinear``), is
+  the ``linear(x, W)`` it is (:func:`matmul_as_linear`), so the weight is loaded by the op that uses it and
+  its rules and bounds are a linear layer's;
 * it decomposes, with torch's own core-ATen table (:func:`torch.export.default_decompositions`), every
   op that has no rule, and keeps whole every op that has one (``linear``, ``scaled_dot_product_attention``,
   ``embedding``, ``layer_norm``, ``cross_entropy_loss``, ... are never decomposed);
@@ -42,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "HAPNB_DECOMPOSITIONS",
+    "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "matmul_as_linear",
+    "HAPNB_DECOMPOSITIONS",
 ]  # fmt: skip
 
 #: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
@@ -253,6 +257,52 @@ def functional_dropout(ep: Any) -> int:
     return done
 
 
+def _transposed_weight(ep: Any, node: Any) -> Any:
+    """The 2-d parameter ``W`` when ``node`` is ``W.T`` (``numpy_T(W)``, ``permute(W, [1, 0])``, ``t(W)``,
+    ``transpose(W, 0, 1)``), else None."""
+    import torch
+
+    aten = torch.ops.aten
+    if node.op != "call_function" or not node.args:
+        return None
+    w = node.args[0]
+    if getattr(w, "op", None) != "placeholder" or w.name not in ep.graph_signature.inputs_to_parameters:
+        return None
+    val = w.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    rest = [a % 2 if isinstance(a, int) else a for a in node.args[1:]]
+    swaps = {
+        aten.permute.default: rest == [[1, 0]],
+        aten.t.default: rest == [],
+        aten.numpy_T.default: rest == [],
+        aten.transpose.int: sorted(rest) == [0, 1],
+    }
+    return w if swaps.get(node.target, False) else None
+
+
+def matmul_as_linear(ep: Any) -> int:
+    """Rewrite, in ``ep``'s graph, each ``matmul(x, W.T)`` of a 2-d parameter ``W`` whose transpose nothing
+    else reads as ``linear(x, W)`` (the same product). Returns how many were rewritten."""
+    import torch
+
+    graph = ep.graph_module.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.matmul.default or node.kwargs:
+            continue
+        x, wt = node.args
+        w = _transposed_weight(ep, wt)
+        if w is None or len(wt.users) != 1:
+            continue
+        node.target, node.args = torch.ops.aten.linear.default, (x, w)
+        graph.erase_node(wt)
+        done += 1
+    if done:
+        ep.graph_module.recompile()
+    return done
+
+
 def _root_target(node: Any) -> str | None:
     src = node.meta.get("from_node")
     s = src[-1] if src else None
@@ -276,6 +326,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         known = set(registered())
         has_rule = known.__contains__
     functional_dropout(ep)
+    matmul_as_linear(ep)
     todo = needs_lowering(ep, has_rule)
     if not todo:
         return Lowered(ep)
