@@ -284,6 +284,7 @@ def test_training_helpers_equal_one_device(tmp_path: Path) -> None:
         assert o["eval_no_grad"] == pytest.approx(o["eval_ref"], rel=1e-10)
         assert o["train_losses_differ"], "dropout is off while training"
         assert o["state_keys"] == sorted(TinyTiedLM().state_dict())
+        assert o["stream_seed"] == 100  # rank 0's seed, on every rank
     msgs = r0["errors"]
     for o in out:  # a global batch of 16 rows runs the same program split 8, 4, 4
         assert o["batch16"] == pytest.approx(o["batch16_ref"], rel=1e-10)
@@ -336,6 +337,10 @@ def worker(plan_path: str, out_dir: str, amp_path: str) -> None:
     ex = (tokens[:BATCH], targets[:BATCH])
     dm = distribute(model, plan, example_inputs=ex)
     res: dict = {"errors": {}}
+    from hapnb.run.training import rank0_seed
+
+    torch.manual_seed(100 + rank)  # ranks seeded apart still agree on their random ops' stream
+    res["stream_seed"] = rank0_seed()
     res["tied"] = [sorted(p.names) for p in dm.program.params if p.aliases]
     res["locals_once"] = len({p.local_name for p in dm.program.params}) == len(dm.program.params)
     res["n_params"] = len(list(dm.parameters()))
