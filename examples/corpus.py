@@ -579,18 +579,10 @@ CORPUS: dict[str, Callable[..., Built]] = {
 
 
 def batch_tensors(graph: Any) -> set[int]:
-    """Ids of the tensors of ``graph`` that carry the batch: reachable from a graph input by data flow,
-    with a leading dim that is a positive multiple of the batch (``B``, ``B x S``, ...; the batch is the
-    first input's dim 0)."""
-    first = graph.tensors[graph.inputs[0]]
-    batch = first.shape[0] if first.shape else 0
-    if batch < 2:
-        return set()
-    reached = set(graph.inputs)
-    for op in graph.ops:  # ops are in program order
-        if any(t in reached for t in op.inputs):
-            reached.update(op.outputs)
-    return {t for t in reached if graph.tensors[t].shape and graph.tensors[t].shape[0] % batch == 0}
+    """Ids of the tensors of ``graph`` that carry the batch (:func:`hapnb.triples.batch_tensors`)."""
+    from hapnb.triples import batch_tensors as tensors
+
+    return set(tensors(graph))
 
 
 def replicated_ops(plan: Any) -> list[tuple[str, str]]:
@@ -639,22 +631,10 @@ def batch_sharded(plan: Any) -> bool:
 
 
 def unshardable_batch_ops(graph: Any) -> list[tuple[str, str]]:
-    """``(op name, aten target)`` of the ops of ``graph`` that do work (non-zero flops) on batch data
-    (:func:`batch_tensors`) but have no strategy that shards that data: no strategy with scaled flops
-    and a ``G`` form on a batch-carrying input. These are the ops that force a plan to replicate the
-    batch whatever the cluster (ops without a rule, and rules too weak for the op's use); unlike
-    :func:`replicated_ops` this does not depend on the cost model's choices."""
-    from hapnb.rules import strategies
+    """``(op name, aten target)`` of the ops of ``graph`` that do work on batch data but have no strategy
+    that shards it (:attr:`hapnb.triples.Coverage.batch_blockers`): the ops that force a plan to replicate
+    the batch whatever the cluster; unlike :func:`replicated_ops` this does not depend on the cost
+    model's choices."""
+    from hapnb.triples import coverage, theory
 
-    batchy = batch_tensors(graph)
-    out = []
-    for op in graph.ops:
-        ins = [k for k, t in enumerate(op.inputs) if t in batchy]
-        if op.flops <= 0 or not ins:
-            continue
-        ok = any(
-            s.scaled_flops > 0 and any(s.inputs[k].kind == "G" for k in ins) for s in strategies(graph, op)
-        )
-        if not ok:
-            out.append((op.name, op.target))
-    return out
+    return [(r.op, r.target) for r in coverage(theory(graph)).batch_blockers]

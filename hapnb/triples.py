@@ -41,7 +41,7 @@ from .tracing.constants import folded_constants
 
 __all__ = [
     "Prop", "Instr", "Triple", "Theory", "theory", "dim_class", "COLLECTIVES", "LOADABLE_ROLES",
-    "Coverage", "CoverageRow", "coverage", "RULE_SOURCES",
+    "Coverage", "CoverageRow", "coverage", "RULE_SOURCES", "batch_tensors",
 ]  # fmt: skip
 
 Prop = tuple[int, Form]
@@ -429,15 +429,31 @@ class CoverageRow:
     module: str = ""
 
 
+#: why an op that no strategy lets shard the batch blocks it, by target (the hint :class:`Coverage` shows)
+_BLOCKER_HINTS = {
+    "aten.sort.default": "a sort over the whole batch: Hugging Face MoE layers dispatch tokens so by default "
+    "(sort by expert, index_put back); experts_implementation='batched_mm' shards the batch",
+}
+
+
 @dataclass(frozen=True)
 class Coverage:
     """Every op of a program by rule source (:func:`coverage`); ``fallback`` lists the ops without any
     rule, which run replicated; ``folded`` names the constants that replaced work depending on no input,
-    weight or state (:mod:`hapnb.tracing.constants`: those ops are not in the program)."""
+    weight or state (:mod:`hapnb.tracing.constants`: those ops are not in the program); ``blockers`` the
+    ops (names) that work on batch data (:func:`batch_tensors`) but have no strategy that shards it: they
+    replicate the batch whatever the cluster (ops without a rule, and rules that cannot split the op's
+    use, such as a sort over all tokens)."""
 
     name: str
     rows: tuple[CoverageRow, ...]
     folded: tuple[str, ...] = ()
+    blockers: tuple[str, ...] = ()
+
+    @property
+    def batch_blockers(self) -> tuple[CoverageRow, ...]:
+        names = set(self.blockers)
+        return tuple(r for r in self.rows if r.op in names)
 
     @property
     def fallback(self) -> tuple[CoverageRow, ...]:
@@ -466,6 +482,7 @@ class Coverage:
             "lowered_from": sorted({r.origin for r in self.rows if r.origin}),
             "fallback_ops": [[r.op, r.target] for r in self.fallback],
             "folded_constants": list(self.folded),
+            "batch_blockers": [[r.op, r.target, r.module] for r in self.batch_blockers],
         }
 
     def summary(self) -> str:
@@ -491,6 +508,16 @@ class Coverage:
                 "  ops without a rule run replicated and force their tensors to I; see docs/benchmarks/models.md "
                 "('Bring your own model') for what to do"
             )
+        blockers = self.batch_blockers
+        if blockers:
+            lines.append(
+                f"  {len(blockers)} ops on batch data that no strategy shards (they replicate the batch):"
+            )
+            for target in dict.fromkeys(r.target for r in blockers):
+                where = sorted({r.module or "<top>" for r in blockers if r.target == target})
+                shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+                hint = _BLOCKER_HINTS.get(target)
+                lines.append(f"      {target} in {shown}" + (f" ({hint})" if hint else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -509,13 +536,36 @@ def coverage(th: Theory) -> Coverage:
     """
     g = th.graph
     rows = []
+    batchy = batch_tensors(g)
+    blockers = []
     for op, strats in zip(g.ops, th.strategies):
         if op.family != "unknown":
             src = "decomposed" if op.origin else "hand"
         else:
             src = "discovered" if len(strats) > 1 else "none"
         rows.append(CoverageRow(op.name, op.target, src, len(strats), op.origin, op.module))
-    return Coverage(g.name, tuple(rows), folded_constants(g))
+        ins = [k for k, t in enumerate(op.inputs) if t in batchy]
+        if op.flops > 0 and ins:
+            if not any(s.scaled_flops > 0 and any(s.inputs[k].kind == "G" for k in ins) for s in strats):
+                blockers.append(op.name)
+    return Coverage(g.name, tuple(rows), folded_constants(g), tuple(blockers))
+
+
+def batch_tensors(graph: Graph) -> frozenset[int]:
+    """Ids of the tensors of ``graph`` that carry the batch: reachable from a graph input by data flow,
+    with a leading dim that is a positive multiple of the batch (``B``, ``B x S``, ...; the batch is the
+    first input's dim 0). Empty for a batch under 2 or a graph without inputs."""
+    if not graph.inputs:
+        return frozenset()
+    first = graph.tensors[graph.inputs[0]]
+    batch = first.shape[0] if first.shape else 0
+    if batch < 2:
+        return frozenset()
+    reached = set(graph.inputs)
+    for op in graph.ops:  # ops are in program order
+        if any(t in reached for t in op.inputs):
+            reached.update(op.outputs)
+    return frozenset(t for t in reached if graph.tensors[t].shape and graph.tensors[t].shape[0] % batch == 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
