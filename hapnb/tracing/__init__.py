@@ -4,7 +4,8 @@
 to ``torch.fx.symbolic_trace`` + shape propagation; it identifies parameters, buffers, user inputs and
 the loss, and asks the rule table (:mod:`hapnb.rules`) for each op's analytic forward flops.
 
-The modules: :mod:`.tracer` (:func:`trace` and its error hints), :mod:`.exported` (the Graph of an
+The modules: :mod:`.tracer` (:func:`trace` and its error hints), :mod:`.patches` (trace-time patches of
+torch code that torch.export cannot capture), :mod:`.exported` (the Graph of an
 exported program), :mod:`.lower` (rewriting ops without a rule), :mod:`.constants` (folding what depends
 on no input and no weight into lifted constants), :mod:`.fx_fallback` (torch.fx),
 :mod:`.builder` (the Graph under construction) and :mod:`.folds` (unfolding a fold of the batch around
