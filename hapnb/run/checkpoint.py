@@ -11,7 +11,9 @@ sharded by the plan as the slice ``[start, start + length)`` of one dim, by the 
 a replicated weight whole, written once). Optimizer state shaped like its parameter (Adam's
 ``exp_avg``/``exp_avg_sq``) is stored sharded as the parameter; scalar state (``step``) once. Keys are
 the model's names (``model/<name>``, ``optim/<name>/<state>``), so DCP's resharding reads, for the
-layout of the loading rank, the overlapping parts of whatever layout wrote them.
+layout of the loading rank, the overlapping parts of whatever layout wrote them. A distributed module's
+random stream (its seed and the draws so far, :mod:`hapnb.runtime.random_stream`) is stored too, so a
+resumed run's random ops (drop path) draw on instead of repeating the first steps' numbers.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from typing import Any
 
 import torch
 
+from ..runtime.random_stream import RandomStream
 from .distribute import DistributedModule
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_keys"]
 
 MODEL, OPTIM, GROUPS, EXTRA = "model/", "optim/", "optim_groups", "extra"
+#: the random ops' stream of a distributed module (its seed and draws so far): resumed, they draw on
+STREAM = "random_stream"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +161,15 @@ def _state_dict(
             )
         sd[GROUPS] = groups
     sd[EXTRA] = dict(extra)
+    stream = _stream(target)
+    if stream is not None:
+        sd[STREAM] = {"seed": stream.seed, "draws": stream.draws}
     return sd
+
+
+def _stream(target: torch.nn.Module) -> RandomStream | None:
+    """The random stream of ``target``'s program (:mod:`hapnb.runtime.random_stream`), None without one."""
+    return next((m for m in target.modules() if isinstance(m, RandomStream)), None)
 
 
 @contextmanager
@@ -383,7 +396,12 @@ def load_checkpoint(
             )
         sd = {MODEL + names[id(w)]: _value(w, w.tensor) for w in weights}
         objects = _read_objects(
-            path, [EXTRA, *([GROUPS] if optimizer is not None and GROUPS in keys else [])]
+            path,
+            [
+                EXTRA,
+                *([GROUPS] if optimizer is not None and GROUPS in keys else []),
+                *([STREAM] if STREAM in keys else []),
+            ],
         )
         if optimizer is not None:
             targets = _optimizer_targets(path, md, keys, optimizer, weights, names, sd)
@@ -403,6 +421,9 @@ def load_checkpoint(
             state.setdefault(p, {})[k] = v.local if isinstance(v, _Slice) else v
         optimizer.state.clear()
         optimizer.state.update(state)
+    stream, saved = _stream(dm), objects.get(STREAM)
+    if stream is not None and saved:  # the random ops draw on where the saved run stopped
+        stream.seed, stream.draws = int(saved["seed"]), int(saved["draws"])
     return dict(objects[EXTRA] or {})
 
 

@@ -112,3 +112,26 @@ def test_a_program_made_again_continues_the_draws_of_the_one_it_replaces() -> No
     assert float(planned.module(*x).detach()) == first
     continue_stream(again.module, planned.module)
     assert float(again.module(*x).detach()) == second
+
+
+def test_a_checkpoint_keeps_the_stream_so_a_resumed_run_draws_on(tmp_path) -> None:
+    """save_checkpoint stores the stream's seed and draws; load_checkpoint into a new distributed module
+    (another run, seeded otherwise) continues them: its next step draws what the saving run's next step
+    draws, not the first step's numbers again."""
+    import torch.distributed as dist
+
+    m, x = DropPathNet(), _batch()
+    plan = hap.synthesize(m, "1xV100", example_inputs=x)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(5)
+        dm = hap.distribute(m, plan, example_inputs=x)
+        first = float(dm(*x).detach())
+        hap.save_checkpoint(tmp_path / "c", dm)
+        nxt = float(dm(*x).detach())
+        torch.manual_seed(6)
+        again = hap.distribute(m, plan, example_inputs=x)
+        hap.load_checkpoint(tmp_path / "c", again)
+        assert float(again(*x).detach()) == nxt != first
+    finally:
+        hap.destroy_groups()
