@@ -86,7 +86,7 @@ def _rank(rank: int, nproc: int, port: int, plan_json: dict, batch: int, steps: 
         res[mode] = _timed(step, steps)
     if rank == 0:
         Path(out).write_text(json.dumps(res))
-    dist.destroy_process_group()
+    hapnb.destroy_groups()  # garbage first: a distributed module must not outlive the groups
 
 
 def main() -> None:
