@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..runtime.program import DROPOUT_TARGETS, tied_groups
+from ..runtime.program import tied_groups
 from ..runtime.program import zero_dropout as _zero_dropout
 from .duplex import loss_reduction
 
@@ -295,7 +295,6 @@ def _check_params(split: Split, model: nn.Module, points: Sequence[str], what: s
 
 def _strip_dropout(module: nn.Module) -> None:
     """Dropout as identity in every graph of a traced stage (exact verification), as codegen does."""
-    drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
     for m in module.modules():
         g = getattr(m, "graph", None)
         if not isinstance(g, fx.Graph):
@@ -303,11 +302,6 @@ def _strip_dropout(module: nn.Module) -> None:
         changed = False
         for nd in list(g.nodes):
             if nd.op != "call_function":
-                continue
-            if nd.target in drop:
-                nd.replace_all_uses_with(nd.args[0])
-                g.erase_node(nd)
-                changed = True
                 continue
             a, kw = _zero_dropout(nd.target, tuple(nd.args), dict(nd.kwargs), all_dropout=True)
             if a != tuple(nd.args) or kw != dict(nd.kwargs):

@@ -58,7 +58,7 @@ from .program import (
     tied_groups,
     when_training,
 )
-from .random_stream import STREAM_ATTR, RandomStream, from_stream, is_random
+from .random_stream import STREAM_ATTR, RandomStream
 
 __all__ = ["generate"]
 
@@ -168,6 +168,7 @@ def generate(
         grad_sync,
         strategies or rules.strategies,
         localize or rules.localize,
+        torch.initial_seed() if seed is None else seed,
     )
     b.place_inputs()
     b.make_weights(weights)
@@ -182,11 +183,7 @@ def generate(
             b.compute(ins, where)
         else:
             raise CodegenError(f"{where}: unknown instruction kind {ins.kind!r}")
-    prog = b.finish()
-    stream = getattr(prog.module, STREAM_ATTR, None)
-    if stream is not None:
-        stream.reseed(torch.initial_seed() if seed is None else seed)
-    return prog
+    return b.finish()
 
 
 class _RankBuilder:
@@ -196,10 +193,11 @@ class _RankBuilder:
 
     def __init__(
         self, plan: Any, g: Graph, rank: int, inputs: str, dropout: bool, dtype: torch.dtype | None,
-        grad_sync: str, strat_fn: Callable[..., Any], local_fn: Callable[..., Any],
+        grad_sync: str, strat_fn: Callable[..., Any], local_fn: Callable[..., Any], seed: int,
     ) -> None:  # fmt: skip
         self.plan, self.g, self.rank, self.n = plan, g, rank, plan.cluster.n
         self.inputs, self.dropout, self.dtype, self.grad_sync = inputs, dropout, dtype, grad_sync
+        self.seed = seed  # of the random ops' stream
         self.strat_fn, self.local_fn = strat_fn, local_fn
         self.ops_by_name = {op.name: op for op in g.ops}
         self.fxg = fx.Graph()
@@ -287,7 +285,7 @@ class _RankBuilder:
         """The node of the module's :class:`~hapnb.runtime.random_stream.RandomStream` (what random ops draw
         from)."""
         if self.stream_node is None:
-            self.root.add_module(STREAM_ATTR, RandomStream())
+            self.root.add_module(STREAM_ATTR, RandomStream(self.seed))
             self.stream_node = self.fxg.get_attr(STREAM_ATTR)
         return self.stream_node
 
@@ -298,12 +296,11 @@ class _RankBuilder:
     def emit_traced(self, fn: Any, args: tuple, kwargs: dict, name: str | None = None) -> fx.Node:
         """Emit a traced op's call as this program runs it (:func:`hapnb.runtime.program.as_run`)."""
         fn, args, kwargs = as_run(
-            fn, args, kwargs, dtype=self.dtype, dropout=self.dropout, device=self.runtime_device
-        )
+            fn, args, kwargs, dtype=self.dtype, dropout=self.dropout, device=self.runtime_device,
+            stream=self.random_stream,
+        )  # fmt: skip
         if self.dropout and has_dropout(fn):  # dropout as traced while training, none after module.eval()
             fn, args = when_training(fn), (self.training(), *args)
-        if is_random(fn):  # the same numbers on every rank
-            fn, args = from_stream(fn), (self.random_stream(), *args)
         return self.emit(C.regathered(fn) if self.zero3 else fn, args, kwargs, name)
 
     def need(self, tid: int, f: Form, where: str) -> fx.Node:

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..ir.graph import Graph, map_args
 from . import collectives as C
+from .random_stream import from_stream, is_random
 
 __all__ = [
     "CodegenError", "LocalParam", "RankProgram", "COLLECTIVE_FUNCTIONS", "DROPOUT_TARGETS", "NATIVE_DROPOUT",
@@ -300,16 +301,25 @@ def run_constants(value: Any, dtype: torch.dtype | None, device: Callable[[], An
 
 
 def as_run(
-    fn: Any, args: tuple, kwargs: dict, *, dtype: torch.dtype | None, dropout: bool, device: Callable[[], Any]
+    fn: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    dtype: torch.dtype | None,
+    dropout: bool,
+    device: Callable[[], Any],
+    stream: Callable[[], Any],
 ) -> tuple[Any, tuple, dict]:
     """A traced op's call as a program runs it: float32 dtype constants as ``dtype``, fixed devices as the
     program's own (``device()``), when ``dropout`` is off every dropout the identity (``dropout_p`` zeroed,
-    ``train=False``: ``native_dropout`` too, which returns a tuple and cannot be cut out), a stride-dependent view
-    as ``reshape`` (:data:`STRIDE_FREE`). The one rewrite rank programs and the single-device program
-    share."""
+    ``train=False``), a random op drawing from the program's stream (``stream()``, the node of its
+    :class:`~hapnb.runtime.random_stream.RandomStream`), a stride-dependent view as ``reshape``
+    (:data:`STRIDE_FREE`). The one rewrite rank programs and the single-device program share."""
     args, kwargs = run_constants(args, dtype, device), run_constants(kwargs, dtype, device)
     if not dropout:
         args, kwargs = zero_dropout(fn, args, kwargs, all_dropout=True)
+    if is_random(fn):  # the same numbers on every rank and on one device
+        fn, args = from_stream(fn), (stream(), *args)
     return STRIDE_FREE.get(fn, fn), args, kwargs
 
 

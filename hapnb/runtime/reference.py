@@ -13,14 +13,13 @@ import torch.fx as fx
 
 from ..ir.graph import Graph
 from .program import (
-    DROPOUT_TARGETS,
     CodegenError,
     as_run,
     device_anchor,
     strip_prefix,
     tied_groups,
 )
-from .random_stream import STREAM_ATTR, RandomStream, from_stream, is_random
+from .random_stream import STREAM_ATTR, RandomStream
 
 __all__ = ["reference_module", "reference_params"]
 
@@ -54,31 +53,29 @@ def reference_module(
     if not isinstance(gm, fx.GraphModule):
         raise CodegenError(f"the traced program of {graph.name} is not an fx GraphModule")
     changed = False
-    drop = {getattr(torch.ops.aten, t.split(".")[1]).default for t in DROPOUT_TARGETS}
-    device_node: list[fx.Node] = []
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    made: dict[str, fx.Node] = {}
 
     def runtime_device() -> fx.Node:
-        if not device_node:
-            with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
-                device_node.append(device_anchor(gm, gm.graph))
-        return device_node[0]
+        if "device" not in made:
+            with gm.graph.inserting_before(first):
+                made["device"] = device_anchor(gm, gm.graph)
+        return made["device"]
+
+    def stream() -> fx.Node:
+        if "stream" not in made:
+            gm.add_module(STREAM_ATTR, RandomStream(torch.initial_seed() if seed is None else seed))
+            with gm.graph.inserting_before(first):
+                made["stream"] = gm.graph.get_attr(STREAM_ATTR)
+        return made["stream"]
 
     for nd in list(gm.graph.nodes):
         if nd.op != "call_function":
             continue
-        if not dropout and nd.target in drop:
-            nd.replace_all_uses_with(nd.args[0])
-            gm.graph.erase_node(nd)
-            changed = True
-            continue
         fn, a, kw = as_run(
-            nd.target, tuple(nd.args), dict(nd.kwargs), dtype=dtype, dropout=dropout, device=runtime_device
-        )
-        if is_random(fn):
-            if not hasattr(gm, STREAM_ATTR):
-                gm.add_module(STREAM_ATTR, RandomStream(torch.initial_seed() if seed is None else seed))
-            with gm.graph.inserting_before(nd):
-                fn, a = from_stream(fn), (gm.graph.get_attr(STREAM_ATTR), *a)
+            nd.target, tuple(nd.args), dict(nd.kwargs), dtype=dtype, dropout=dropout, device=runtime_device,
+            stream=stream,
+        )  # fmt: skip
         if (fn, a, kw) != (nd.target, tuple(nd.args), dict(nd.kwargs)):
             nd.target, nd.args, nd.kwargs = fn, a, kw
             changed = True
