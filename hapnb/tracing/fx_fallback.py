@@ -111,13 +111,43 @@ def _named_forward(wrapper: Any, names: list[str]) -> Any:
     return wrapper
 
 
+#: torch functions and Tensor methods that draw random numbers
+_RANDOM = frozenset(
+    "rand randn randint randperm rand_like randn_like randint_like bernoulli bernoulli_ multinomial normal "
+    "normal_ uniform_ exponential_ geometric_ cauchy_ log_normal_ random_ poisson".split()
+)
+
+
+def _no_random_draws() -> Any:
+    """A torch function mode for symbolic tracing that refuses a random draw made on no traced value (as
+    LayerDrop's ``torch.rand([]) < p``): fx runs it once, at trace time, and would freeze that draw (a
+    layer always kept, or always skipped) into the program."""
+    import torch.fx as fx
+    from torch.overrides import TorchFunctionMode
+
+    class NoRandomDraws(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            fname = getattr(func, "__name__", "")
+            if fname in _RANDOM and not any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
+                raise RuntimeError(  # not a TraceError: the tracer reports it as this path's failure
+                    f"the model draws a random number ({fname}) on no traced value, so symbolic tracing would "
+                    "fix that one draw into the program (a branch on it, as LayerDrop's "
+                    "`torch.rand([]) < p`, taken the same way in every step)"
+                )
+            return func(*args, **kwargs)
+
+    return NoRandomDraws()
+
+
 def _from_fx(wrapper: Any, example: tuple, names: list[str], name: str) -> Graph:
     import operator
 
     import torch.fx as fx
     from torch.fx.passes.shape_prop import ShapeProp
 
-    gm = fx.symbolic_trace(_named_forward(wrapper, names))
+    with _no_random_draws():
+        gm = fx.symbolic_trace(_named_forward(wrapper, names))
     ShapeProp(gm).propagate(*example)
     b = _Builder()
     in_ids: list[int] = []

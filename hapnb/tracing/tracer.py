@@ -9,6 +9,7 @@ traces the same wrapper.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,36 @@ def _hint(reason: str) -> str:
         if any(k.lower() in reason.lower() for k in keys):
             return hint
     return "simplify the module's forward (no data-dependent Python, no in-place tricks on inputs)"
+
+
+def _user_line(exc: BaseException) -> str:
+    """Where in the model's code torch.export stopped: ``file.py:LINE: `code` `` from the error's "The following
+    call raised this error" block (empty when the error has none)."""
+    lines = str(exc).splitlines()
+    for k, ln in enumerate(lines):
+        if "following call raised this error" not in ln:
+            continue
+        for at, nxt in enumerate(lines[k + 1 : k + 4], start=k + 1):
+            m = re.match(r'\s*File "([^"]+)", line (\d+)', nxt)
+            if m is not None:
+                code = lines[at + 1].strip() if at + 1 < len(lines) else ""
+                where = f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}"
+                return f"{where}: `{code}`" if code else where
+    return ""
+
+
+def _layerdrop(model: Any) -> str:
+    """The first module of ``model`` in training mode whose config (or itself) asks for LayerDrop, as
+    ``name (layerdrop=p)``; empty when none does. LayerDrop skips whole layers at random in every step: a
+    branch on a random number, which no static program can take."""
+    if not hasattr(model, "named_modules"):
+        return ""
+    for name, mod in model.named_modules():
+        cfg = getattr(mod, "config", None)
+        p = getattr(cfg, "layerdrop", None) if cfg is not None else getattr(mod, "layerdrop", None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0 and mod.training:
+            return f"module {name or '<top-level model>'!r} (config.layerdrop={p})"
+    return ""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -167,7 +198,7 @@ def trace(
     modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
     wrapper.train()
     errors: list[str] = []
-    where = "<top-level model>"
+    where, at, layerdrop = "<top-level model>", "", _layerdrop(model)
     try:
         tracker = _ModuleTracker(wrapper)
         try:
@@ -177,7 +208,7 @@ def trace(
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported below
-            where = tracker.innermost()
+            where, at = tracker.innermost(), _user_line(exc)
             errors.append(f"torch.export (non-strict): {_first_line(exc)}")
         finally:
             tracker.remove()
@@ -199,7 +230,15 @@ def trace(
         for m, mode in modes:  # restore every submodule's own train/eval flag
             m.training = mode
     reason = errors[0]
+    hint = _hint(reason)
+    if layerdrop and hint is _HINTS[0][1]:
+        hint = (
+            f"{layerdrop} skips layers at random while training (LayerDrop), a branch on a random number that "
+            "no static program can take: set its `config.layerdrop = 0.0` before tracing"
+        )
     raise TraceError(
         f"cannot trace {gname}: module {where!r} failed — {reason}\n"
-        f"  hint: {_hint(reason)}\n  all attempts:\n    " + "\n    ".join(errors)
+        + (f"  at: {at}\n" if at else "")
+        + f"  hint: {hint}\n  all attempts:\n    "
+        + "\n    ".join(errors)
     )

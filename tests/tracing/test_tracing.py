@@ -3,6 +3,8 @@ the fx fallback, and TraceError for untraceable modules."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -130,6 +132,48 @@ def test_untraceable_model_names_the_module_and_hints():
     msg = str(info.value)
     assert "'gate'" in msg
     assert "torch.cond" in msg
+    assert "at: test_tracing.py:" in msg and "`if x.sum() > 0:" in msg  # the line of the model that branched
+
+
+class LayerDropStack(nn.Module):
+    """Layers skipped at random while training, as Hugging Face's LayerDrop does (``config.layerdrop``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(layerdrop=0.25)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        drop = self.training and self.config.layerdrop > 0
+        for layer in self.layers:
+            if not (drop and torch.rand([]) < self.config.layerdrop):
+                x = layer(x)
+        return x.sum()
+
+
+def test_layerdrop_is_named_with_the_setting_that_turns_it_off():
+    model = LayerDropStack()
+    with pytest.raises(TraceError) as info:
+        trace(model, (torch.randn(3, 4),))
+    msg = str(info.value)
+    assert "config.layerdrop=0.25" in msg and "`config.layerdrop = 0.0`" in msg
+    model.config.layerdrop = 0.0
+    assert len(trace(model, (torch.randn(3, 4),)).params) == 4
+
+
+def test_fx_fallback_refuses_to_freeze_a_random_draw(monkeypatch):
+    """Symbolic tracing runs ``torch.rand([])`` once, at trace time: the branch on it would be taken the same
+    way in every step (a layer always kept, or always dropped). The fallback refuses instead."""
+
+    def fail(*a, **k):
+        raise RuntimeError("export disabled for this test")
+
+    monkeypatch.setattr(torch.export, "export", fail)
+    with pytest.raises(TraceError, match=r"draws a random number \(rand\) on no traced value"):
+        trace(LayerDropStack(), (torch.randn(3, 4),))
+    stack = LayerDropStack()
+    stack.config.layerdrop = 0.0
+    assert [op.target for op in trace(stack, (torch.randn(3, 4),)).ops].count("aten.linear.default") == 2
 
 
 def test_non_scalar_output_needs_a_loss():
