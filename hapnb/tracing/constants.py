@@ -26,6 +26,14 @@ What is folded (the rest of the program is left as it is):
   larger than every tensor argument of its op (it *grows*: an ``expand``, a broadcasting comparison).
   A result that is not materialized keeps its op in the program, and that op's arguments are considered
   in turn;
+* an **index by aranges** (``x[arange(B)[:, None, None, None], arange(S)[None, None, None, :]]``, how
+  Hugging Face's mask functions read a padding mask ``(B, S)`` into ``(B, 1, 1, S)``) is a reshape of
+  ``x``: when every index of ``aten.index.Tensor`` is the value of a constant op (integers) that holds
+  ``arange(n_k)`` (``n_k`` the length of the dim of ``x`` it indexes) along one axis ``a_k`` and 1 elsewhere,
+  the axes increase with ``k``, and the indices address the leading dims of ``x``, the op becomes
+  ``reshape(x, broadcast shape + the dims of x not indexed)``, which holds the same elements in the same
+  order. The index rule cannot shard a dim that a tensor index addresses, so the padding mask (and the
+  batch with it) had to be whole on every device; a reshape shards it like any view;
 * constant ops nothing uses any more are removed.
 
 Folding is exact: the constants hold the values the removed ops would compute in every step. A program
@@ -124,9 +132,12 @@ def _constant_ops(ep: Any, consts: dict[str, str]) -> set[Any]:
     return ops
 
 
-def _materialize(ep: Any, ops: set[Any]) -> list[Any]:
-    """The constant ops (of ``ops``) whose results become lifted constants (module doc), in graph order."""
-    todo = [a for n in ep.graph.nodes if n not in ops for a in n.all_input_nodes if a in ops]
+def _materialize(ep: Any, ops: set[Any], views: set[Any]) -> list[Any]:
+    """The constant ops (of ``ops``) whose results become lifted constants (module doc), in graph order;
+    ``views``: index ops that become reshapes (their indices are not needed)."""
+    todo = [
+        a for n in ep.graph.nodes if n not in ops and n not in views for a in n.all_input_nodes if a in ops
+    ]
     chosen: set[Any] = set()
     kept: set[Any] = set()
     while todo:
@@ -175,6 +186,55 @@ def _evaluate(ep: Any, wanted: list[Any], consts: dict[str, str]) -> dict[Any, A
     return {n: env[n].clone() for n in wanted}
 
 
+def _arange_axis(value: Any, n: int, rank: int) -> int | None:
+    """The axis (of ``rank`` axes, aligned to the right) along which integer tensor ``value`` holds
+    ``arange(n)`` with every other axis of length 1; -1 for ``n == 1`` (a zero, on no axis); None otherwise."""
+    import torch
+
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > rank:
+        return None
+    shape = (1,) * (rank - value.dim()) + tuple(value.shape)
+    long = [a for a, m in enumerate(shape) if m != 1]
+    if n == 1:
+        return -1 if not long and int(value.reshape(-1)[0]) == 0 else None
+    if len(long) != 1 or shape[long[0]] != n:
+        return None
+    return long[0] if torch.equal(value.reshape(-1).long(), torch.arange(n)) else None
+
+
+def _arange_views(ep: Any, ops: set[Any], consts: dict[str, str]) -> dict[Any, list[int]]:
+    """The ``aten.index.Tensor`` ops of ``ep`` that are reshapes (module doc), each with its shape."""
+    import torch
+
+    cands = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.index.Tensor:
+            continue
+        x, idx = node.args[0], node.args[1]
+        if x in ops or not idx or not all(isinstance(i, torch.fx.Node) and i in ops for i in idx):
+            continue
+        cands.append(node)
+    if not cands:
+        return {}
+    values = _evaluate(ep, [i for n in cands for i in n.args[1]], consts)
+    out: dict[Any, list[int]] = {}
+    for node in cands:
+        x, idx = node.args[0].meta["val"], node.args[1]
+        rank = max(values[i].dim() for i in idx)
+        axes = [_arange_axis(values[i], int(x.shape[k]), rank) for k, i in enumerate(idx)]
+        placed = [a for a in axes if a is not None and a >= 0]
+        if any(a is None for a in axes) or placed != sorted(set(placed)):
+            continue
+        shape = [1] * rank
+        for k, a in enumerate(axes):
+            if a is not None and a >= 0:
+                shape[a] = int(x.shape[k])
+        shape += [int(m) for m in x.shape[len(idx) :]]
+        if tuple(shape) == tuple(node.meta["val"].shape):
+            out[node] = shape
+    return out
+
+
 def folded_constants(graph: Any) -> tuple[str, ...]:
     """The names of a traced Graph's folded constants (``<module path>.folded_<node name>``, :func:`_fqn`)."""
     return tuple(
@@ -202,14 +262,18 @@ def fold_constants(ep: Any) -> Folded:
 
     sources = _sources(ep)
     ops = _constant_ops(ep, sources)
-    chosen = _materialize(ep, ops)
-    if not chosen:
+    views = _arange_views(ep, ops, sources)
+    chosen = _materialize(ep, ops, set(views))
+    if not chosen and not views:
         return Folded(ep)
     values = _evaluate(ep, chosen, sources)
     graph = torch.fx.Graph()
     remap: dict[Any, Any] = {}
     out = graph.graph_copy(ep.graph, remap)
     graph.output(out)
+    for node, shape in views.items():
+        new = remap[node]
+        new.target, new.args, new.kwargs = torch.ops.aten.reshape.default, (new.args[0], shape), {}
     sig = ep.graph_signature
     specs = list(sig.input_specs)
     first_user = next((k for k, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))

@@ -221,3 +221,53 @@ def test_coverage_lists_the_folded_constants() -> None:
     assert "loaded as constants: " + cov.folded[0] in cov.summary()
     plain = hap.trace(nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
     assert coverage(hap.theory(plain)).folded == ()
+
+
+class PaddingMask(nn.Module):
+    """Reads a padding mask ``(B, S)`` at broadcast aranges into ``(B, 1, 1, S)``, as Hugging Face's mask
+    functions do, and a second table at aranges that are not a reshape (the rows reversed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, flip: bool = False) -> torch.Tensor:
+        b, s = mask.shape
+        rows = torch.arange(b)
+        rows = rows.flip(0) if flip else rows
+        seen = mask.bool()[rows[:, None, None, None], torch.arange(s)[None, None, None, :]]  # (B, 1, 1, S)
+        return self.proj(x).masked_fill(~seen, 0.0).sum()
+
+
+def _padding_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    return torch.randn(4, 2, 6, 6), mask
+
+
+def test_an_index_by_aranges_is_a_reshape_that_shards_the_batch() -> None:
+    x, mask = _padding_inputs()
+    model = PaddingMask()
+    ep = _export(model, x, mask)
+    out = fold_constants(ep).program
+    assert "aten.index.Tensor" in _targets(ep) and "aten.index.Tensor" not in _targets(out)
+    assert "aten.reshape.default" in _targets(out) and "aten.arange.default" not in _targets(out)
+    torch.testing.assert_close(out.module()(x, mask), model(x, mask))
+    g = hap.trace(model, (x, mask))
+    plan = hap.synthesize(g, "1xV100+1xP100", pins={"x": "G0", "mask": "G0"})
+    assert not any("index" in op.target for op in plan.graph.ops)
+    rep = hap.verify(plan, nproc=2, steps=1, timeout=120)
+    assert rep.ok, rep.text()
+
+
+def test_an_index_by_other_constants_stays_an_index() -> None:
+    class Flipped(PaddingMask):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(x, mask, flip=True)
+
+    x, mask = _padding_inputs()
+    model = Flipped()
+    out = fold_constants(_export(model, x, mask)).program
+    assert "aten.index.Tensor" in _targets(out)
+    torch.testing.assert_close(out.module()(x, mask), model(x, mask))
