@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from procs import assert_gone
 from synthetic import DP_PINS
 
@@ -78,6 +79,34 @@ def test_tied_embedding_verifies() -> None:
     for name in ("embed.weight", "head.weight"):
         assert ("grad", name) in checked and ("weight", name) in checked
     assert report.max_rel < 1e-10
+
+
+class HalfNorm(torch.nn.Module):
+    """A bfloat16 block whose norm upcasts to float32 and casts back to the input's dtype (as Hugging Face's
+    RMSNorm does): the trace holds ``bfloat16`` and ``float32`` dtype constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (self.scale * h.to(x.dtype)).sum()
+
+
+@pytest.mark.slow
+def test_a_model_traced_in_bfloat16_verifies_in_float64() -> None:
+    """Float64 verification casts every floating dtype the trace names, not float32 alone: the bfloat16
+    casts and export's dtype assertions of a bf16 trace stopped the single-device run ("Tensor dtype
+    mismatch! Expected: BFloat16, Got: double")."""
+    torch.manual_seed(0)
+    model = HalfNorm().to(torch.bfloat16)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    plan = hap.synthesize(hap.trace(model, (x,)), "2xV100", pins={"x": "G0"})
+    report = hap.verify(plan, nproc=2, steps=2)
+    assert report.ok and report.max_rel < 1e-10, report.text()
 
 
 @pytest.mark.slow
