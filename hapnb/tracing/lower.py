@@ -13,6 +13,8 @@ with ``ExportedProgram.run_decompositions``:
 * a product with a transposed weight, ``x @ W.T`` (``matmul(x, permute(W))``: Falcon's ``FalconLinear``), is
   the ``linear(x, W)`` it is (:func:`matmul_as_linear`), so the weight is loaded by the op that uses it and
   its rules and bounds are a linear layer's;
+* an embedding bag over equal bags (``nn.EmbeddingBag`` on a 2-d input) is the embedding of the ``(B, L)``
+  indices reduced over ``L`` (:func:`equal_bags`), which shards with the batch;
 * it decomposes, with torch's own core-ATen table (:func:`torch.export.default_decompositions`), every
   op that has no rule, and keeps whole every op that has one (``linear``, ``scaled_dot_product_attention``,
   ``embedding``, ``layer_norm``, ``cross_entropy_loss``, ... are never decomposed);
@@ -46,7 +48,7 @@ from typing import Any
 
 __all__ = [
     "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "matmul_as_linear",
-    "HAPNB_DECOMPOSITIONS",
+    "equal_bags", "HAPNB_DECOMPOSITIONS",
 ]  # fmt: skip
 
 #: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
@@ -243,9 +245,7 @@ def functional_dropout(ep: Any) -> int:
             with val.fake_mode:
                 nd.meta["val"] = torch.ops.aten.native_dropout.default(val, p, train)
             out.meta["val"] = val
-        for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if k in node.meta:
-                nd.meta[k] = out.meta[k] = node.meta[k]
+        _source_meta(node, nd, out)
         node.replace_all_uses_with(out)
         for user in list(x.users):
             if user is not nd and order.get(user, len(order)) > order[node]:
@@ -303,6 +303,134 @@ def matmul_as_linear(ep: Any) -> int:
     return done
 
 
+#: the embedding bags :func:`equal_bags` rewrites
+EMBEDDING_BAGS = ("aten.embedding_bag.default", "aten.embedding_bag.padding_idx")
+
+
+def _bag_args(node: Any) -> dict[str, Any]:
+    """An ``embedding_bag`` call's arguments by schema name (defaults filled in)."""
+    out = {a.name: a.default_value if a.has_default_value() else None for a in node.target._schema.arguments}
+    out.update(zip(out, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _equal_bag_shape(node: Any) -> tuple[int, int] | None:
+    """``(bags, bag length)`` when ``node`` is an embedding bag over equal bags that :func:`equal_bags` can
+    rewrite, else None."""
+    import operator
+
+    import torch
+
+    a = _bag_args(node)
+    idx, off, psw, pad = a["indices"], a["offsets"], a["per_sample_weights"], a.get("padding_idx")
+    val = getattr(idx, "meta", {}).get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 1 or a["scale_grad_by_freq"] or a["sparse"]:
+        return None
+    if a["include_last_offset"] or a["mode"] not in (0, 1, 2) or (psw is not None and a["mode"] != 0):
+        return None
+    if pad is not None and (pad < 0 or a["mode"] == 2):
+        return None
+    if getattr(off, "target", None) is not torch.ops.aten.arange.start_step or len(off.args) < 3:
+        return None
+    start, stop, step = off.args[:3]
+    n = int(val.shape[0])
+    if start != 0 or stop != n or not isinstance(step, int) or step <= 0 or n % step:
+        return None
+    if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users):
+        return None  # offset2bag, bag sizes or max indices are read
+    return n // step, step
+
+
+def equal_bags(ep: Any) -> int:
+    """Rewrite, in ``ep``'s graph, each embedding bag over equal bags as the embedding it is.
+
+    ``nn.EmbeddingBag`` on a 2-d input ``(B, L)`` (a recommender's multi-hot features) traces to
+    ``embedding_bag(weight, indices.reshape(-1), arange(0, B*L, L), ...)``; it has no rule, and a discovered
+    one cannot shard it (its other results number the bags globally), so it ran replicated with the batch.
+    When the offsets are that ``arange``, nothing reads the other results, and the bag neither scales
+    gradients by frequency nor makes them sparse, the bag is ``embedding(weight, indices.reshape(B, L))``
+    reduced over ``L``: a sum (times ``per_sample_weights``), a mean, or a max (``max.dim``'s values, which
+    send the gradient to one row as the bag does); entries equal to ``padding_idx`` count as absent (a mask,
+    and a mean over the rest, 0 for a bag of padding alone). Every op has a rule; the batch shards.
+    Returns how many were rewritten."""
+
+    graph = ep.graph_module.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) not in EMBEDDING_BAGS:
+            continue
+        shape = _equal_bag_shape(node)
+        if shape is not None:
+            _lower_bag(graph, node, shape)
+            done += 1
+    if done:
+        ep.graph_module.recompile()
+    return done
+
+
+def _call_like(graph: Any, like: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A new node ``target(*args, **kwargs)`` before ``like``, with its value's meta (computed in the trace's
+    fake mode) and ``like``'s source and module meta."""
+    import torch
+
+    nd = graph.call_function(target, args, kwargs)
+    vals = torch.fx.node.map_aggregate(args, lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x)
+    with like.args[0].meta["val"].fake_mode:
+        nd.meta["val"] = target(*vals, **kwargs)
+    _source_meta(like, nd)
+    return nd
+
+
+def _source_meta(like: Any, *nodes: Any) -> None:
+    """Give new ``nodes`` the source and module meta of the node ``like`` they replace (the module path and
+    the line of code the Graph's ops report)."""
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if k in like.meta:
+            for nd in nodes:
+                nd.meta[k] = like.meta[k]
+
+
+def _lower_bag(graph: Any, node: Any, shape: tuple[int, int]) -> None:
+    """Replace embedding bag ``node`` (equal bags of ``shape``) by its embedding reduced (:func:`equal_bags`)."""
+    import operator
+
+    import torch
+
+    aten = torch.ops.aten
+    a = _bag_args(node)
+    weight, mode, psw, pad = a["weight"], a["mode"], a["per_sample_weights"], a.get("padding_idx")
+
+    def call(target: Any, *args: Any, **kwargs: Any) -> Any:
+        return _call_like(graph, node, target, *args, **kwargs)
+
+    with graph.inserting_before(node):
+        ids = call(aten.reshape.default, a["indices"], list(shape))
+        rows = call(aten.embedding.default, weight, ids)
+        if psw is not None:
+            rows = call(aten.mul.Tensor, rows, call(aten.reshape.default, psw, [*shape, 1]))
+        keep = None
+        if pad is not None:
+            mask = call(aten.unsqueeze.default, call(aten.ne.Scalar, ids, pad), -1)
+            keep = call(aten._to_copy.default, mask, dtype=weight.meta["val"].dtype)
+            rows = call(aten.mul.Tensor, rows, keep)
+        if mode == 2:
+            out = call(operator.getitem, call(aten.max.dim, rows, 1), 0)
+        elif mode == 1 and keep is not None:
+            count = call(aten.clamp_min.default, call(aten.sum.dim_IntList, keep, [1]), 1)
+            out = call(aten.div.Tensor, call(aten.sum.dim_IntList, rows, [1]), count)
+        else:
+            out = call(aten.mean.dim if mode == 1 else aten.sum.dim_IntList, rows, [1])
+    off = a["offsets"]
+    for u in list(node.users):
+        if u.args[1] == 0:
+            u.replace_all_uses_with(out)
+        graph.erase_node(u)
+    graph.erase_node(node)
+    if not off.users:
+        graph.erase_node(off)
+
+
 def _root_target(node: Any) -> str | None:
     src = node.meta.get("from_node")
     s = src[-1] if src else None
@@ -327,6 +455,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         has_rule = known.__contains__
     functional_dropout(ep)
     matmul_as_linear(ep)
+    equal_bags(ep)
     todo = needs_lowering(ep, has_rule)
     if not todo:
         return Lowered(ep)

@@ -196,6 +196,80 @@ def test_a_product_with_a_transposed_weight_is_a_linear_layer() -> None:
     torch.testing.assert_close(reference_module(g)(x), m(x), rtol=1e-6, atol=1e-5)
 
 
+class Bags(nn.Module):
+    """A recommender's multi-hot features: embedding bags over a 2-d input (B, L), one per mode."""
+
+    def __init__(self, mode: str, padding_idx: int | None = None, weighted: bool = False) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode=mode, padding_idx=padding_idx)
+        self.head = nn.Linear(6, 1)
+        self.weighted = weighted
+
+    def forward(self, items: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(items, per_sample_weights=w if self.weighted else None)).square().sum()
+
+
+_BAGS = [
+    ("sum", None, False),
+    ("mean", None, False),
+    ("max", None, False),
+    ("sum", 3, True),
+    ("mean", 3, False),
+]
+
+
+@pytest.mark.parametrize(("mode", "pad", "weighted"), _BAGS)
+def test_an_embedding_bag_over_equal_bags_is_an_embedding_reduced(
+    mode: str, pad: int | None, weighted: bool
+) -> None:
+    """``nn.EmbeddingBag`` on (B, L) indices is an embedding reduced over L (``lower.equal_bags``): same loss
+    and gradients, exactly; padding entries count as absent (a bag of padding alone: 0)."""
+    from hapnb.runtime.reference import reference_module, reference_params
+
+    torch.manual_seed(0)
+    m = Bags(mode, pad, weighted).double()
+    items = torch.randint(0, 20, (5, 4))
+    items[1, :2] = 3
+    items[2] = 3  # padding alone where pad=3
+    items[4, 1] = items[4, 0]  # a row twice in one bag: a tie for max
+    w = torch.rand(5, 4, dtype=torch.float64)
+    g = hap.trace(m, (items, w))
+    targets = {op.target for op in g.ops}
+    assert not any("embedding_bag" in t for t in targets) and "aten.embedding.default" in targets
+    ref = reference_module(g)
+    loss = ref(items, w)
+    loss.backward()
+    m(items, w).backward()
+    torch.testing.assert_close(loss, m(items, w), rtol=1e-12, atol=1e-12)
+    params = reference_params(g, ref)
+    torch.testing.assert_close(params["bag.weight"].grad, m.bag.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_an_embedding_bag_shards_the_batch_and_equals_one_device() -> None:
+    torch.manual_seed(0)
+    m = Bags("mean", padding_idx=0)
+    items = torch.randint(0, 20, (6, 4))
+    g = hap.trace(m, (items, torch.rand(6, 4)))
+    plan = hap.synthesize(g, "1xV100+1xP100", pins={"items": "G0"})
+    rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
+    assert rep.ok, rep.text()
+
+
+def test_an_embedding_bag_with_offsets_of_its_own_stays_a_bag() -> None:
+    """Bags of different lengths (1-d indices and offsets the model passes) are not an embedding reduced."""
+
+    class Ragged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(20, 6)
+
+        def forward(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return self.bag(items, offsets).sum()
+
+    g = hap.trace(Ragged(), (torch.randint(0, 20, (9,)), torch.tensor([0, 2, 7])))
+    assert any("embedding_bag" in op.target for op in g.ops)
+
+
 def test_theory_cli_lists_named_rules_and_model_coverage(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["theory", "linear", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
