@@ -155,3 +155,42 @@ def tied_lm(
     model = TiedLM(vocab, hidden)
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+class SmallUNet(nn.Module):
+    """A denoising-diffusion UNet in miniature: the noisy image ``sqrt(a) x0 + sqrt(1 - a) noise`` at step
+    ``t``, a sinusoidal step embedding, conv + GroupNorm + SiLU blocks, average-pool down, nearest
+    ``F.interpolate`` up, a skip ``cat``, and the MSE of the predicted noise."""
+
+    def __init__(self, channels: int = 16, steps: int = 1000) -> None:
+        super().__init__()
+        c = channels
+        self.steps = steps
+        self.embed = nn.Sequential(nn.Linear(c, c), nn.SiLU(), nn.Linear(c, c))
+        self.inp = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.Sequential(nn.GroupNorm(4, c), nn.SiLU(), nn.Conv2d(c, 2 * c, 3, padding=1))
+        self.up = nn.Sequential(nn.GroupNorm(4, 3 * c), nn.SiLU(), nn.Conv2d(3 * c, c, 3, padding=1))
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def step_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.inp.out_channels // 2
+        freqs = torch.exp(-torch.arange(half, dtype=torch.float32) * (9.21 / half))
+        angle = t[:, None].float() * freqs[None]
+        return self.embed(torch.cat([angle.sin(), angle.cos()], -1))
+
+    def forward(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = (1 - t.float() / self.steps)[:, None, None, None]
+        x = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        h = self.inp(x) + self.step_embedding(t)[:, :, None, None]
+        low = self.down(F.avg_pool2d(h, 2))
+        h = self.up(torch.cat([F.interpolate(low, scale_factor=2, mode="nearest"), h], 1))
+        return F.mse_loss(self.out(h), noise)
+
+
+def small_unet(
+    batch: int = 8, channels: int = 16, image: int = 16
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`SmallUNet` on random images, noise and diffusion steps."""
+    model = SmallUNet(channels)
+    x0, noise = torch.randn(batch, 3, image, image), torch.randn(batch, 3, image, image)
+    return model, (x0, noise, torch.randint(0, model.steps, (batch,)))

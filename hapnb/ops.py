@@ -423,8 +423,9 @@ def _bias_view(b: torch.Tensor, out: torch.Tensor, ch: int) -> torch.Tensor:
 
 
 def pool_local(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
-    """A pooling op on a shard that may have zero channels (PyTorch rejects those)."""
-    sp = 1 if "1d" in str(fn) else 2  # number of spatial dims
+    """A pooling or resampling op on a shard that may have no rows or channels (PyTorch rejects those)."""
+    name = str(fn)
+    sp = 1 if "1d" in name else 3 if "3d" in name else 2  # number of spatial dims
     lead = x.shape[:-sp]
     if x.numel() == 0 and any(s == 0 for s in lead):
         shape = [max(s, 1) for s in lead] + list(x.shape[-sp:])

@@ -66,12 +66,22 @@ def test_pinned_plans_equal_one_device(name: str, pins: dict) -> None:
 
 
 @pytest.mark.parametrize("factory", ["examples.factories:small_convnet", "examples.factories:prenorm_lm",
-                                     "examples.factories:cumulative_mix_lm"])  # fmt: skip
+                                     "examples.factories:cumulative_mix_lm", "examples.factories:small_unet"])  # fmt: skip
 def test_model_code_outside_the_zoo(factory: str) -> None:
     c = hap.Cluster.parse("1xV100+2xP100")
     plan = hap.synthesize(factory, c)
     assert not plan.fallback_ops  # logcumsumexp (cumulative_mix_lm) has a rule: a scan off its dim
     _verify(plan, c.n)
+
+
+def test_a_unet_resamples_with_the_batch_sharded() -> None:
+    """``F.interpolate`` (``upsample_nearest2d``) shards batch and channels: the UNet's upsampling ran
+    replicated before it had a rule (discovery cannot shrink an op whose output size is a multiple of
+    its input's), so every plan all-gathered the batch there."""
+    plan = hap.synthesize("examples.factories:small_unet", "1xV100+1xP100", pins={"x0": "G0", "noise": "G0"})
+    up = [i for i in plan.program if i.kind == "compute" and "upsample" in i.target]
+    assert up and all(i.name in ("shard0", "shard1", "partial") for i in up)  # the hand rule's strategies
+    _verify(plan, 2)
 
 
 def test_an_op_without_any_rule_runs_replicated_and_the_plan_says_so() -> None:

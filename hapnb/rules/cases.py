@@ -282,12 +282,31 @@ def _losses(add: _Add, T: _Tensor, dims: _Dims, bsh: _Bsh) -> None:  # noqa: N80
 
 
 def _conv(add: _Add, T: _Tensor, dims: _Dims, bsh: _Bsh) -> None:  # noqa: N803
-    """Convolution and pooling."""
+    """Convolution, pooling and resampling."""
     add("aten.conv2d.default", lambda r: _conv_case(r, T, 1, 1))
     add("aten.conv2d.default", lambda r: _conv_case(r, T, 2, 0))
     add("aten.max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2], [2, 2]), {}))
     add("aten.adaptive_avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [1, 1]), {}))
     add("aten.avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    # resampling (F.interpolate): scale factors (.vec) and output sizes (.default), with and without corners
+    add("aten.upsample_nearest2d.vec", lambda r: ((T(*dims(r, 2), 3, 4), None, [2.0, 1.5]), {}))
+    add("aten.upsample_nearest2d.default", lambda r: ((T(*dims(r, 2), 3, 4), [5, 7]), {}))
+    add("aten._upsample_nearest_exact2d.vec", lambda r: ((T(*dims(r, 2), 3, 4), [6, 5], None), {}))
+    add("aten.upsample_nearest1d.vec", lambda r: ((T(*dims(r, 2), 5), None, [2.0]), {}))
+    add("aten.upsample_nearest3d.vec", lambda r: ((T(*dims(r, 2), 2, 3, 2), None, [2.0, 2.0, 1.0]), {}))
+    for corners in (False, True):
+        add(
+            "aten.upsample_bilinear2d.vec",
+            lambda r, c=corners: ((T(*dims(r, 2), 3, 4), None, c, [2.0, 2.0]), {}),
+        )
+        add("aten.upsample_bilinear2d.default", lambda r, c=corners: ((T(*dims(r, 2), 3, 4), [5, 6], c), {}))
+        add("aten.upsample_bicubic2d.vec", lambda r, c=corners: ((T(*dims(r, 2), 4, 4), [6, 7], c, None), {}))
+        add("aten.upsample_linear1d.vec", lambda r, c=corners: ((T(*dims(r, 2), 5), None, c, [1.5]), {}))
+        add(
+            "aten.upsample_trilinear3d.vec",
+            lambda r, c=corners: ((T(*dims(r, 2), 2, 3, 2), None, c, [2.0, 1.0, 2.0]), {}),
+        )
+    add("aten._upsample_bilinear2d_aa.vec", lambda r: ((T(*dims(r, 2), 6, 6), [3, 4], False, None), {}))
 
 
 def _lin(r: Any, T: Callable, bias: bool, two_d: bool = False) -> tuple[tuple, dict]:  # noqa: N803

@@ -33,6 +33,7 @@ from .cases import sample_cases
 from .discover import cached as _discovered
 from .discover import rebuild as _rebuild
 from .registry import (
+    _RULES,
     LocalCall,
     LocalContext,
     Strategy,
@@ -366,12 +367,13 @@ def _check_discovered(
     missing: list[str],
 ) -> list[CheckRow]:
     """Rows for every discovered rule with an accepted strategy (this process's discoveries and the
-    on-disk cache's); ops that cannot be rebuilt here (a custom op whose library is not imported) go to
+    on-disk cache's) of an op that has no hand rule now (a cached discovery of an op that has since got
+    one is never used); ops that cannot be rebuilt here (a custom op whose library is not imported) go to
     ``missing``. An op without autograd is checked forward only (the detail says so)."""
     rows: list[CheckRow] = []
     seen: set[str] = set()
     for d in _discovered():
-        if not d.accepted or d.spec is None or not _matches(d.target, targets):
+        if not d.accepted or d.spec is None or not _matches(d.target, targets) or d.target in _RULES:
             continue
         try:
             target, args, kwargs = _rebuild(d.spec, seed=rng.randrange(1 << 30))

@@ -1,10 +1,12 @@
-"""Convolution and pooling: the ``conv`` and ``pool`` tables.
+"""Convolution, pooling and resampling: the ``conv`` and ``pool`` tables.
 
 Algebra: a convolution is a contraction over in-channels and the kernel window: the batch dim shards
 (``G0``), out-channels shard with the weight's dim 0 (``G1``), in-channels shard with the weight's dim 1
 and give a partial sum (``R``); a partial input with a replicated weight stays ``R``. Pooling acts on
 the spatial dims only, so batch and channel dims shard, and average pooling is linear (``R -> R``).
-Spatial dims are never sharded, so padding needs no halo exchange. Conv flops:
+Resampling (``F.interpolate``: nearest, linear, bilinear, bicubic, trilinear) is a fixed linear map of each
+(batch, channel) plane, so batch and channels shard and ``R -> R``. Spatial dims are never sharded, so
+padding needs no halo exchange. Conv flops:
 ``2*N*Cout*Ho*Wo*(Cin/groups)*kh*kw`` (+ one per output element for a bias).
 """
 
@@ -21,6 +23,7 @@ from .registry import (
     _Cand,
     _default_local,
     _f_in,
+    _f_out,
     _numel,
     _register,
     _tin,
@@ -88,9 +91,14 @@ _register(
 # ---- pooling: spatial only; average pooling is linear
 
 
+def _spatial(target: str) -> int:
+    """How many trailing spatial dims a pooling or resampling op acts on (its name says: 1d, 2d, 3d)."""
+    return 1 if "1d" in target else 3 if "3d" in target else 2
+
+
 def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
     x = _tin(g, op, 0)
-    lead = x.ndim - (1 if "1d" in op.target else 2)  # spatial dims are never sharded
+    lead = x.ndim - _spatial(op.target)  # spatial dims are never sharded
     nout = len(op.outputs)
     cands = [_Cand(f"shard{d}", (G(d),), (G(d),) * nout) for d in range(lead)]
     if linear:
@@ -118,4 +126,24 @@ _register(
     local=_local_pool,
     flops=_f_in,
     reason="average pooling is linear and spatial: batch/channel shard, R -> R",
+)
+
+
+#: resampling ops (``F.interpolate``'s modes), each with its ``.vec`` (scale factors) form
+RESAMPLE = tuple(
+    f"aten.{name}.{overload}"
+    for name in (
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+        "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    )
+    for overload in ("default", "vec")
+)  # fmt: skip
+_register(
+    list(RESAMPLE),
+    "pool",
+    lambda g, op: _gen_pool(g, op, True),
+    local=_local_pool,
+    flops=_f_out,
+    reason="resampling maps each (batch, channel) plane linearly: batch/channel shard, R -> R",
 )

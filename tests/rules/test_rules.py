@@ -52,6 +52,8 @@ def test_every_rule_passes_the_ground_truth_check():
         "aten.cat.default",
         "aten.max_pool2d.default",
         "aten.adaptive_avg_pool2d.default",
+        "aten.upsample_nearest2d.vec",
+        "aten.upsample_bilinear2d.vec",
         "aten.sum.dim_IntList",
         "aten.mean.dim",
         "aten.softmax.int",
