@@ -194,3 +194,29 @@ def small_unet(
     model = SmallUNet(channels)
     x0, noise = torch.randn(batch, 3, image, image), torch.randn(batch, 3, image, image)
     return model, (x0, noise, torch.randint(0, model.steps, (batch,)))
+
+
+class SmallAutoencoder(nn.Module):
+    """A convolutional autoencoder: strided convs down, transposed convs (``ConvTranspose2d``) up, the MSE
+    of the reconstruction; a ``Conv3d`` over a stack of two copies of the input first (a video model's
+    first layer, in miniature)."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        c = channels
+        self.stem = nn.Conv3d(3, c, (2, 3, 3), padding=(0, 1, 1))
+        self.enc = nn.Conv2d(c, 2 * c, 4, stride=2, padding=1)
+        self.dec1 = nn.ConvTranspose2d(2 * c, c, 4, stride=2, padding=1)
+        self.dec2 = nn.ConvTranspose2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(torch.stack([x, x.flip(-1)], 2)).squeeze(2)
+        h = F.relu(self.enc(F.relu(h)))
+        return F.mse_loss(self.dec2(F.relu(self.dec1(h))), x)
+
+
+def small_autoencoder(
+    batch: int = 8, channels: int = 8, image: int = 16
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """:class:`SmallAutoencoder` on random images."""
+    return SmallAutoencoder(channels), (torch.randn(batch, 3, image, image),)

@@ -416,6 +416,45 @@ def conv_local(
     return conv_partial(x, w, b, stride, padding, dilation, groups, with_bias)
 
 
+def convolution_local(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    with_bias: bool = True,
+) -> torch.Tensor:
+    """``aten.convolution`` (a convolution or a transposed one, 1-3 spatial dims, batched) on a shard: the
+    bias only where ``with_bias`` (rank 0 of a partial-sum result), and a shard with no input or output
+    channels (PyTorch rejects those) computed on a one-channel zero stand-in."""
+
+    def conv(xx: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.convolution.default(
+            xx, ww, None, stride, padding, dilation, transposed, output_padding, groups
+        )
+
+    cin, cout = (0, 1) if transposed else (1, 0)  # the weight's dims of input and output channels
+    if w.shape[cout] == 0:  # no output channels here
+        shape = list(w.shape)
+        shape[cout] = 1
+        out = conv(x, w.new_zeros(shape)).narrow(1, 0, 0)
+        return out + _drop(w).to(out.dtype) + (_drop(b).to(out.dtype) if b is not None else 0)
+    if x.shape[1] == 0 or w.shape[cin] == 0:  # no input channels here: the partial sum is zero
+        shape = list(w.shape)
+        shape[cin] = 1
+        xs = x.new_zeros((x.shape[0], 1, *x.shape[2:]))
+        out = conv(xs, w.new_zeros(shape)) + _drop(x).to(x.dtype) + _drop(w).to(x.dtype)
+    else:
+        out = conv(x, w)
+    if b is None:
+        return out
+    return out + (_bias_view(b, out, 1) if with_bias else _drop(b).to(out.dtype))
+
+
 def _bias_view(b: torch.Tensor, out: torch.Tensor, ch: int) -> torch.Tensor:
     shape = [1] * out.dim()
     shape[ch] = -1

@@ -84,6 +84,17 @@ def test_a_unet_resamples_with_the_batch_sharded() -> None:
     _verify(plan, 2)
 
 
+def test_transposed_and_3d_convolutions_shard_batch_and_channels() -> None:
+    """``ConvTranspose2d`` and ``Conv3d`` trace to ``aten.convolution``, which had no rule (the decoder of
+    an autoencoder, a GAN or a UNet ran replicated): batch, out-channel (the transposed weight's dim 1) and
+    in-channel (its dim 0, a partial sum) strategies, each equal to one device."""
+    pins = {"x": "G0", "convolution": "G0", "dec1.weight": "G1", "dec2.weight": "G0"}
+    plan = hap.synthesize("examples.factories:small_autoencoder", "1xV100+1xP100", pins=pins)
+    used = {i.name for i in plan.program if i.kind == "compute" and i.target == "aten.convolution.default"}
+    assert {"batch", "out_channel", "in_channel"} <= used
+    _verify(plan, 2)
+
+
 def test_an_op_without_any_rule_runs_replicated_and_the_plan_says_so() -> None:
     import sys
     from pathlib import Path

@@ -288,6 +288,16 @@ def _conv(add: _Add, T: _Tensor, dims: _Dims, bsh: _Bsh) -> None:  # noqa: N803
     add("aten.max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2], [2, 2]), {}))
     add("aten.adaptive_avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [1, 1]), {}))
     add("aten.avg_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 2]), {}))
+    add("aten.max_pool3d_with_indices.default", lambda r: ((T(*dims(r, 2), 2, 4, 4), [2, 2, 2]), {}))
+    add("aten.adaptive_max_pool2d.default", lambda r: ((T(*dims(r, 2), 4, 6), [2, 3]), {}))
+    add("aten.avg_pool3d.default", lambda r: ((T(*dims(r, 2), 2, 4, 4), [2, 2, 2]), {}))
+    add("aten.adaptive_avg_pool3d.default", lambda r: ((T(*dims(r, 2), 2, 4, 4), [1, 2, 2]), {}))
+    # aten.convolution: transposed 1-d/2-d (stride, output padding, groups, no bias) and a 3-d convolution
+    add("aten.convolution.default", lambda r: _convolution_case(r, T, True, 2, 1, 1, 1))
+    add("aten.convolution.default", lambda r: _convolution_case(r, T, True, 1, 0, 0, 2))
+    add("aten.convolution.default", lambda r: _convolution_case(r, T, True, 2, 1, 0, 1, bias=False))
+    add("aten.convolution.default", lambda r: _convolution_case(r, T, False, 1, 1, 0, 1, spatial=3))
+    add("aten.convolution.default", lambda r: _convolution_case(r, T, True, 2, 0, 1, 1, spatial=1))
     # resampling (F.interpolate): scale factors (.vec) and output sizes (.default), with and without corners
     add("aten.upsample_nearest2d.vec", lambda r: ((T(*dims(r, 2), 3, 4), None, [2.0, 1.5]), {}))
     add("aten.upsample_nearest2d.default", lambda r: ((T(*dims(r, 2), 3, 4), [5, 7]), {}))
@@ -361,6 +371,26 @@ def _ce_case(
         return (torch.log_softmax(x, 1), tgt, None, red, -100), {}
     w = T(c).abs() + 0.5 if weight else None
     return (x, tgt, w, red, -100, smoothing), {}
+
+
+def _convolution_case(
+    r: Any,
+    T: Callable,  # noqa: N803
+    transposed: bool,
+    stride: int,
+    pad: int,
+    out_pad: int,
+    groups: int,
+    bias: bool = True,
+    spatial: int = 2,
+) -> tuple[tuple, dict]:
+    """``aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)``."""
+    n, ci, co = r.randint(2, 4), groups * r.randint(1, 3), groups * r.randint(1, 3)
+    w = T(ci, co // groups, *[3] * spatial) if transposed else T(co, ci // groups, *[3] * spatial)
+    x = T(n, ci, *[5, 4, 3][:spatial])
+    k = [1] * spatial
+    return (x, w, T(co) if bias else None, [stride] * spatial, [pad] * spatial, k, transposed,
+            [out_pad] * spatial, groups), {}  # fmt: skip
 
 
 def _conv_case(r: Any, T: Callable, stride: int, pad: int) -> tuple[tuple, dict]:  # noqa: N803

@@ -2,7 +2,9 @@
 
 Algebra: a convolution is a contraction over in-channels and the kernel window: the batch dim shards
 (``G0``), out-channels shard with the weight's dim 0 (``G1``), in-channels shard with the weight's dim 1
-and give a partial sum (``R``); a partial input with a replicated weight stays ``R``. Pooling acts on
+and give a partial sum (``R``); a transposed convolution (``aten.convolution`` with ``transposed``, what
+``ConvTranspose1d/2d/3d`` trace to, as ``Conv3d`` does) the same with its weight's ``(in, out / groups)``
+layout; a partial input with a replicated weight stays ``R``. Pooling acts on
 the spatial dims only, so batch and channel dims shard, and average pooling is linear (``R -> R``).
 Resampling (``F.interpolate``: nearest, linear, bilinear, bicubic, trilinear) is a fixed linear map of each
 (batch, channel) plane, so batch and channels shard and ``R -> R``. Spatial dims are never sharded, so
@@ -56,6 +58,39 @@ def _local_conv(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
     return _default_local(g, op, s, ctx)
 
 
+def _gen_convolution(g: Graph, op: Op) -> list[_Cand]:
+    """``aten.convolution`` (what ``ConvTranspose1d/2d/3d`` and ``Conv3d`` trace to): the conv algebra with
+    the transposed weight's layout ``(in, out / groups, *kernel)``; batched inputs only."""
+    x, w = _tin(g, op, 0), _tin(g, op, 1)
+    if x.ndim != w.ndim:
+        return []
+    has_b = len(op.inputs) == 3
+    transposed, groups = bool(_arg(op, 6, False)), int(_arg(op, 8, 1))
+    cin, cout = (0, 1) if transposed else (1, 0)  # the weight's dims of input and output channels
+    bias = (I,) if has_b else ()
+    cands = [_Cand("batch", (G(0), I, *bias), (G(0),))]
+    if groups == 1:
+        cands.append(_Cand("out_channel", (I, G(cout)) + ((G(0),) if has_b else ()), (G(1),)))
+        cands.append(_Cand("in_channel", (G(1), G(cin), *bias), (R,)))
+    cands.append(_Cand("partial", (R, I, *bias), (R,), "full"))
+    return cands
+
+
+def _local_convolution(g: Graph, op: Op, s: Strategy, ctx: LocalContext) -> LocalCall:
+    import hapnb.ops as hops
+
+    with_bias = not s.outputs[0].is_reduce or ctx.rank == 0
+    return LocalCall(hops.convolution_local, (*op.args[:9], with_bias))
+
+
+def _f_convolution(ins: list, outs: list, args: tuple, kw: dict) -> float:
+    """A transposed convolution scatters each input element over ``out / groups`` channels and the kernel."""
+    if not (len(args) > 6 and args[6]):
+        return _f_conv(ins, outs, args, kw)
+    x, w, out = ins[0], ins[1], outs[0]
+    return float(2 * _numel(x) * w[1] * _numel(w[2:]) + (_numel(out) if len(ins) == 3 else 0))
+
+
 def _has_empty_shard(op: Op, s: Strategy, ctx: LocalContext) -> bool:
     """Whether this rank's shard of some G-form tensor of the op is empty."""
     return any(
@@ -88,6 +123,16 @@ _register(
 )
 
 
+_register(
+    ["aten.convolution.default"],
+    "conv",
+    _gen_convolution,
+    local=_local_convolution,
+    flops=_f_convolution,
+    reason="convolution or transposed convolution (1-3d): batch -> G0, out-channel -> G1, in-channel -> R",
+)
+
+
 # ---- pooling: spatial only; average pooling is linear
 
 
@@ -107,7 +152,16 @@ def _gen_pool(g: Graph, op: Op, linear: bool) -> list[_Cand]:
 
 
 _register(
-    ["aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default"],
+    [
+        "aten.max_pool2d.default",
+        "aten.max_pool2d_with_indices.default",
+        "aten.max_pool1d.default",
+        "aten.max_pool3d.default",
+        "aten.max_pool3d_with_indices.default",
+        "aten.adaptive_max_pool1d.default",
+        "aten.adaptive_max_pool2d.default",
+        "aten.adaptive_max_pool3d.default",
+    ],
     "pool",
     lambda g, op: _gen_pool(g, op, False),
     local=_local_pool,
@@ -120,6 +174,8 @@ _register(
         "aten.avg_pool2d.default",
         "aten.adaptive_avg_pool1d.default",
         "aten.avg_pool1d.default",
+        "aten.adaptive_avg_pool3d.default",
+        "aten.avg_pool3d.default",
     ],
     "pool",
     lambda g, op: _gen_pool(g, op, True),
