@@ -19,7 +19,10 @@ Reported per model:
     python benchmarks/models.py [--only NAME]... [--cluster 2xV100+6xP100] [--size real]
                                 [--out docs/benchmarks/models.json] [--md docs/benchmarks/models.md]
 
-``--only`` runs some models and merges their rows into an existing ``--out`` file; ``--md`` rewrites the
+``--suite patterns`` runs the training patterns of :mod:`examples.patterns` instead (padding masks, a
+sequence classifier, Whisper, a recommender, a diffusion UNet, a DCGAN generator), by default into
+``docs/benchmarks/patterns.json`` and the ``patterns-table`` markers. ``--only`` runs some models and merges
+their rows into an existing ``--out`` file; ``--md`` rewrites the
 table between the ``models-table`` markers of that file (``--render``: from the ``--out`` file, no runs). The same comparison from the command line:
 ``hapnb compare --model examples.corpus:llama --set size=real --cluster 2xV100+6xP100 --json``.
 """
@@ -43,9 +46,22 @@ STRATEGIES = ("hap", "dp_ev", "dp_cp", "tp", "fsdp", "ep")
 BASELINES = STRATEGIES[1:]
 
 
-def measure_one(name: str, size: str, cluster: str) -> dict[str, Any]:
-    """Build, trace and compare one corpus model in this process; the row as a JSON-able dict."""
+def suite_of(suite: str) -> dict[str, Any]:
+    """The factories of a suite by name: ``corpus`` (:data:`examples.corpus.CORPUS`) or ``patterns``
+    (:data:`examples.patterns.PATTERNS`)."""
     sys.path.insert(0, str(ROOT))
+    if suite == "patterns":
+        from examples.patterns import PATTERNS
+
+        return PATTERNS
+    from examples.corpus import CORPUS
+
+    return CORPUS
+
+
+def measure_one(name: str, size: str, cluster: str, suite: str = "corpus") -> dict[str, Any]:
+    """Build, trace and compare one model of ``suite`` in this process; the row as a JSON-able dict."""
+    factories = suite_of(suite)
     import torch
 
     import hapnb as hap
@@ -54,7 +70,7 @@ def measure_one(name: str, size: str, cluster: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     row: dict[str, Any] = {"model": name, "size": size, "cluster": cluster}
     t0 = time.perf_counter()
-    model, inputs = corpus.CORPUS[name](size=size)
+    model, inputs = factories[name](size=size)
     row["build_s"] = time.perf_counter() - t0
     row["params"] = sum(p.numel() for p in model.parameters())
     row["inputs"] = [list(t.shape) for t in inputs]
@@ -106,9 +122,9 @@ def measure_one(name: str, size: str, cluster: str) -> dict[str, Any]:
     return row
 
 
-def run_child(name: str, size: str, cluster: str) -> dict[str, Any]:
+def run_child(name: str, size: str, cluster: str, suite: str = "corpus") -> dict[str, Any]:
     """:func:`measure_one` in a fresh process, with its wall time and peak RSS."""
-    cmd = [sys.executable, __file__, "--child", name, "--size", size, "--cluster", cluster]
+    cmd = [sys.executable, __file__, "--child", name, "--size", size, "--cluster", cluster, "--suite", suite]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
@@ -215,45 +231,45 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="model name (repeatable); default: all")
     ap.add_argument("--size", default="real", choices=("tiny", "real"))
     ap.add_argument("--cluster", default=CLUSTER)
-    ap.add_argument("--out", default="docs/benchmarks/models.json")
-    ap.add_argument("--md", default=None, help="rewrite the models-table section of this markdown file")
+    ap.add_argument("--suite", default="corpus", choices=("corpus", "patterns"))
+    ap.add_argument("--out", default=None, help="default: docs/benchmarks/models.json (patterns.json)")
+    ap.add_argument("--md", default=None, help="rewrite the suite's table section of this markdown file")
     ap.add_argument("--render", action="store_true", help="only rewrite the table from the --out file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
-        print(json.dumps(measure_one(ns.child, ns.size, ns.cluster)), flush=True)
+        print(json.dumps(measure_one(ns.child, ns.size, ns.cluster, ns.suite)), flush=True)
         return
-    sys.path.insert(0, str(ROOT))
-    from examples.corpus import CORPUS
-
-    out = ROOT / ns.out
+    factories = suite_of(ns.suite)
+    marker = "models" if ns.suite == "corpus" else ns.suite
+    out = ROOT / (ns.out or f"docs/benchmarks/{marker}.json")
     if ns.render:
-        _write_md(ns.md, table(json.loads(out.read_text())))
+        _write_md(ns.md, table(json.loads(out.read_text())), marker)
         return
-    names = ns.only or list(CORPUS)
-    bad = [n for n in names if n not in CORPUS]
+    names = ns.only or list(factories)
+    bad = [n for n in names if n not in factories]
     if bad:
-        raise SystemExit(f"unknown model(s) {', '.join(bad)}; corpus: {', '.join(CORPUS)}")
+        raise SystemExit(f"unknown model(s) {', '.join(bad)}; {ns.suite}: {', '.join(factories)}")
     previous = json.loads(out.read_text()) if ns.only and out.exists() else []
     by_name = {r["model"]: r for r in previous}
     for name in names:
-        row = run_child(name, ns.size, ns.cluster)
+        row = run_child(name, ns.size, ns.cluster, ns.suite)
         by_name[name] = row
         print(table([row]).splitlines()[-1], flush=True)
-    rows = [by_name[n] for n in CORPUS if n in by_name]
+    rows = [by_name[n] for n in factories if n in by_name]
     out.write_text(json.dumps(rows, indent=1) + "\n")
     md = table(rows)
     print(md)
-    _write_md(ns.md, md)
+    _write_md(ns.md, md, marker)
 
 
-def _write_md(md_path: str | None, md: str) -> None:
-    """Replace the text between the ``models-table`` markers of ``md_path`` (if given) with ``md``."""
+def _write_md(md_path: str | None, md: str, marker: str = "models") -> None:
+    """Replace the text between the ``<marker>-table`` markers of ``md_path`` (if given) with ``md``."""
     if not md_path:
         return
     path = ROOT / md_path
     text = path.read_text()
-    a, b = "<!-- models-table -->", "<!-- /models-table -->"
+    a, b = f"<!-- {marker}-table -->", f"<!-- /{marker}-table -->"
     if a in text and b in text:
         text = text[: text.index(a) + len(a)] + "\n" + md + "\n" + text[text.index(b) :]
         path.write_text(text)
