@@ -6,6 +6,7 @@ without a rule are lowered first (:mod:`.lower`); ops that only update buffers a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..ir.graph import Graph, TraceError, normalize_args
@@ -127,6 +128,37 @@ def _added_by_load(getitem: Any) -> bool:
     return not getitem.users and getitem.name == f"{src.name}_unused_{k}"
 
 
+def _static_shapes(node: Any, val: Any, target: str, module: str) -> None:
+    """Raise a TraceError naming the op and the model's line when a result of ``node`` has a size that
+    depends on the data (an unbacked symbol: ``x[mask]``, ``nonzero``, ``masked_select``, ``unique``):
+    a plan shards fixed shapes."""
+    import operator
+
+    import torch
+
+    if isinstance(val, (list, tuple)):  # the results the program reads
+        read = {u.args[1] for u in node.users if u.target is operator.getitem}
+        vals = [v for k, v in enumerate(val) if k in read]
+    else:
+        vals = [val]
+    for v in vals:
+        if not isinstance(v, torch.Tensor) or all(isinstance(s, int) for s in v.shape):
+            continue
+        frames = [ln.strip() for ln in str(node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+        at = ""
+        if len(frames) >= 2 and frames[-2].startswith("File "):
+            m = re.match(r'File "([^"]+)", line (\d+)', frames[-2])
+            if m is not None:
+                at = f"\n  at: {m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}: `{frames[-1]}`"
+        raise TraceError(
+            f"op {node.name} ({target}{f', module {module!r}' if module else ''}) makes a tensor of shape "
+            f"{tuple(v.shape)}, whose size depends on the values of the data{at}\n  hint: boolean-mask "
+            "indexing (`x[mask]`), `nonzero`, `masked_select` and `unique` give data-dependent shapes, and a "
+            "plan shards fixed ones: pick the rows with fixed shapes instead (for one row per sample, "
+            "`x[torch.arange(B), idx]` with `idx = mask.int().argmax(-1)`), or mask with `torch.where`"
+        )
+
+
 def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
     import operator
 
@@ -147,6 +179,7 @@ def _export_call(b: _Builder, node: Any, origin: str = "") -> None:
     if stack:
         module = module_path(list(stack.values())[-1][0])
     target = _canonical(node.target)
+    _static_shapes(node, val, target, module)
     if isinstance(val, torch.Tensor):
         args, kwargs = normalize_args(node.target, node.args, node.kwargs)
         b.add_op(node.name, target, args, kwargs, [(node.name, node, val)], module, origin=origin)

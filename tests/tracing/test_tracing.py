@@ -161,6 +161,26 @@ def test_layerdrop_is_named_with_the_setting_that_turns_it_off():
     assert len(trace(model, (torch.randn(3, 4),)).params) == 4
 
 
+class MaskedRows(nn.Module):
+    """Pools the rows a mask picks (``h[mask]``, as HF BART's classifier picks its end-of-sentence rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.fc(x)[mask].sum()
+
+
+def test_a_data_dependent_shape_names_the_op_and_the_line() -> None:
+    x, mask = torch.randn(3, 5, 4), torch.rand(3, 5) > 0.5
+    with pytest.raises(TraceError) as info:
+        trace(MaskedRows(), (x, mask))
+    msg = str(info.value)
+    assert "depends on the values of the data" in msg and "at: test_tracing.py:" in msg
+    assert "`return self.fc(x)[mask].sum()`" in msg and "argmax" in msg
+
+
 def test_fx_fallback_refuses_to_freeze_a_random_draw(monkeypatch):
     """Symbolic tracing runs ``torch.rand([])`` once, at trace time: the branch on it would be taken the same
     way in every step (a layer always kept, or always dropped). The fallback refuses instead."""
