@@ -15,6 +15,8 @@ factory                 pattern
 ``recommender``         four ``nn.EmbeddingBag`` tables over multi-hot ids, dense features, an MLP
 ``unet``                a diffusion UNet: step embedding, GroupNorm, ``F.interpolate``, noise MSE
 ``dcgan``               a DCGAN-style generator of ``ConvTranspose2d`` layers with batch norm
+``llama_lora``          the corpus's Llama fine-tuned with LoRA: frozen weights, low-rank adapters on
+                        the query and value projections
 ======================  ============================================================================
 
 >>> model, inputs = recommender()
@@ -227,6 +229,32 @@ def dcgan(size: str = "tiny", seed: int = 0) -> Built:
     return model, (torch.randn(batch, 128, generator=gen), torch.randn(batch, 3, side, side, generator=gen))
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``(x A^T) B^T * alpha / r`` (LoRA); ``B``
+    starts at zero as LoRA's does, here small and random so that every gradient is non-zero."""
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(r, base.in_features) * 0.01)
+        self.B = nn.Parameter(torch.randn(base.out_features, r) * 0.01)
+        self.scale = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.A.T @ self.B.T) * self.scale
+
+
+def llama_lora(size: str = "tiny", seed: int = 0) -> Built:
+    """The corpus's Llama with every weight frozen and LoRA adapters (rank 8) on ``q_proj`` and ``v_proj``."""
+    model, inputs = corpus_llama(size=size, seed=seed)
+    model.requires_grad_(False)
+    torch.manual_seed(seed + 11)
+    for layer in model.model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    return model, inputs
+
+
 PATTERNS: dict[str, Callable[..., Any]] = {
     "llama_padded": llama_padded,
     "t5_padded": t5_padded,
@@ -235,4 +263,5 @@ PATTERNS: dict[str, Callable[..., Any]] = {
     "recommender": recommender,
     "unet": unet,
     "dcgan": dcgan,
+    "llama_lora": llama_lora,
 }

@@ -257,7 +257,10 @@ class Theory:
 
 
 def _requires_grad(g: Graph) -> tuple[bool, ...]:
-    rg = [t.role == "param" for t in g.tensors]
+    """Per tensor, whether the backward computes its gradient: a trainable parameter (``requires_grad``;
+    a frozen one, as a LoRA fine-tune's base weights, is not) and every float result of an op that
+    takes one."""
+    rg = [t.role == "param" and t.requires_grad for t in g.tensors]
     for op in g.ops:
         if any(rg[t] for t in op.inputs):
             for t in op.outputs:

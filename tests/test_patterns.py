@@ -11,11 +11,13 @@ pytest.importorskip("transformers")
 
 import hapnb as hap  # noqa: E402
 from examples import patterns  # noqa: E402
+from hapnb.cost.model import CostModel, Load  # noqa: E402
+from hapnb.ir.forms import I  # noqa: E402
 from hapnb.triples import coverage  # noqa: E402
 
 CLUSTER = "1xV100+1xP100"
 #: verified on 2 ranks; the others are covered by the corpus's runs of the same ops
-VERIFIED = ["llama_padded", "recommender", "unet", "dcgan"]
+VERIFIED = ["llama_padded", "recommender", "unet", "dcgan", "llama_lora"]
 
 
 def _sharded(name: str) -> hap.Plan:
@@ -32,6 +34,25 @@ def test_a_pattern_traces_with_every_batch_op_shardable(name: str) -> None:
     g = hap.trace(model, inputs)
     cov = coverage(hap.theory(g))
     assert not cov.fallback and not cov.batch_blockers, (name, cov.fallback, cov.batch_blockers)
+
+
+def test_frozen_weights_sync_no_gradient() -> None:
+    """A LoRA fine-tune's frozen weights have no gradient: a replicated one costs no all-reduce (it was
+    priced as a trainable weight, so LoRA planned as full fine-tuning) and no gradient GEMM."""
+    model, inputs = patterns.llama_lora(size="tiny")
+    g = hap.trace(model, inputs)
+    frozen = [t for t in g.tensors if t.role == "param" and not t.requires_grad]
+    trainable = [t for t in g.tensors if t.role == "param" and t.requires_grad]
+    assert frozen and trainable and all(t.name.endswith((".A", ".B")) for t in trainable)
+    th = hap.theory(g)
+    assert not any(th.requires_grad[t.id] for t in frozen)
+    cm = CostModel(th, hap.Cluster.parse(CLUSTER))
+    assert all(cm.load_terms(Load(t.id, I)) == () for t in frozen)
+    assert all(cm.load_terms(Load(t.id, I)) for t in trainable)
+    plan = _sharded("llama_lora")
+    assert not any(
+        "all_reduce" in c.kind for i in plan.program if i.tensor in {t.name for t in frozen} for c in i.comm
+    )
 
 
 @pytest.mark.slow

@@ -538,13 +538,13 @@ class CostModel:
         )
 
     def load_terms(self, ld: Load) -> tuple[Term, ...]:
-        """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it); a ZeRO load
-        all-gathers the shard in the forward and reduce-scatters the gradient in the backward (padded, as
-        a feature all-gather's dual), ZeRO-3 all-gathers it again in the backward."""
+        """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it; a frozen one has
+        none); a ZeRO load all-gathers the shard in the forward and reduce-scatters the gradient in the
+        backward (padded, as a feature all-gather's dual), ZeRO-3 all-gathers it again in the backward."""
         t = self.graph.tensors[ld.tensor]
         if ld.zero > 0 and ld.stored is not None:
             return self.zero_terms(ld.tensor, ld.stored, ld.zero)
-        if t.role != "param" or ld.form.kind != "I" or ld.sfb:
+        if t.role != "param" or not t.requires_grad or ld.form.kind != "I" or ld.sfb:
             return ()
         return (
             Term(
