@@ -219,4 +219,4 @@ def _from_lowered(ep: Any, names: list[str], name: str) -> Graph:
 
     low = lower(ep)
     folded = fold_constants(low.program)
-    return from_export(folded.program, names, name, low.origins if low.program is not ep else None)
+    return from_export(folded.program, names, name, low.origins or None)

@@ -353,20 +353,20 @@ def equal_bags(ep: Any) -> int:
     reduced over ``L``: a sum (times ``per_sample_weights``), a mean, or a max (``max.dim``'s values, which
     send the gradient to one row as the bag does); entries equal to ``padding_idx`` count as absent (a mask,
     and a mean over the rest, 0 for a bag of padding alone). Every op has a rule; the batch shards.
-    Returns how many were rewritten."""
+    Returns the names of the nodes it made, each with the target of the bag it came from."""
 
     graph = ep.graph_module.graph
-    done = 0
+    origins: dict[str, str] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or str(node.target) not in EMBEDDING_BAGS:
             continue
         shape = _equal_bag_shape(node)
         if shape is not None:
-            _lower_bag(graph, node, shape)
-            done += 1
-    if done:
+            target = str(node.target)
+            origins.update(dict.fromkeys(_lower_bag(graph, node, shape), target))
+    if origins:
         ep.graph_module.recompile()
-    return done
+    return origins
 
 
 def _call_like(graph: Any, like: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
@@ -391,8 +391,9 @@ def _source_meta(like: Any, *nodes: Any) -> None:
                 nd.meta[k] = like.meta[k]
 
 
-def _lower_bag(graph: Any, node: Any, shape: tuple[int, int]) -> None:
-    """Replace embedding bag ``node`` (equal bags of ``shape``) by its embedding reduced (:func:`equal_bags`)."""
+def _lower_bag(graph: Any, node: Any, shape: tuple[int, int]) -> list[str]:
+    """Replace embedding bag ``node`` (equal bags of ``shape``) by its embedding reduced (:func:`equal_bags`);
+    the names of the nodes made."""
     import operator
 
     import torch
@@ -401,8 +402,12 @@ def _lower_bag(graph: Any, node: Any, shape: tuple[int, int]) -> None:
     a = _bag_args(node)
     weight, mode, psw, pad = a["weight"], a["mode"], a["per_sample_weights"], a.get("padding_idx")
 
+    made: list[str] = []
+
     def call(target: Any, *args: Any, **kwargs: Any) -> Any:
-        return _call_like(graph, node, target, *args, **kwargs)
+        nd = _call_like(graph, node, target, *args, **kwargs)
+        made.append(nd.name)
+        return nd
 
     with graph.inserting_before(node):
         ids = call(aten.reshape.default, a["indices"], list(shape))
@@ -429,14 +434,16 @@ def _lower_bag(graph: Any, node: Any, shape: tuple[int, int]) -> None:
     graph.erase_node(node)
     if not off.users:
         graph.erase_node(off)
+    return made
 
 
-def _root_target(node: Any) -> str | None:
+def _root(node: Any) -> tuple[str, str] | None:
+    """The name and target of the node of the exported program that ``node`` of a decomposed one came from."""
     src = node.meta.get("from_node")
     s = src[-1] if src else None
     while s is not None and getattr(s, "from_node", None):
         s = s.from_node[-1]
-    return None if s is None else str(getattr(s, "target", "") or "")
+    return None if s is None else (str(getattr(s, "name", "")), str(getattr(s, "target", "") or ""))
 
 
 def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
@@ -455,10 +462,10 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         has_rule = known.__contains__
     functional_dropout(ep)
     matmul_as_linear(ep)
-    equal_bags(ep)
+    bags = equal_bags(ep)
     todo = needs_lowering(ep, has_rule)
     if not todo:
-        return Lowered(ep)
+        return Lowered(ep, bags, tuple(sorted(set(bags.values()))))
     table = {k: v for k, v in torch.export.default_decompositions().items() if not has_rule(str(k))}
     table.update(_hapnb_table())
     low = ep.run_decompositions(table)
@@ -467,7 +474,12 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
     for node in low.graph.nodes:
         if node.op != "call_function":
             continue
-        root = _root_target(node)
-        if root and root != str(node.target) and (not has_rule(root) or root in own):
-            origins[node.name] = root
-    return Lowered(low, origins, todo)
+        root = _root(node)
+        if root is None:
+            continue
+        name, target = root
+        if name in bags:  # made by equal_bags
+            origins[node.name] = bags[name]
+        elif target and target != str(node.target) and (not has_rule(target) or target in own):
+            origins[node.name] = target
+    return Lowered(low, origins, tuple(sorted({*todo, *bags.values()})))

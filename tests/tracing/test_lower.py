@@ -236,6 +236,9 @@ def test_an_embedding_bag_over_equal_bags_is_an_embedding_reduced(
     g = hap.trace(m, (items, w))
     targets = {op.target for op in g.ops}
     assert not any("embedding_bag" in t for t in targets) and "aten.embedding.default" in targets
+    assert {op.origin for op in g.ops if op.target == "aten.embedding.default"} == {
+        "aten.embedding_bag.padding_idx"
+    }
     ref = reference_module(g)
     loss = ref(items, w)
     loss.backward()
