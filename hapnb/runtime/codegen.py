@@ -121,7 +121,7 @@ def generate(
     the rank's slice of every ``G``-loaded input (see :meth:`RankProgram.local_inputs`). ``dropout=False``
     replaces dropout by identity (exact verification); with ``True`` dropout runs while the module trains
     and is off after ``module.eval()`` (it reads ``module.training``). ``dtype`` (e.g. ``torch.float64``)
-    casts floating weights and floating dtype constants in op arguments. ``weights`` overrides the weights
+    casts floating weights and float32 and half dtype constants in op arguments. ``weights`` overrides the weights
     taken from ``graph.program``; ``strategies``/``localize`` override :mod:`hapnb.rules` (hand-built graphs).
     A plan over virtual devices (``gpus > 1``) is expanded first (:func:`hapnb.runtime.expand.expand_virtual`):
     ``rank`` then counts physical GPUs. ``grad_sync="sync"``: a replicated parameter is wrapped in

@@ -262,13 +262,17 @@ def ident(name: str, used: set[str]) -> str:
 
 
 def retype(value: Any, dtype: torch.dtype | None) -> Any:
-    """Replace floating dtype constants in an argument tree by ``dtype`` (for float64 verification): float32,
-    and the half types of a model traced in bfloat16 or float16 (its casts, such as an RMSNorm's return to
-    the input's dtype, and export's dtype assertions name them), so that every float the program makes is
-    ``dtype`` as its weights are."""
+    """Replace float32 and half dtype constants in an argument tree by ``dtype`` (for float64 verification):
+    float32, and the half types of a model traced in bfloat16 or float16 (its casts, such as an RMSNorm's
+    return to the input's dtype, and export's dtype assertions name them), so that every float the program
+    makes is ``dtype`` as its weights are."""
     if dtype is None:
         return value
-    return map_args(value, lambda v: dtype if isinstance(v, torch.dtype) and v.is_floating_point else v)
+    return map_args(value, lambda v: dtype if isinstance(v, torch.dtype) and v in _RETYPED else v)
+
+
+#: the floating dtypes :func:`retype` replaces (an explicit float64 in a model's code stays float64)
+_RETYPED = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 #: ops whose traced form depends on the strides the tracing device gave (a ``view`` after a
@@ -298,7 +302,7 @@ def device_anchor(module: torch.nn.Module, graph: fx.Graph) -> fx.Node:
 
 
 def run_constants(value: Any, dtype: torch.dtype | None, device: Callable[[], Any]) -> Any:
-    """An argument tree's traced constants as a program runs them: floating dtypes as ``dtype``, fixed
+    """An argument tree's traced constants as a program runs them: float32 and half dtypes as ``dtype``, fixed
     devices as the program's own."""
     return redevice(retype(value, dtype), device)
 
@@ -313,7 +317,7 @@ def as_run(
     device: Callable[[], Any],
     stream: Callable[[], Any],
 ) -> tuple[Any, tuple, dict]:
-    """A traced op's call as a program runs it: floating dtype constants as ``dtype``, fixed devices as the
+    """A traced op's call as a program runs it: float32 and half dtype constants as ``dtype``, fixed devices as the
     program's own (``device()``), when ``dropout`` is off every dropout the identity (``dropout_p`` zeroed,
     ``train=False``), a random op drawing from the program's stream (``stream()``, the node of its
     :class:`~hapnb.runtime.random_stream.RandomStream`), a stride-dependent view as ``reshape``

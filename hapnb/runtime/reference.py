@@ -31,7 +31,7 @@ def reference_module(
 
     Parameters live under their model FQNs (``module.get_parameter(fqn)`` with the traced wrapper's
     ``model.`` prefix; use :func:`reference_params` for a name -> parameter map). ``dropout=False``
-    replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and floating dtype
+    replaces dropout by identity, like :func:`generate`; ``dtype`` casts floating weights and float32 and half dtype
     constants (float64 verification). Random ops draw from a
     :class:`~hapnb.runtime.random_stream.RandomStream` seeded with ``seed`` (default
     ``torch.initial_seed()``): the numbers a rank program (:func:`generate`) given the same seed draws.
