@@ -69,6 +69,9 @@ def dp_pins(th: Theory) -> dict[str, Form]:
 #: the cluster a candidate batch dim's data-parallel program is priced on (:func:`batch_dims`): the choice
 #: is a property of the model, so it does not depend on the cluster being planned
 _JUDGE = "2xV100"
+#: the expansion budget of each candidate's search there: the best program within it prices the candidate
+#: (an unbounded search on a model that splits badly on a non-batch dim ran out of memory)
+_JUDGE_EXPANSIONS = 20_000
 _BATCH_DIMS: weakref.WeakKeyDictionary[Theory, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
@@ -79,8 +82,8 @@ def batch_dims(th: Theory) -> dict[str, int]:
     re-partitioning a split tensor (it is not the batch: a seq-first ``(S, B, E)`` input's dim 0 is the
     sequence, which attention needs whole). Then the candidates are the ways of choosing, in each input,
     the first dim of one common size (a size every input has); the one that splits all along is the batch.
-    Where several (or none) do, each is priced as a data-parallel program on two equal devices and the
-    cheapest is the batch (ties: the earlier size). Cached per theory.
+    Where several (or none) do, each is priced as a data-parallel program on two equal devices (the best
+    within a bounded search) and the cheapest is the batch (ties: the earlier size). Cached per theory.
 
     >>> import torch, hapnb
     >>> enc = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # seq-first: (S, B, E)
@@ -190,7 +193,8 @@ def _choose_batch_dims(th: Theory) -> dict[str, int]:
     best: tuple[float, dict[str, int]] | None = None
     for dims in through or cands:  # several (or no) candidates split all along: the cheapest program
         try:
-            res = Search(th, judge, ratios=even, pins=_pins_at(th, dims), options=plain).run()
+            s = Search(th, judge, ratios=even, pins=_pins_at(th, dims), options=plain)
+            res = s.run(max_expansions=_JUDGE_EXPANSIONS)
         except (NoProgramError, ValueError):
             continue
         if best is None or res.cost < best[0] * (1 - 1e-9):

@@ -203,3 +203,23 @@ def test_data_parallel_baselines_split_the_seq_first_batch(seq_first) -> None:
         assert not gathers, f"{name} gathers the split batch: {gathers}"
     lm = hap.theory(zoo_graph("lm", **zoo.TINY["lm"])[0])
     assert set(batch_dims(lm).values()) == {0}
+
+
+def test_the_batch_dim_judge_searches_within_a_budget(seq_first, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where several dims could be the batch, each is priced by a data-parallel search on two devices: that
+    search has an expansion budget (without one, GPT-J's judge, before its cache's empty ``cat`` input was
+    dropped, ran out of 24 GB), and its best program within it prices the candidate."""
+    from hapnb.synth import search, seeds
+
+    budgets = []
+    run = search.Search.run
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        budgets.append(kwargs.get("max_expansions"))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(search.Search, "run", recording)
+    monkeypatch.setattr(seeds, "_splits_through", lambda th, dims: False)  # every candidate is judged
+    th = hap.theory(seq_first[0])
+    assert seeds._choose_batch_dims(th) in seeds._candidates(th)
+    assert budgets and all(b == seeds._JUDGE_EXPANSIONS for b in budgets)
