@@ -17,6 +17,8 @@ factory                 pattern
 ``dcgan``               a DCGAN-style generator of ``ConvTranspose2d`` layers with batch norm
 ``llama_lora``          the corpus's Llama fine-tuned with LoRA: frozen weights, low-rank adapters on
                         the query and value projections
+``gptj``                HF GPT-J with its config's defaults: the key/value cache on (as every HF causal
+                        LM's config has it, also in training), attention and MLP in parallel
 ======================  ============================================================================
 
 >>> model, inputs = recommender()
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.corpus import LossOf, _finish, _pick, _tokens, t5
+from examples.corpus import LossOf, TokensLoss, _finish, _pick, _tokens, t5
 from examples.corpus import llama as corpus_llama
 from examples.factories import SmallUNet
 
@@ -41,6 +43,8 @@ __all__ = [
     "PATTERNS",
     "bert_classifier",
     "dcgan",
+    "gptj",
+    "llama_lora",
     "llama_padded",
     "recommender",
     "t5_padded",
@@ -255,6 +259,25 @@ def llama_lora(size: str = "tiny", seed: int = 0) -> Built:
     return model, inputs
 
 
+def gptj(size: str = "tiny", seed: int = 0) -> Built:
+    """HF ``GPTJForCausalLM`` with ``labels=`` and the config's defaults (``use_cache=True``: each layer's keys
+    and values are concatenated to the cache's empty tensor; dropout off). Attention and MLP run in parallel
+    from one layer norm, rotary on the first ``rotary_dim`` dims of each head.
+    tiny: hidden 32, 2 layers, 4 heads, rotary 4, vocab 128, seq 16, batch 8;
+    real: hidden 1024, 8 layers, 16 heads, rotary 32, ff 4096, vocab 32000, seq 512, batch 64."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    batch, seq = _pick(size, 8, 64), _pick(size, 16, 512)
+    tiny = {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4}
+    real = {"vocab_size": 32000, "n_embd": 1024, "n_layer": 8, "n_head": 16, "rotary_dim": 32}
+    torch.manual_seed(seed)
+    cfg = GPTJConfig(**_pick(size, tiny, real), n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = GPTJForCausalLM(cfg)
+    ids = _tokens(batch, seq, cfg.vocab_size, seed)
+    return _finish(model, "gptj", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
+
+
 PATTERNS: dict[str, Callable[..., Any]] = {
     "llama_padded": llama_padded,
     "t5_padded": t5_padded,
@@ -264,4 +287,5 @@ PATTERNS: dict[str, Callable[..., Any]] = {
     "unet": unet,
     "dcgan": dcgan,
     "llama_lora": llama_lora,
+    "gptj": gptj,
 }

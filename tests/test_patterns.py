@@ -17,7 +17,7 @@ from hapnb.triples import coverage  # noqa: E402
 
 CLUSTER = "1xV100+1xP100"
 #: verified on 2 ranks; the others are covered by the corpus's runs of the same ops
-VERIFIED = ["llama_padded", "recommender", "unet", "dcgan", "llama_lora"]
+VERIFIED = ["llama_padded", "recommender", "unet", "dcgan", "llama_lora", "gptj"]
 
 
 def _sharded(name: str) -> hap.Plan:

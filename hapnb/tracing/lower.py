@@ -13,6 +13,11 @@ with ``ExportedProgram.run_decompositions``:
 * a product with a transposed weight, ``x @ W.T`` (``matmul(x, permute(W))``: Falcon's ``FalconLinear``), is
   the ``linear(x, W)`` it is (:func:`matmul_as_linear`), so the weight is loaded by the op that uses it and
   its rules and bounds are a linear layer's;
+* a ``cat`` drops its legacy empty inputs (1-d tensors of size 0, which torch's ``cat`` skips at any
+  rank; :func:`drop_empty_cat_inputs`): a Hugging Face model run with the key/value cache on (its
+  configs' default, also in training) concatenates each layer's keys and values to the cache's
+  ``torch.tensor([])``, and a replicated empty tensor beside a batch-sharded one left no strategy that
+  kept the batch sharded;
 * an embedding bag over equal bags (``nn.EmbeddingBag`` on a 2-d input) is the embedding of the ``(B, L)``
   indices reduced over ``L`` (:func:`equal_bags`), which shards with the batch;
 * it decomposes, with torch's own core-ATen table (:func:`torch.export.default_decompositions`), every
@@ -48,7 +53,7 @@ from typing import Any
 
 __all__ = [
     "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "matmul_as_linear",
-    "equal_bags", "HAPNB_DECOMPOSITIONS",
+    "equal_bags", "drop_empty_cat_inputs", "HAPNB_DECOMPOSITIONS",
 ]  # fmt: skip
 
 #: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
@@ -303,6 +308,50 @@ def matmul_as_linear(ep: Any) -> int:
     return done
 
 
+def _legacy_empty(node: Any) -> bool:
+    """Whether fx node ``node`` is a 1-d tensor of size 0 (what ``torch.cat`` skips beside tensors of any rank)."""
+    import torch
+
+    val = getattr(node, "meta", {}).get("val")
+    return isinstance(val, torch.Tensor) and tuple(val.shape) == (0,)
+
+
+def drop_empty_cat_inputs(ep: Any) -> int:
+    """Remove, in ``ep``'s graph, the legacy empty inputs of each ``aten.cat`` that has another input of rank
+    2 or more (torch skips them: the result is the same). Returns how many cats were rewritten.
+
+    >>> import torch
+    >>> class Cache(torch.nn.Module):
+    ...     def forward(self, k):
+    ...         return torch.cat([torch.tensor([]), k], dim=-2).sum()
+    >>> ep = torch.export.export(Cache(), (torch.randn(2, 3, 4),), strict=False)
+    >>> drop_empty_cat_inputs(ep)
+    1
+    """
+    import torch
+
+    graph = ep.graph_module.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        parts = list(node.args[0])
+        keep = [a for a in parts if not _legacy_empty(a)]
+        ranks = [getattr(a, "meta", {}).get("val") for a in keep]
+        if (
+            len(keep) == len(parts)
+            or not keep
+            or not any(isinstance(v, torch.Tensor) and v.dim() > 1 for v in ranks)
+        ):
+            continue
+        node.args = (keep, *node.args[1:])
+        done += 1
+    if done:
+        graph.eliminate_dead_code()
+        ep.graph_module.recompile()
+    return done
+
+
 #: the embedding bags :func:`equal_bags` rewrites
 EMBEDDING_BAGS = ("aten.embedding_bag.default", "aten.embedding_bag.padding_idx")
 
@@ -462,6 +511,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         has_rule = known.__contains__
     functional_dropout(ep)
     matmul_as_linear(ep)
+    drop_empty_cat_inputs(ep)
     bags = equal_bags(ep)
     todo = needs_lowering(ep, has_rule)
     if not todo:
