@@ -6,6 +6,9 @@ without a rule runs replicated and, worse, forces every tensor it touches to be 
 ``aten.pad`` in a library's label shift replicates the whole batch. :func:`lower` rewrites such a program
 with ``ExportedProgram.run_decompositions``:
 
+* it inlines the regions torch.export keeps as higher-order ops (:data:`REGIONS`): a ``torch.autocast``
+  block (mixed-precision training) becomes the ops in it with the casts autocast makes, and the results
+  of a ``torch.no_grad()`` block are detached (:func:`detach_no_grad_regions`), as the model's are;
 * it functionalizes in-place ops (``add_`` -> ``add``, buffer updates become outputs); an in-place dropout
   (``nn.Dropout(inplace=True)``, ``aten.dropout_``) first becomes ``native_dropout``
   (:func:`functional_dropout`), what an out-of-place dropout traces to, since torch would decompose it into
@@ -53,11 +56,14 @@ from typing import Any
 
 __all__ = [
     "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "matmul_as_linear",
-    "equal_bags", "drop_empty_cat_inputs", "HAPNB_DECOMPOSITIONS",
+    "equal_bags", "drop_empty_cat_inputs", "detach_no_grad_regions", "HAPNB_DECOMPOSITIONS",
 ]  # fmt: skip
 
 #: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
 INPLACE_DROPOUT = ("aten.dropout_.default",)
+#: the regions torch.export keeps as higher-order ops around a submodule: lowering inlines them, with the
+#: casts autocast makes (``torch.autocast``, mixed-precision training) or the grad mode set
+REGIONS = ("wrap_with_autocast", "wrap_with_set_grad_enabled")
 
 
 def _batch_norm_stats(x: Any) -> tuple[Any, Any, Any, int]:
@@ -205,13 +211,21 @@ def _tensor_result(node: Any) -> bool:
 
 def needs_lowering(ep: Any, has_rule: Callable[[str], bool]) -> tuple[str, ...]:
     """The op targets of ``ep`` that lowering would rewrite: in-place (mutating) ops, ops with a hapnb
-    decomposition, and aten ops with a tensor result but no rule (``has_rule(target)`` is False)."""
+    decomposition, aten ops with a tensor result but no rule (``has_rule(target)`` is False), and the
+    regions of :data:`REGIONS` (as ``higher_order.NAME``)."""
     import torch
 
     own = {str(k) for k in _hapnb_table()}
     out: list[str] = []
     for node in ep.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function":
+            continue
+        region = getattr(node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and region in REGIONS:
+            if f"higher_order.{region}" not in out:
+                out.append(f"higher_order.{region}")
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
             continue
         t = str(node.target)
         if t in out:
@@ -256,6 +270,55 @@ def functional_dropout(ep: Any) -> int:
             if user is not nd and order.get(user, len(order)) > order[node]:
                 user.replace_input_with(x, out)
         graph.erase_node(node)
+        done += 1
+    if done:
+        ep.graph_module.recompile()
+    return done
+
+
+def detach_no_grad_regions(ep: Any) -> int:
+    """Detach, in ``ep``'s graph, each result of a ``torch.no_grad()`` region (``wrap_with_set_grad_enabled``
+    with grad off): inlined by :func:`lower`, its ops would otherwise pass gradients that the model's do
+    not. Returns how many regions were marked.
+
+    >>> import torch
+    >>> class Scaled(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc = torch.nn.Linear(3, 3)
+    ...     def forward(self, x):
+    ...         with torch.no_grad():
+    ...             s = self.fc.weight.abs().sum()
+    ...         return (self.fc(x) / s).sum()
+    >>> ep = torch.export.export(Scaled(), (torch.randn(2, 3),), strict=False)
+    >>> detach_no_grad_regions(ep)
+    1
+    """
+    import operator
+
+    import torch
+
+    graph = ep.graph_module.graph
+    done = 0
+    for node in list(graph.nodes):
+        target = node.target
+        if not (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.HigherOrderOperator)
+            and target.__name__ == "wrap_with_set_grad_enabled"
+            and node.args[0] is False
+        ):
+            continue
+        results = [u for u in node.users if u.target is operator.getitem] or [node]
+        for r in results:
+            val = r.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            with graph.inserting_after(r):
+                d = graph.call_function(torch.ops.aten.detach.default, (r,))
+            d.meta["val"] = val.detach()
+            _source_meta(r, d)
+            r.replace_all_uses_with(d, delete_user_cb=lambda u, d=d: u is not d)
         done += 1
     if done:
         ep.graph_module.recompile()
@@ -510,6 +573,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         known = set(registered())
         has_rule = known.__contains__
     functional_dropout(ep)
+    detach_no_grad_regions(ep)
     matmul_as_linear(ep)
     drop_empty_cat_inputs(ep)
     bags = equal_bags(ep)

@@ -321,3 +321,54 @@ def test_a_cat_with_the_cache_empty_tensor_keeps_the_batch_sharded() -> None:
     assert not [i.op for i in plan.program if i.kind == "compute" and i.name == "replicate"]
     rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
     assert rep.ok, rep.text()
+
+
+class Regions(nn.Module):
+    """A training step's regions: a scale computed under ``torch.no_grad()`` from a weight (no gradient may
+    flow through it) and a block under ``torch.autocast`` (bfloat16 mixed precision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            s = self.fc.weight.abs().sum() + x.abs().amax()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(self.fc(x))
+        return (self.fc2(h.to(x.dtype)) / s).square().mean()
+
+
+def test_no_grad_and_autocast_blocks_are_inlined_with_their_semantics() -> None:
+    """torch.export keeps both blocks as higher-order ops around a submodule, which tracing stopped at
+    ("argument submod_2 has no traced value"): mixed-precision training could not be planned at all.
+    Inlined, autocast's casts to bfloat16 are ops of the graph, and the no-grad block's results are
+    detached: the weight's gradient equals the model's exactly (in float64, where CPU autocast casts
+    nothing)."""
+    from hapnb.runtime.reference import reference_module, reference_params
+
+    torch.manual_seed(0)
+    casts = hap.trace(Regions(), (torch.randn(6, 8),))
+    assert any(op.target == "aten._to_copy.default" and "bfloat16" in str(op.kwargs) for op in casts.ops)
+    m = Regions().double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    g = hap.trace(m, (x,))
+    assert "aten.detach.default" in [op.target for op in g.ops]
+    ref = reference_module(g)
+    loss = ref(x)
+    loss.backward()
+    m(x).backward()
+    torch.testing.assert_close(loss, m(x), rtol=1e-12, atol=1e-12)
+    for name, p in reference_params(g, ref).items():
+        want = dict(m.named_parameters())[name].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mixed_precision_model_shards_the_batch_and_equals_one_device() -> None:
+    torch.manual_seed(0)
+    m = Regions()
+    x = torch.randn(6, 8)
+    plan = hap.synthesize(hap.trace(m, (x,)), "1xV100+1xP100", pins={"x": "G0"})
+    rep = hap.verify(plan, nproc=2, steps=2, timeout=120)
+    assert rep.ok, rep.text()
