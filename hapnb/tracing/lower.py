@@ -8,7 +8,8 @@ with ``ExportedProgram.run_decompositions``:
 
 * it inlines the regions torch.export keeps as higher-order ops (:data:`REGIONS`): a ``torch.autocast``
   block (mixed-precision training) becomes the ops in it with the casts autocast makes, and the results
-  of a ``torch.no_grad()`` block are detached (:func:`detach_no_grad_regions`), as the model's are;
+  of a ``torch.no_grad()`` block are detached (:func:`detach_no_grad_regions`), as the model's are; after
+  decomposing, autocast's repeated casts of one tensor are one (:func:`merge_duplicate_casts`);
 * it functionalizes in-place ops (``add_`` -> ``add``, buffer updates become outputs); an in-place dropout
   (``nn.Dropout(inplace=True)``, ``aten.dropout_``) first becomes ``native_dropout``
   (:func:`functional_dropout`), what an out-of-place dropout traces to, since torch would decompose it into
@@ -56,7 +57,8 @@ from typing import Any
 
 __all__ = [
     "Lowered", "lower", "needs_lowering", "cumulative_batch_norm", "functional_dropout", "matmul_as_linear",
-    "equal_bags", "drop_empty_cat_inputs", "detach_no_grad_regions", "HAPNB_DECOMPOSITIONS",
+    "equal_bags", "drop_empty_cat_inputs", "detach_no_grad_regions", "merge_duplicate_casts",
+    "HAPNB_DECOMPOSITIONS",
 ]  # fmt: skip
 
 #: in-place dropouts, rewritten to ``native_dropout`` by :func:`functional_dropout`
@@ -325,6 +327,31 @@ def detach_no_grad_regions(ep: Any) -> int:
     return done
 
 
+def merge_duplicate_casts(ep: Any) -> int:
+    """Merge, in ``ep``'s graph, the dtype casts (``aten._to_copy``) of one tensor with the same arguments
+    into the first: ``torch.autocast`` casts a layer's input once per linear layer that reads it (the query,
+    key and value projections each cast the same hidden state). One cast computes the same values, and the
+    projections are then consumers of one tensor, whose form the search and its bounds share among them.
+    Returns how many casts were removed."""
+    import torch
+
+    graph = ep.graph_module.graph
+    seen: dict[Any, Any] = {}
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
+            continue
+        key = (node.args, tuple(sorted((k, str(v)) for k, v in node.kwargs.items())))
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+            done += 1
+    if done:
+        ep.graph_module.recompile()
+    return done
+
+
 def _transposed_weight(ep: Any, node: Any) -> Any:
     """The 2-d parameter ``W`` when ``node`` is ``W.T`` (``numpy_T(W)``, ``permute(W, [1, 0])``, ``t(W)``,
     ``transpose(W, 0, 1)``), else None."""
@@ -583,6 +610,7 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
     table = {k: v for k, v in torch.export.default_decompositions().items() if not has_rule(str(k))}
     table.update(_hapnb_table())
     low = ep.run_decompositions(table)
+    merge_duplicate_casts(low)
     own = {str(k) for k in _hapnb_table()}
     origins: dict[str, str] = {}
     for node in low.graph.nodes:
