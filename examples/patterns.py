@@ -17,6 +17,8 @@ factory                 pattern
 ``dcgan``               a DCGAN-style generator of ``ConvTranspose2d`` layers with batch norm
 ``llama_lora``          the corpus's Llama fine-tuned with LoRA: frozen weights, low-rank adapters on
                         the query and value projections
+``llama_amp``           the corpus's Llama trained in mixed precision: its loss under ``torch.autocast``
+                        (bfloat16)
 ``gptj``                HF GPT-J with its config's defaults: the key/value cache on (as every HF causal
                         LM's config has it, also in training), attention and MLP in parallel
 ======================  ============================================================================
@@ -41,9 +43,11 @@ from examples.factories import SmallUNet
 
 __all__ = [
     "PATTERNS",
+    "Autocast",
     "bert_classifier",
     "dcgan",
     "gptj",
+    "llama_amp",
     "llama_lora",
     "llama_padded",
     "recommender",
@@ -259,6 +263,25 @@ def llama_lora(size: str = "tiny", seed: int = 0) -> Built:
     return model, inputs
 
 
+class Autocast(nn.Module):
+    """``model``'s loss computed under ``torch.autocast(device, dtype)``: mixed-precision training (linear
+    layers and attention in ``dtype``, weights and their gradients kept in float32)."""
+
+    def __init__(self, model: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.model, self.device, self.dtype = model, device, dtype
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device, dtype=self.dtype):
+            return self.model(*inputs)
+
+
+def llama_amp(size: str = "tiny", seed: int = 0) -> Built:
+    """The corpus's Llama (library loss) under ``torch.autocast`` with bfloat16."""
+    model, inputs = corpus_llama(size=size, seed=seed)
+    return Autocast(model), inputs
+
+
 def gptj(size: str = "tiny", seed: int = 0) -> Built:
     """HF ``GPTJForCausalLM`` with ``labels=`` and the config's defaults (``use_cache=True``: each layer's keys
     and values are concatenated to the cache's empty tensor; dropout off). Attention and MLP run in parallel
@@ -287,5 +310,6 @@ PATTERNS: dict[str, Callable[..., Any]] = {
     "unet": unet,
     "dcgan": dcgan,
     "llama_lora": llama_lora,
+    "llama_amp": llama_amp,
     "gptj": gptj,
 }

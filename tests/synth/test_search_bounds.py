@@ -132,6 +132,48 @@ def test_a_branch_that_forks_bounds_the_optimum_at_every_prefix_of_it(seed):
         nid = s.node(nid).parent
 
 
+def _prologue_graph(batch: int, d: int) -> S.Graph:
+    """Weights that reach their matrix products through an op of their own (``relu(w)`` standing for a cast
+    to bfloat16 under autocast): a prologue, priced with the product that takes its result."""
+    b = S.Builder()
+    x = b.tensor("x", (batch, d), "input")
+    w1 = b.tensor("w1", (d, d), "param")
+    w2 = b.tensor("w2", (d, d), "param")
+    h = b.op("relu", [b.op("mm", [x, b.op("relu", [w1], (d, d), float(d * d))], (batch, d), 2.0 * batch * d * d)],
+             (batch, d), float(batch * d))  # fmt: skip
+    h = b.op("mm", [h, b.op("relu", [w2], (d, d), float(d * d))], (batch, d), 2.0 * batch * d * d)
+    return b.build(b.op("sum", [h], (), float(batch * d)), "prologue")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_weight_prologue_is_priced_with_its_consumer_admissibly(seed):
+    # A* returns the brute-force optimum and no node on its path scores above it; the root bound counts
+    # the weights' gradient syncs (left free, the root was the computation alone where data parallelism
+    # is optimal)
+    batch, d = [(8, 32), (64, 8), (16, 128), (4, 512)][seed % 4]
+    th = theory(_prologue_graph(batch, d), S.strategies)
+    c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
+    ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
+    s = Search(th, c, ratios=ratios)
+    res = s.run()
+    bf_cost, _ = brute_force(th, c, s.ratios)
+    assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
+    nid = s._best
+    while nid >= 0:
+        assert s.node(nid).score <= bf_cost * (1 + 1e-9)
+        nid = s.node(nid).parent
+
+
+def test_a_weight_prologue_raises_the_root_bound(monkeypatch):
+    th = theory(_prologue_graph(64, 64), S.strategies)
+    c = Cluster.parse(CLUSTERS[0])
+    fused = Search(th, c).node(0).score
+    monkeypatch.setattr(heuristic_side, "_with_prologues", lambda s, local, pm, on_path: (local, []))
+    plain = Search(th, c).node(0).score
+    res = Search(th, c).run()
+    assert plain < fused <= res.cost * (1 + 1e-9)
+
+
 #: an expert layer's ops besides the synthetic mm/relu/add/sum: (name, input forms, output form) per
 #: sharded strategy; a contracted dim sharded makes a partial sum (R)
 _MOE_RULES = {
