@@ -28,6 +28,7 @@ from ..runtime.collective_errors import set_group_timeout
 from ..runtime.expand import expand_virtual
 from ..runtime.program import RankProgram, program_weights
 from ..runtime.random_stream import continue_stream
+from ..tracing.tracer import unwrap_compiled
 from . import training
 from .buckets import GradBuckets, program_buckets
 from .bundle import program_inputs, resolve_graph
@@ -411,6 +412,7 @@ def distribute(
     """
     import torch.distributed as dist
 
+    model = unwrap_compiled(model)
     if not dist.is_initialized():
         raise RuntimeError(
             "distribute() needs torch.distributed: run under torchrun and call "

@@ -160,6 +160,16 @@ class _ModuleTracker:
         self.handles = []
 
 
+def unwrap_compiled(model: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, else ``model``: it computes the
+    same, and its parameter names are the model's own (the wrapper prefixes them with ``_orig_mod.``)."""
+    import torch
+
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    kind = getattr(compiled, "OptimizedModule", None)
+    return model._orig_mod if kind is not None and isinstance(model, kind) else model
+
+
 def trace(
     model: Any,
     example_inputs: Sequence[Any],
@@ -176,7 +186,8 @@ def trace(
 
     torch.export (non-strict, then strict) runs in train mode; if both fail, torch.fx.symbolic_trace with
     ShapeProp is tried (it covers torch functions, Tensor methods and common leaf modules).
-    ``model`` may also be a ``torch.export.ExportedProgram`` that returns the scalar loss.
+    ``model`` may also be a ``torch.export.ExportedProgram`` that returns the scalar loss, or a
+    ``torch.compile``'d module (its original module is traced: :func:`unwrap_compiled`).
     """
     import torch
 
@@ -186,6 +197,7 @@ def trace(
     if isinstance(model, torch.export.ExportedProgram):  # already exported: use it as is
         specs = model.graph_signature.user_inputs
         return _from_lowered(model, list(specs), name or "model")
+    model = unwrap_compiled(model)
     if not isinstance(example_inputs, (list, tuple)):
         example_inputs = (example_inputs,)
     inputs = tuple(example_inputs)

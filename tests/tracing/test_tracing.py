@@ -232,3 +232,16 @@ def test_exported_program_is_accepted():
     g = trace(ep, ())
     assert [op.target for op in g.ops][-1] == "aten.sum.default"
     assert g.tensors[g.params[0]].name == "m.fc1.weight"
+
+
+def test_a_compiled_model_traces_as_its_own_module() -> None:
+    """``torch.compile(model)`` wraps the model (``OptimizedModule``), whose parameters are named
+    ``_orig_mod.<name>`` and whose input was not named by the model's signature: pins by the model's own
+    names failed. The wrapped module is traced instead (nothing is compiled)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    plain = trace(model, (x,), loss=lambda y: y.square().mean())
+    compiled = trace(torch.compile(model), (x,), loss=lambda y: y.square().mean())
+    assert [t.name for t in compiled.tensors] == [t.name for t in plain.tensors]
+    assert compiled.fingerprint == plain.fingerprint
