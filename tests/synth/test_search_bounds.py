@@ -104,11 +104,17 @@ def test_tied_parameter_and_branch_terms_are_admissible_against_brute_force(seed
     # cost, and its side) joins the bound: A* still returns the brute-force optimum, and no node on the
     # optimal program's path scores above it
     batch, d = [(8, 32), (64, 8), (16, 128), (4, 512)][seed % 4]
-    th = theory(_tied_branch_graph(batch, d, wide=False), S.strategies)
+    s = _exact_and_admissible(_tied_branch_graph(batch, d, wide=False), seed)
+    assert s.node(0).score > 0.0
+
+
+def _exact_and_admissible(graph, seed):
+    """Search ``graph`` on one of :data:`CLUSTERS` (even or uneven ratios by ``seed``): A* returns the
+    brute-force optimum and no node on its path scores above it. Returns the search."""
+    th = theory(graph, S.strategies)
     c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
     ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
     s = Search(th, c, ratios=ratios)
-    assert s.node(0).score > 0.0
     res = s.run()
     bf_cost, _ = brute_force(th, c, s.ratios)
     assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
@@ -116,6 +122,7 @@ def test_tied_parameter_and_branch_terms_are_admissible_against_brute_force(seed
     while nid >= 0:
         assert s.node(nid).score <= bf_cost * (1 + 1e-9)
         nid = s.node(nid).parent
+    return s
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -151,17 +158,7 @@ def test_a_weight_prologue_is_priced_with_its_consumer_admissibly(seed):
     # the weights' gradient syncs (left free, the root was the computation alone where data parallelism
     # is optimal)
     batch, d = [(8, 32), (64, 8), (16, 128), (4, 512)][seed % 4]
-    th = theory(_prologue_graph(batch, d), S.strategies)
-    c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
-    ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
-    s = Search(th, c, ratios=ratios)
-    res = s.run()
-    bf_cost, _ = brute_force(th, c, s.ratios)
-    assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
-    nid = s._best
-    while nid >= 0:
-        assert s.node(nid).score <= bf_cost * (1 + 1e-9)
-        nid = s.node(nid).parent
+    _exact_and_admissible(_prologue_graph(batch, d), seed)
 
 
 def test_a_weight_prologue_raises_the_root_bound(monkeypatch):
