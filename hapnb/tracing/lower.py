@@ -620,6 +620,8 @@ def lower(ep: Any, has_rule: Callable[[str], bool] | None = None) -> Lowered:
         if root is None:
             continue
         name, target = root
+        if target in REGIONS:  # inlined from a region: its own op (the region keeps no finer source)
+            continue
         if name in bags:  # made by equal_bags
             origins[node.name] = bags[name]
         elif target and target != str(node.target) and (not has_rule(target) or target in own):
