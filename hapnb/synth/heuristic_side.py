@@ -152,6 +152,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         on_path.update(sides[x])
     # parameter prologues (a weight's cast under autocast) are priced with the op that takes their result
     local, windows = _with_prologues(s, local, price_matrix, on_path)
+    local = _with_shared_params(s, local, price_matrix)
     # branches (paths into a path op's other inputs) with their sides; x -> the path op taking it
     consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
     branches, anchors = _branches(s, on_path, sides, consumer_of)
@@ -546,6 +547,42 @@ def _with_prologues(
         return v
 
     return fused_local, windows
+
+
+def _with_shared_params(
+    s: Any, local: Callable[[int, Any], float], price_matrix: Callable[[int], list[list[float]]]
+) -> Callable[[int, Any], float]:
+    """``local`` with the load of each parameter that several ops take, one of them a spine op (Whisper's
+    decoder embedding, tied to the output projection on the spine), priced at that spine op: for the form
+    ``f`` it takes the parameter in, the least over the parameter's forms ``l`` of its load in ``l`` (its
+    gradient's sync) plus the cheapest collective from ``l`` to ``f``. Without it no term counted such a
+    parameter's load (only a single consumer's, and the tied parameter's of :func:`_tied`). Every program
+    loads the parameter in some form and gives that op its form by at most one collective (or a load of
+    its own), and no other term counts the load, so the bound stays admissible."""
+    g, tb = s.graph, s._tables
+    spine_ops, entries, tied = tb.spine, tb.entries, _tied(s)
+    charged: dict[int, list[tuple[int, list[float]]]] = {}
+    for t in g.params:
+        cons = sorted(set(g.tensors[t].consumers))
+        if len(cons) < 2 or t == tied or t in s.pins:
+            continue
+        on_spine = [o for o in cons if o in spine_ops and g.ops[o].inputs.count(t) == 1 and s._ops[o]]
+        if not on_spine:
+            continue
+        pm, forms = price_matrix(t), s.theory.forms[t]
+        load = [s._load_s(t, f, False) for f in forms]
+        tab = [min(load[a] + pm[a][b] for a in range(len(forms))) for b in range(len(forms))]
+        charged.setdefault(on_spine[-1], []).append((g.ops[on_spine[-1]].inputs.index(t), tab))
+    if not charged:
+        return local
+
+    def charged_local(i: int, c: Any) -> float:
+        v = local(i, c)
+        for k, tab in charged.get(i, ()):
+            v += tab[entries[i][c.index].in_forms[k]]
+        return v
+
+    return charged_local
 
 
 def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:
