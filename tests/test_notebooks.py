@@ -259,7 +259,16 @@ def test_notebook_is_stored_stripped_with_the_skeleton(path: Path) -> None:
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+#: notebooks whose checks decide on measured step times: run in the serial pass (marker ``timing``), where a
+#: second test worker cannot slow one rank more than the notebook's injected straggler does
+TIMED = {"10_live_rebalancing.ipynb"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.timing) if p.name in TIMED else p for p in NOTEBOOKS],
+    ids=_ids(NOTEBOOKS),
+)
 def test_notebook_runs_without_errors(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(CHECKS[path.name]))  # runs in the notebook's kernel, last
