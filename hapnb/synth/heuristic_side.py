@@ -150,9 +150,12 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             continue
         sides[x] = _side_consumers(s, x, on_path)
         on_path.update(sides[x])
-    # parameter prologues (a weight's cast under autocast) are priced with the op that takes their result
-    local, windows = _with_prologues(s, local, price_matrix, on_path)
-    local = _with_shared_params(s, local, price_matrix)
+    # loads the bound otherwise misses, priced at the op that takes them: a weight's prologue (its cast
+    # under autocast) and a weight shared by a spine op with off-spine ops
+    tables, windows = _prologue_tables(s, local, price_matrix, on_path)
+    for i, rows in _shared_param_tables(s, price_matrix).items():
+        tables.setdefault(i, []).extend(rows)
+    local = _with_input_tables(local, tables, entries)
     # branches (paths into a path op's other inputs) with their sides; x -> the path op taking it
     consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
     branches, anchors = _branches(s, on_path, sides, consumer_of)
@@ -496,33 +499,59 @@ def _branches(
     return out, anchors
 
 
-def _with_prologues(
+#: per op, ``(input index, cost per form the op takes that input in)``: what :func:`_with_input_tables` adds
+InputTables = dict[int, list[tuple[int, list[float]]]]
+
+
+def _via(cost: Sequence[float], price: Sequence[Sequence[float]]) -> list[float]:
+    """Per form ``b``: the least, over forms ``a``, of ``cost[a]`` plus the cheapest collective from ``a`` to
+    ``b`` (``price``, 0 on its diagonal)."""
+    n = len(cost)
+    return [min((cost[a] + price[a][b] for a in range(n) if cost[a] < _INF), default=_INF) for b in range(n)]
+
+
+def _with_input_tables(
+    local: Callable[[int, Any], float], tables: InputTables, entries: Sequence[Any]
+) -> Callable[[int, Any], float]:
+    """``local`` plus, for each op of ``tables``, each row's cost of the form its strategy takes that input in."""
+    if not tables:
+        return local
+
+    def priced(i: int, c: Any) -> float:
+        v = local(i, c)
+        for k, tab in tables.get(i, ()):
+            v += tab[entries[i][c.index].in_forms[k]]
+        return v
+
+    return priced
+
+
+def _prologue_tables(
     s: Any,
     local: Callable[[int, Any], float],
     price_matrix: Callable[[int], list[list[float]]],
     on_path: set[int],
-) -> tuple[Callable[[int, Any], float], list[tuple[int, int, float]]]:
-    """``local`` with each *prologue* priced in its consumer. A prologue is an op on no path whose inputs
-    are all loaded tensors, one of them a parameter, and whose one output one op takes once: a weight
-    cast to bfloat16 under ``torch.autocast`` before its linear layer. Off every path its output took any
-    form for free, so the bound let the linear layer take its weight sharded (no gradient all-reduce)
-    while the layer's input stayed batch-sharded, as no program can (on HF Llama under autocast the root
-    bound was 39 % below the plan). Here the consumer's strategy pays, for the form ``f`` it takes the
-    output in, the least over the prologue's strategies of their cost (with the weight's load) plus the
-    cheapest collective from their output form to ``f``; the prologue joins ``on_path`` (it is counted
-    there only). Every program pays at least that, so the bound stays admissible. Once the prologue has
-    run, its cost is in the node's cost: at the positions after it up to its consumer the bound takes off
-    twice the most the consumer's table adds (returned as ``(prologue, consumer, most)`` windows; twice,
-    since :func:`_merge` splits a merge op's cost into the spine's part and a branch's share, and each
-    may hold the table's value)."""
+) -> tuple[InputTables, list[tuple[int, int, float]]]:
+    """Each *prologue* priced in its consumer. A prologue is an op on no path whose inputs are all loaded
+    tensors, one of them a parameter, and whose one output one op takes once: a weight cast to bfloat16
+    under ``torch.autocast`` before its linear layer. Off every path its output took any form for free, so
+    the bound let the linear layer take its weight sharded (no gradient all-reduce) while the layer's input
+    stayed batch-sharded, as no program can (on HF Llama under autocast the root bound was 39 % below the
+    plan). Here the consumer's strategy pays, for the form ``f`` it takes the output in, the least over the
+    prologue's strategies of their cost (with the weight's load) plus the cheapest collective from their
+    output form to ``f``; the prologue joins ``on_path`` (it is counted there only). Every program pays at
+    least that, so the bound stays admissible. Once the prologue has run, its cost is in the node's cost:
+    at the positions after it up to its consumer the bound takes off twice the most the consumer's table
+    adds (returned as ``(prologue, consumer, most)`` windows; twice, since :func:`_merge` splits a merge
+    op's cost into the spine's part and a branch's share, and each may hold the table's value)."""
     g, entries = s.graph, s._tables.entries
-    fused: dict[int, list[tuple[int, list[float]]]] = {}
+    tables: InputTables = {}
     windows: list[tuple[int, int, float]] = []
     for op in g.ops:
         if op.id in on_path or not s._ops[op.id] or len(op.outputs) != 1:
             continue
         roles = [g.tensors[t].role for t in op.inputs]
-        if not roles or "param" not in roles or any(r not in LOADABLE_ROLES for r in roles):
+        if "param" not in roles or any(r not in LOADABLE_ROLES for r in roles):
             continue
         y = op.outputs[0]
         cons = g.tensors[y].consumers
@@ -532,57 +561,34 @@ def _with_prologues(
         for c in s._ops[op.id]:
             f = entries[op.id][c.index].out_forms[0]
             made[f] = min(made[f], local(op.id, c))
-        pm = price_matrix(y)
-        tab = [min(m + pm[a][b] for a, m in enumerate(made) if m < _INF) for b in range(len(made))]
-        fused.setdefault(cons[0], []).append((g.ops[cons[0]].inputs.index(y), tab))
+        tab = _via(made, price_matrix(y))
+        tables.setdefault(cons[0], []).append((g.ops[cons[0]].inputs.index(y), tab))
         windows.append((op.id, cons[0], max(v for v in tab if v < _INF)))
         on_path.add(op.id)
-    if not fused:
-        return local, windows
-
-    def fused_local(i: int, c: Any) -> float:
-        v = local(i, c)
-        for k, tab in fused.get(i, ()):
-            v += tab[entries[i][c.index].in_forms[k]]
-        return v
-
-    return fused_local, windows
+    return tables, windows
 
 
-def _with_shared_params(
-    s: Any, local: Callable[[int, Any], float], price_matrix: Callable[[int], list[list[float]]]
-) -> Callable[[int, Any], float]:
-    """``local`` with the load of each parameter that several ops take, one of them a spine op (Whisper's
-    decoder embedding, tied to the output projection on the spine), priced at that spine op: for the form
-    ``f`` it takes the parameter in, the least over the parameter's forms ``l`` of its load in ``l`` (its
-    gradient's sync) plus the cheapest collective from ``l`` to ``f``. Without it no term counted such a
-    parameter's load (only a single consumer's, and the tied parameter's of :func:`_tied`). Every program
-    loads the parameter in some form and gives that op its form by at most one collective (or a load of
-    its own), and no other term counts the load, so the bound stays admissible."""
-    g, tb = s.graph, s._tables
-    spine_ops, entries, tied = tb.spine, tb.entries, _tied(s)
-    charged: dict[int, list[tuple[int, list[float]]]] = {}
+def _shared_param_tables(s: Any, price_matrix: Callable[[int], list[list[float]]]) -> InputTables:
+    """The load of each parameter that several ops take, one of them a spine op (Whisper's decoder
+    embedding, tied to the output projection on the spine), priced at that spine op: for the form ``f`` it
+    takes the parameter in, the least over the parameter's forms ``l`` of its load in ``l`` (its gradient's
+    sync) plus the cheapest collective from ``l`` to ``f``. Without it no term counted such a parameter's
+    load (only a single consumer's, and the tied parameter's of :func:`_tied`). Every program loads the
+    parameter in some form and gives that op its form by at most one collective (or a load of its own),
+    and no other term counts the load, so the bound stays admissible."""
+    g, spine_ops, tied = s.graph, s._tables.spine, _tied(s)
+    tables: InputTables = {}
     for t in g.params:
         cons = sorted(set(g.tensors[t].consumers))
         if len(cons) < 2 or t == tied or t in s.pins:
             continue
         on_spine = [o for o in cons if o in spine_ops and g.ops[o].inputs.count(t) == 1 and s._ops[o]]
-        if not on_spine:
-            continue
-        pm, forms = price_matrix(t), s.theory.forms[t]
-        load = [s._load_s(t, f, False) for f in forms]
-        tab = [min(load[a] + pm[a][b] for a in range(len(forms))) for b in range(len(forms))]
-        charged.setdefault(on_spine[-1], []).append((g.ops[on_spine[-1]].inputs.index(t), tab))
-    if not charged:
-        return local
-
-    def charged_local(i: int, c: Any) -> float:
-        v = local(i, c)
-        for k, tab in charged.get(i, ()):
-            v += tab[entries[i][c.index].in_forms[k]]
-        return v
-
-    return charged_local
+        if on_spine:
+            load = [s._load_s(t, f, False) for f in s.theory.forms[t]]
+            tables.setdefault(on_spine[-1], []).append(
+                (g.ops[on_spine[-1]].inputs.index(t), _via(load, price_matrix(t)))
+            )
+    return tables
 
 
 def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:

@@ -211,6 +211,16 @@ def _tensor_result(node: Any) -> bool:
     return isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
 
 
+def _region(node: Any) -> str:
+    """The name of the region of :data:`REGIONS` fx node ``node`` opens, else ''."""
+    import torch
+
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return target.__name__ if target.__name__ in REGIONS else ""
+    return ""
+
+
 def needs_lowering(ep: Any, has_rule: Callable[[str], bool]) -> tuple[str, ...]:
     """The op targets of ``ep`` that lowering would rewrite: in-place (mutating) ops, ops with a hapnb
     decomposition, aten ops with a tensor result but no rule (``has_rule(target)`` is False), and the
@@ -220,14 +230,12 @@ def needs_lowering(ep: Any, has_rule: Callable[[str], bool]) -> tuple[str, ...]:
     own = {str(k) for k in _hapnb_table()}
     out: list[str] = []
     for node in ep.graph.nodes:
-        if node.op != "call_function":
-            continue
-        region = getattr(node.target, "__name__", "")
-        if isinstance(node.target, torch._ops.HigherOrderOperator) and region in REGIONS:
+        region = _region(node)
+        if region:
             if f"higher_order.{region}" not in out:
                 out.append(f"higher_order.{region}")
             continue
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         t = str(node.target)
         if t in out:
@@ -303,13 +311,7 @@ def detach_no_grad_regions(ep: Any) -> int:
     graph = ep.graph_module.graph
     done = 0
     for node in list(graph.nodes):
-        target = node.target
-        if not (
-            node.op == "call_function"
-            and isinstance(target, torch._ops.HigherOrderOperator)
-            and target.__name__ == "wrap_with_set_grad_enabled"
-            and node.args[0] is False
-        ):
+        if _region(node) != "wrap_with_set_grad_enabled" or node.args[0] is not False:
             continue
         results = [u for u in node.users if u.target is operator.getitem] or [node]
         for r in results:
@@ -427,15 +429,10 @@ def drop_empty_cat_inputs(ep: Any) -> int:
             continue
         parts = list(node.args[0])
         keep = [a for a in parts if not _legacy_empty(a)]
-        ranks = [getattr(a, "meta", {}).get("val") for a in keep]
-        if (
-            len(keep) == len(parts)
-            or not keep
-            or not any(isinstance(v, torch.Tensor) and v.dim() > 1 for v in ranks)
-        ):
-            continue
-        node.args = (keep, *node.args[1:])
-        done += 1
+        vals = [getattr(a, "meta", {}).get("val") for a in keep]
+        if len(keep) < len(parts) and any(isinstance(v, torch.Tensor) and v.dim() > 1 for v in vals):
+            node.args = (keep, *node.args[1:])
+            done += 1
     if done:
         graph.eliminate_dead_code()
         ep.graph_module.recompile()

@@ -159,19 +159,6 @@ def test_a_weight_shared_with_a_branch_is_priced_at_its_spine_op_admissibly(seed
     _exact_and_admissible(_shared_param_graph(batch, d), seed)
 
 
-def test_a_weight_shared_with_a_branch_raises_the_root_bound(monkeypatch):
-    # with the batch pinned sharded the shared weight's gradient all-reduce is unavoidable: the root counts
-    # it (half the optimum here), and is then the optimum
-    th = theory(_shared_param_graph(64, 64), S.strategies)
-    c = Cluster.parse(CLUSTERS[0])
-    pins = {"x": G(0), "xb": G(0)}
-    priced = Search(th, c, pins=pins).node(0).score
-    best = Search(th, c, pins=pins).run().cost
-    monkeypatch.setattr(heuristic_side, "_with_shared_params", lambda s, local, pm: local)
-    plain = Search(th, c, pins=pins).node(0).score
-    assert plain < priced and priced == pytest.approx(best, rel=1e-9)
-
-
 def _prologue_graph(batch: int, d: int) -> S.Graph:
     """Weights that reach their matrix products through an op of their own (``relu(w)`` standing for a cast
     to bfloat16 under autocast): a prologue, priced with the product that takes its result."""
@@ -194,14 +181,27 @@ def test_a_weight_prologue_is_priced_with_its_consumer_admissibly(seed):
     _exact_and_admissible(_prologue_graph(batch, d), seed)
 
 
-def test_a_weight_prologue_raises_the_root_bound(monkeypatch):
-    th = theory(_prologue_graph(64, 64), S.strategies)
+#: (graph, the finder to turn off, what it returns when off, pins): the shared weight's gradient all-reduce
+#: is unavoidable once the batch is pinned sharded (the root then counts it, half the optimum, and is the
+#: optimum); a prologue's weight sync is counted without pins
+_ROOT_CASES = {
+    "shared": (_shared_param_graph, "_shared_param_tables", {}, {"x": G(0), "xb": G(0)}),
+    "prologue": (_prologue_graph, "_prologue_tables", ({}, []), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROOT_CASES))
+def test_a_priced_weight_load_raises_the_root_bound(case, monkeypatch):
+    graph, finder, off, pins = _ROOT_CASES[case]
+    th = theory(graph(64, 64), S.strategies)
     c = Cluster.parse(CLUSTERS[0])
-    fused = Search(th, c).node(0).score
-    monkeypatch.setattr(heuristic_side, "_with_prologues", lambda s, local, pm, on_path: (local, []))
-    plain = Search(th, c).node(0).score
-    res = Search(th, c).run()
-    assert plain < fused <= res.cost * (1 + 1e-9)
+    priced = Search(th, c, pins=pins).node(0).score
+    best = Search(th, c, pins=pins).run().cost
+    monkeypatch.setattr(heuristic_side, finder, lambda *args: off)
+    plain = Search(th, c, pins=pins).node(0).score
+    assert plain < priced <= best * (1 + 1e-9)
+    if pins:
+        assert priced == pytest.approx(best, rel=1e-9)
 
 
 #: an expert layer's ops besides the synthetic mm/relu/add/sum: (name, input forms, output form) per
