@@ -27,6 +27,8 @@ factory                 model
 ``mixtral``             HF ``MixtralForCausalLM`` with ``experts_implementation="batched_mm"``
 ``gpt2``                HF ``GPT2LMHeadModel`` with ``labels=``
 ``bert``                HF ``BertForMaskedLM`` with ``labels=`` (fixed mask pattern, -100 elsewhere)
+``gptj``                HF ``GPTJForCausalLM`` with ``labels=`` (parallel attention + MLP, partial rotary)
+``cohere``              HF ``CohereForCausalLM`` with ``labels=`` (parallel block, SwiGLU, tied head)
 ======================  ============================================================================
 
 >>> model, inputs = llama()
@@ -53,8 +55,10 @@ __all__ = [
     "batch_sharded",
     "batch_tensors",
     "bert",
+    "cohere",
     "convnext_t",
     "gpt2",
+    "gptj",
     "input_forms",
     "llama",
     "llama_handloss",
@@ -327,6 +331,64 @@ def bert(size: str = "tiny", batch: int | None = None, seq: int | None = None, s
     )
 
 
+def gptj(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
+    """Hugging Face ``GPTJForCausalLM`` with ``labels=``: a parallel block (attention and MLP from one layer
+    norm, summed with the residual), partial rotary (interleaved, on the first ``rotary_dim`` of each head),
+    GELU-tanh MLP, untied head with a bias.
+    tiny: hidden 32, 2 layers, 4 heads, rotary 4, vocab 128, seq 16, batch 8.
+    real: hidden 1024, 8 layers, 16 heads, rotary 32, vocab 32000, seq 512, batch 64.
+    """
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    batch = batch or _pick(size, 8, 64)
+    seq = seq or _pick(size, 16, 512)
+    torch.manual_seed(seed)
+    dims = _pick(size, {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4},
+                 {"vocab_size": 32000, "n_embd": 1024, "n_layer": 8, "n_head": 16, "rotary_dim": 32})  # fmt: skip
+    cfg = GPTJConfig(
+        **dims,
+        bos_token_id=dims["vocab_size"] - 1,
+        eos_token_id=dims["vocab_size"] - 1,
+        n_positions=max(seq, 16),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    model = GPTJForCausalLM(cfg)
+    ids = _tokens(batch, seq, cfg.vocab_size, seed)
+    return _finish(model, "gptj", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
+
+
+def cohere(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
+    """Hugging Face ``CohereForCausalLM`` with ``labels=``: a parallel block with SwiGLU, LayerNorm without
+    bias, interleaved rotary, GQA, tied embeddings and a scaled head.
+    tiny: hidden 32, 2 layers, 4 heads / 2 kv heads, intermediate 64, vocab 128, seq 16, batch 8.
+    real: hidden 1024, 8 layers, 16 heads / 4 kv heads, intermediate 2816, vocab 32000, seq 512, batch 64.
+    """
+    from transformers import CohereConfig, CohereForCausalLM
+
+    batch = batch or _pick(size, 8, 64)
+    seq = seq or _pick(size, 16, 512)
+    torch.manual_seed(seed)
+    tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+            "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
+    cfg = CohereConfig(
+        **_pick(size, tiny, real),
+        max_position_embeddings=max(seq, 16),
+        use_cache=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    model = CohereForCausalLM(cfg)
+    ids = _tokens(batch, seq, cfg.vocab_size, seed)
+    return _finish(model, "cohere", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
+
+
 def mixtral(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
     """Hugging Face ``MixtralForCausalLM`` (top-2 of 4 / 8 experts), the library's loss, with
     ``experts_implementation="batched_mm"``: the library's default expert loop (``nonzero`` / ``where``
@@ -572,6 +634,8 @@ CORPUS: dict[str, Callable[..., Built]] = {
     "mixtral": mixtral,
     "gpt2": gpt2,
     "bert": bert,
+    "gptj": gptj,
+    "cohere": cohere,
 }
 
 

@@ -31,6 +31,21 @@ term of their own). Leaving a rejoin out only frees its form again (the bound wi
 coupled is a matter of cost: the states at a position are the product of the forms of the coupled tensors
 live there (and the tied parameter's), and :func:`find_rejoins` keeps the largest tensors first (then the
 shortest spans, which nest inside the longer ones) while that product stays at most :data:`MAX_STATES`.
+
+A :class:`Merge` is the same coupling for a branch instead of a spine tensor: a parallel block (GPT-J, Cohere)
+runs its MLP beside its attention from one layer norm, so the MLP is a branch headed by a side op of the
+norm's output ``x`` and merged by the add that closes the block (op ``at``). Without the coupling, the add's
+share of its cost for the branch (:func:`hapnb.synth.heuristic_side._merge`) is the least over the spine's forms,
+so the branch could end as a partial sum (a row-parallel down projection) for free while the spine is
+priced batch-sharded: on GPT-J (real size) the root bound was 10 % below the optimum. Coupled, the state is
+the form ``f`` the add takes the branch's output ``y`` in (positions ``(made, at]``); at op ``at`` only the
+strategies taking ``y`` in ``f`` are allowed (so the add's whole cost is the spine's), and the head's table is
+its branch's cost ending in ``f`` (:meth:`Layout.head_tab`): an extra consumer of ``x`` where ``x`` is the live
+spine tensor and the head is still to run, and, after ``x``'s spine consumer, in the term of ``x``'s pending
+sides, which the main term takes over up to the head (:attr:`Coupled.branch`). Admissible as a rejoin: every
+program's add takes ``y`` in some form ``f``, and the branch's ops and ``x``'s forms are counted once. One
+merge per ``x`` (its pending sides are valued in one state), the largest branch first, then the latest merge
+op (the block's add rather than attention's query path).
 """
 
 from __future__ import annotations
@@ -40,10 +55,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_STATES", "Rejoin", "find_rejoins", "Layout", "Coupled", "coupled_term"]
+__all__ = ["MAX_STATES", "Rejoin", "Merge", "Coupling", "find_rejoins", "Layout", "Coupled", "coupled_term"]
 
-#: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's)
-MAX_STATES = 16
+#: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's):
+#: 24 admits a 5-form merge beside a tied LM head's 4 states (Cohere); 32 would let the MoE LM's routing
+#: rejoins in as well, which tripled its bound's compile time for the same plan (measured 2026-11-29)
+MAX_STATES = 24
 _INF = float("inf")
 
 
@@ -60,11 +77,33 @@ class Rejoin:
     forms: tuple[int, ...]
 
 
-def find_rejoins(s: Any, sides: Mapping[int, Sequence[int]], tied_states: int) -> list[Rejoin]:
-    """The rejoining spine tensors of search ``s`` that the DP couples (module docstring): each spine tensor
-    with no side consumer after its spine consumer, with the first later spine op that takes it once; the
-    largest first (then the shortest span), while the states at every position stay at most
-    :data:`MAX_STATES` (``tied_states``: the tied parameter's, 1 if none)."""
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """A branch headed by side op ``head`` of spine tensor ``x`` (made by spine op ``made``, spine input of op
+    ``spine``) whose output ``y`` spine op ``at`` takes (its input ``k``) in one of ``forms``: a parallel
+    block's MLP beside its attention (GPT-J, Cohere), merged by the add that closes the block."""
+
+    x: int
+    made: int
+    spine: int
+    head: int
+    y: int
+    at: int
+    k: int
+    forms: tuple[int, ...]
+
+
+#: what the DP keeps as a state: a rejoining spine tensor's form or a merging branch's
+Coupling = Rejoin | Merge
+
+
+def find_rejoins(
+    s: Any, sides: Mapping[int, Sequence[int]], tied_states: int, merges: Sequence[Merge] = ()
+) -> list[Coupling]:
+    """The rejoining spine tensors of search ``s`` and the merging branches (``merges``) that the DP couples
+    (module docstring): each spine tensor with no side consumer after its spine consumer, with the first
+    later spine op that takes it once; the largest first (then the shortest span), while the states at
+    every position stay at most :data:`MAX_STATES` (``tied_states``: the tied parameter's, 1 if none)."""
     g, tb = s.graph, s._tables
     spine_ops, entries = tb.spine, tb.entries
     found = []
@@ -84,18 +123,26 @@ def find_rejoins(s: Any, sides: Mapping[int, Sequence[int]], tied_states: int) -
         k = g.ops[at].inputs.index(x)
         forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
         found.append(Rejoin(x, made, i1, at, k, forms))
-    found.sort(key=lambda r: (-g.tensors[r.x].numel, r.at - r.made, r.x))
+    cands: list[Coupling] = [*found, *merges]
+    cands.sort(
+        key=lambda r: (-g.tensors[_coupled(r)].numel, r.at - r.made, _coupled(r), isinstance(r, Merge))
+    )
     size = [tied_states] * (len(g.ops) + 1)
-    kept = []
-    for r in found:
+    kept: list[Coupling] = []
+    for r in cands:
         span = range(r.made + 1, r.at + 1)
         if max(size[p] for p in span) * len(r.forms) > MAX_STATES:
             continue
         for p in span:
             size[p] *= len(r.forms)
         kept.append(r)
-    kept.sort(key=lambda r: (r.made, r.x))
+    kept.sort(key=lambda r: (r.made, r.x, isinstance(r, Merge)))
     return kept
+
+
+def _coupled(r: Coupling) -> int:
+    """The tensor whose form a coupling keeps: the rejoining tensor, or the merging branch's output."""
+    return r.y if isinstance(r, Merge) else r.x
 
 
 class Layout:
@@ -103,9 +150,21 @@ class Layout:
     not loaded; always 0 without one) and ``b_j`` the form the j-th live rejoin (``rejoins`` order) is taken
     in at its op ``at``. A rejoin is live at the positions ``(made, at]``."""
 
-    def __init__(self, rejoins: Sequence[Rejoin], pvals: Sequence[int], n_pos: int) -> None:
+    def __init__(
+        self,
+        rejoins: Sequence[Coupling],
+        pvals: Sequence[int],
+        n_pos: int,
+        head_tab: Callable[[Merge, int], list[float]] | None = None,
+    ) -> None:
         self.rejoins = list(rejoins)
         self.pvals = list(pvals)
+        #: a merging branch's head: its cost with the branch per form it takes ``x`` in, the branch ending in
+        #: form ``f`` (``head_tab(merge, f)``), cached per (coupling index, f)
+        self._head_tab = head_tab
+        self._tabs: dict[tuple[int, int], list[float]] = {}
+        #: the heads of the coupled merges (they leave the sides of their tensor ``x``)
+        self.heads = {r.head for r in self.rejoins if isinstance(r, Merge)}
         self._live: list[tuple[int, ...]] = [()] * n_pos
         for j, r in enumerate(self.rejoins):
             for p in range(r.made + 1, r.at + 1):
@@ -150,18 +209,45 @@ class Layout:
         return out
 
     def delta(self, pos: int, st: tuple[int, ...], n_forms: int) -> list[list[float]]:
-        """The extra consumer of the live spine tensor at ``pos`` where it is a rejoin (its form in state
-        ``st``: made once, like the other consumers' forms), else none."""
+        """The extra consumers of the live spine tensor at ``pos``: where it is a rejoin, its form in state
+        ``st`` (made once, like the other consumers' forms); where it heads a merging branch still to run,
+        the head with the branch ending in the state's form."""
+        out = []
         for n, j in enumerate(self._live[pos]):
             r = self.rejoins[j]
-            if pos <= r.spine:
+            if isinstance(r, Merge):
+                if pos <= r.spine and pos <= r.head:
+                    out.append(self.head_tab(j, st[1 + n]))
+            elif pos <= r.spine:
                 b = st[1 + n]
-                return [[0.0 if f == b else _INF for f in range(n_forms)]]
-        return []
+                out.append([0.0 if f == b else _INF for f in range(n_forms)])
+        return out
+
+    def head_tab(self, j: int, f: int) -> list[float]:
+        """Merge ``j``'s head: its cost with the branch per form it takes ``x`` in, the branch ending in ``f``."""
+        key = (j, f)
+        tab = self._tabs.get(key)
+        if tab is None:
+            assert self._head_tab is not None
+            tab = self._tabs[key] = self._head_tab(self.rejoins[j], f)  # type: ignore[arg-type]
+        return tab
 
     def outer(self, pos: int) -> list[tuple[int, int]]:
         """The rejoins at ``pos`` whose spine consumer has run: (state component, index into rejoins)."""
-        return [(1 + n, j) for n, j in enumerate(self._live[pos]) if pos > self.rejoins[j].spine]
+        return [
+            (1 + n, j) for n, j in enumerate(self._live[pos])
+            if isinstance(self.rejoins[j], Rejoin) and pos > self.rejoins[j].spine
+        ]  # fmt: skip
+
+    def merge_outer(self, pos: int) -> list[tuple[int, int]]:
+        """The merges at ``pos`` whose tensor's spine consumer has run and whose head has not: (state
+        component, index into rejoins); ``x``'s pending sides are valued in the state's form there."""
+        out = []
+        for n, j in enumerate(self._live[pos]):
+            r = self.rejoins[j]
+            if isinstance(r, Merge) and r.spine < pos <= r.head:
+                out.append((1 + n, j))
+        return out
 
 
 class Coupled:
@@ -172,7 +258,7 @@ class Coupled:
     present form, as :class:`~hapnb.synth.heuristic_side.Tied`); ``cmask``: the live spine tensor's. Memoised per
     properties in :attr:`table`."""
 
-    __slots__ = ("joints", "pmask", "pvals", "cmask", "outer", "table")
+    __slots__ = ("joints", "pmask", "pvals", "cmask", "outer", "branch", "table")
 
     def __init__(
         self,
@@ -180,11 +266,15 @@ class Coupled:
         pmask: int,
         cmask: int,
         outer: Sequence[tuple[int, Sequence[int], Sequence[Sequence[float]]]],
+        branch: Sequence[tuple[int, int, Mapping[int, Any]]] = (),
     ) -> None:
         self.joints = dict(joints)
         self.pmask, self.cmask = pmask, cmask
         self.pvals = {st[0] for st in self.joints}
         self.outer = list(outer)
+        #: per merge whose head is still to run after its tensor's spine consumer: (state component, the
+        #: tensor's form bits as a mask, per form of the branch's end the Joint of the tensor's pending sides)
+        self.branch = list(branch)
         self.table: dict[int, float] = {}
 
     @property
@@ -194,6 +284,8 @@ class Coupled:
         for _, bits, _ in self.outer:
             for b in bits:
                 m |= b
+        for _, xmask, _ in self.branch:
+            m |= xmask
         return m
 
     def value(self, present: int) -> float:
@@ -224,6 +316,8 @@ class Coupled:
             v = 0.0
             for comp, cost in made:
                 v += cost[st[comp]]
+            for comp, xmask, by_form in self.branch:
+                v += by_form[st[comp]].value(present & xmask)
             if v >= best:
                 continue
             v += joint.value(cur)
@@ -240,11 +334,12 @@ def coupled_term(
     cmask: int,
     bits_of: Sequence[Sequence[int]],
     price: Callable[[int], Sequence[Sequence[float]]],
+    branch: Sequence[tuple[int, int, Mapping[int, Any]]] = (),
 ) -> Coupled:
     """The :class:`Coupled` term at ``pos`` (rejoins live there) from its per-state Joints (``bits_of``: each
-    tensor's form bits; ``price``: a tensor's price matrix)."""
+    tensor's form bits; ``price``: a tensor's price matrix; ``branch``: :attr:`Coupled.branch`)."""
     outer = []
     for comp, j in lay.outer(pos):
         x = lay.rejoins[j].x
         outer.append((comp, bits_of[x], price(x)))
-    return Coupled(joints, pmask, cmask, outer)
+    return Coupled(joints, pmask, cmask, outer, branch)

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from ..triples import LOADABLE_ROLES
 from .heuristic import bound_device, local_pricer, price_matrices
-from .heuristic_rejoin import Layout, coupled_term, find_rejoins
+from .heuristic_rejoin import Layout, Merge, coupled_term, find_rejoins
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
 
@@ -213,6 +213,18 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
 
     solved: set[int] = set()
 
+    def back(b: int, x: int, out: int, nxt: Sequence[float]) -> list[float]:
+        """Branch op ``b``'s cost per form it takes its path input ``x`` in, ``nxt`` valuing its output
+        ``out``'s forms (with what follows)."""
+        k_in, k_out = g.ops[b].inputs.index(x), g.ops[b].outputs.index(out)
+        tab = [_INF] * len(th.forms[x])
+        for c in s._ops[b]:
+            e = entries[b][c.index]
+            v = local(b, c) + nxt[e.out_forms[k_out]]
+            if v < tab[e.in_forms[k_in]]:
+                tab[e.in_forms[k_in]] = v
+        return tab
+
     def solve(br: list[tuple[int, int, int]]) -> None:
         solved.add(br[0][0])
         y = br[-1][2]  # the merge op's share of its cost by the form it takes ``y`` in (0: any form is free)
@@ -221,21 +233,24 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             by_ins[-1 - b] = nxt_tab  # the consumer's tab of ``out``
             at = branch_joint(out, nxt_tab, list(sides.get(out, ())))
             nxt = [at.value(bit) for bit in tb.bits_of[out]]
-            k_out = g.ops[b].outputs.index(out)
             if src < 0 and b not in anchors:  # its first op: its best strategy, counted before it
+                k_out = g.ops[b].outputs.index(out)
                 charge_before(
                     b, min(local(b, c) + nxt[entries[b][c.index].out_forms[k_out]] for c in s._ops[b])
                 )
                 return
-            x = anchors[b] if src < 0 else src
-            k_in = g.ops[b].inputs.index(x)
-            nxt_tab = [_INF] * len(th.forms[x])
-            for c in s._ops[b]:
-                e = entries[b][c.index]
-                v = local(b, c) + nxt[e.out_forms[k_out]]
-                if v < nxt_tab[e.in_forms[k_in]]:
-                    nxt_tab[e.in_forms[k_in]] = v
-            by_ins[b] = nxt_tab
+            nxt_tab = by_ins[b] = back(b, anchors[b] if src < 0 else src, out, nxt)
+
+    def head_tab(m: Merge, f: int) -> list[float]:
+        """A coupled merge's head with its branch, per form it takes ``m.x`` in, the branch ending in form
+        ``f`` at the merge op (whose cost the spine DP counts in that state); nothing is cached under the
+        branch's own keys."""
+        nxt_tab = [0.0 if b == f else _INF for b in range(len(th.forms[m.y]))]
+        for b, src, out in reversed(heads[m.head]):
+            pend = list(sides.get(out, ()))
+            at = Joint([nxt_tab] + [side_tab(o, out) for o in pend], price_matrix(out), tb.bits_of[out])
+            nxt_tab = back(b, m.x if src < 0 else src, out, [at.value(bit) for bit in tb.bits_of[out]])
+        return nxt_tab
 
     # a branch into a spine op is solved when the DP below reaches that op (it reads the op's share, see
     # merge_share), the others now
@@ -247,7 +262,12 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             merging.setdefault(m, []).append(br)
         else:
             solve(br)
-    paths = _Paths(local, minloc, sides, side_tab, price_matrix, merging, merge_tabs, solve, solved, joints)
+    merges = _merges(s, branches, anchors, consumer_of)
+    coupled: dict[int, Merge] = {}  # x -> its merge that the DP couples (filled by _main_terms)
+    paths = _Paths(
+        local, minloc, sides, side_tab, price_matrix, merging, merge_tabs, solve, solved, joints,
+        merges, head_tab, coupled,
+    )  # fmt: skip
     main = _main_terms(s, paths)
     for br in branches:
         if br[0][0] not in solved:
@@ -266,7 +286,9 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             continue
         bits, pm = tb.bits_of[x], price_matrix(x)
         tabs = {o: side_tab(o, x) for o in late}
-        for pos in range(spine_i + 1, late[-1] + 1):
+        # up to a coupled merge's head, the main term values these sides in the state's form
+        first = max(spine_i, coupled[x].head) + 1 if x in coupled else spine_i + 1
+        for pos in range(first, late[-1] + 1):
             pend = [o for o in late if o >= pos]
             key = (x, len(pend), False)
             j = joints.get(key)
@@ -297,6 +319,9 @@ class _Paths(NamedTuple):
     solve: Callable[[list[tuple[int, int, int]]], None]
     solved: set[int]
     joints: dict[tuple[Any, ...], Joint]
+    merges: list[Merge]
+    head_tab: Callable[[Merge, int], list[float]]
+    coupled: dict[int, Merge]
 
 
 def _main_terms(s: Any, pt: _Paths) -> list[Term]:
@@ -320,7 +345,8 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
         {b: s._load_s(tied, f, False) for f, b in zip(th.forms[tied], tb.bits_of[tied])} if tied >= 0 else {}
     )
     pvals = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
-    lay = Layout(find_rejoins(s, pt.sides, len(pvals)), pvals, n_ops + 1)
+    lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges), pvals, n_ops + 1, pt.head_tab)
+    pt.coupled.update({r.x: r for r in lay.rejoins if isinstance(r, Merge)})
     per_state: list[dict[tuple[int, ...], Joint]] = [{}] * (n_ops + 1)  # per position: state -> Joint
     per_state[n_ops] = {st: end for st in lay.states(n_ops)}
     tieds: dict[tuple[int, int], Tied] = {}
@@ -368,7 +394,7 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
                 main[i], per_state[i] = (pmask, t0.table, 0.0, t0), consts
                 continue
             cur, add = src, 0.0
-            tabs_side = {o: pt.side_tab(o, src) for o in pt.sides.get(src, ())}
+            tabs_side = {o: pt.side_tab(o, src) for o in pt.sides.get(src, ()) if o not in lay.heads}
             bits, pm = tb.bits_of[src], pt.price_matrix(src)
         elif by_in is None:  # after the loss's producer or before the source: a constant
             m1, t1, a1, j1 = main[i + 1]
@@ -379,15 +405,17 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
         pend = [o for o in tabs_side if o >= i]
         js = {}
         for st in by_in:
-            key = (cur, len(pend), True, st)
+            extra = lay.delta(i, st, len(bits))  # a coupled merge's head leaves it once the head ran
+            key = (cur, len(pend), True, st, len(extra))
             j = pt.joints.get(key)
             if j is None:
-                tabs = [by_in[st]] + [tabs_side[o] for o in pend] + lay.delta(i, st, len(bits))
-                j = pt.joints[key] = Joint(tabs, pm, bits)
+                j = pt.joints[key] = Joint([by_in[st]] + [tabs_side[o] for o in pend] + extra, pm, bits)
             js[st] = j
         per_state[i] = js
         if lay.live(i):
-            t2 = coupled_term(lay, i, js, pmask, _mask(bits), tb.bits_of, pt.price_matrix)
+            t2 = coupled_term(
+                lay, i, js, pmask, _mask(bits), tb.bits_of, pt.price_matrix, _merge_outer(s, pt, lay, i)
+            )
             main[i] = (t2.mask, t2.table, add, t2)
         elif tied < 0:
             main[i] = (_mask(bits), js[(0,)].table, add, js[(0,)])
@@ -397,6 +425,54 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
                 t1 = tieds[(cur, len(pend))] = Tied({st[0]: j for st, j in js.items()}, pmask)
             main[i] = (_mask(bits) | pmask, t1.table, add, t1)
     return main
+
+
+def _merge_outer(s: Any, pt: _Paths, lay: Layout, pos: int) -> list[tuple[int, int, dict[int, Joint]]]:
+    """Per coupled merge whose tensor ``x``'s spine consumer ran and whose head did not (at ``pos``): its state
+    component, ``x``'s form mask and, per form the branch ends in, the Joint of ``x``'s pending sides (the
+    head with its branch ending in that form) for :class:`~hapnb.synth.heuristic_rejoin.Coupled`."""
+    out = []
+    bits_of = s._tables.bits_of
+    for comp, j in lay.merge_outer(pos):
+        m = lay.rejoins[j]
+        pend = [o for o in pt.sides[m.x] if o > m.spine and o >= pos]
+        by_form = {}
+        for f in m.forms:
+            key = (m.x, len(pend), "merge", f)
+            jt = pt.joints.get(key)
+            if jt is None:
+                tabs = [lay.head_tab(j, f) if o == m.head else pt.side_tab(o, m.x) for o in pend]
+                jt = pt.joints[key] = Joint(tabs, pt.price_matrix(m.x), bits_of[m.x])
+            by_form[f] = jt
+        out.append((comp, _mask(bits_of[m.x]), by_form))
+    return out
+
+
+def _merges(
+    s: Any,
+    branches: Sequence[list[tuple[int, int, int]]],
+    anchors: Mapping[int, int],
+    consumer_of: Mapping[int, int],
+) -> list[Merge]:
+    """The branches the spine DP may couple (:class:`~hapnb.synth.heuristic_rejoin.Merge`): headed by a side op
+    of a spine tensor ``x`` and merging into a spine op, the largest first, one per ``x`` (a coupled merge
+    values all of ``x``'s pending sides in its state's form)."""
+    g, spine_ops, entries = s.graph, s._tables.spine, s._tables.entries
+    out: list[Merge] = []
+    taken: set[int] = set()
+    for br in sorted(branches, key=lambda br: (-g.tensors[br[-1][2]].numel, -consumer_of.get(br[-1][2], -1))):
+        head, y = br[0][0], br[-1][2]
+        x, at = anchors.get(head, -1), consumer_of.get(y, -1)
+        if x < 0 or x in taken or at not in spine_ops or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
+            continue
+        made, spine = g.tensors[x].producer, consumer_of.get(x, -1)
+        if made is None or spine_ops.get(made, (0, -1))[1] != x or spine_ops.get(spine, (-1, 0))[0] != x:
+            continue  # x is not a spine tensor
+        k = g.ops[at].inputs.index(y)
+        forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
+        taken.add(x)
+        out.append(Merge(x, made, spine, head, y, at, k, forms))
+    return out
 
 
 def _merge(
@@ -443,10 +519,17 @@ def _branches(
         for t in op.outputs:
             depth[t] = d
 
+    # a side op (of a spine tensor) that makes a branch's input heads that branch, anchored at its tensor
+    side_of = {o: x for x, os_ in sides.items() for o in os_}
+    taken: set[int] = set()
+
     def free(x: int) -> bool:
         p = g.tensors[x].producer
         return (
-            p is not None and p not in on_path and bool(s._ops[p]) and g.tensors[x].role not in LOADABLE_ROLES
+            p is not None
+            and (p not in on_path or (p in side_of and p not in taken))
+            and bool(s._ops[p])
+            and g.tensors[x].role not in LOADABLE_ROLES
         )
 
     out: list[list[tuple[int, int, int]]] = []
@@ -464,8 +547,8 @@ def _branches(
                 seen.add(b)
                 acts = [x for x in g.ops[b].inputs if g.tensors[x].role not in LOADABLE_ROLES]
                 src = max(acts, key=lambda x: (g.tensors[x].numel, depth[x], -x)) if acts else -1
-                if src >= 0 and (not free(src) or g.tensors[src].producer in seen):
-                    src = -1  # its largest input is on a path: the branch starts here
+                if b in side_of or (src >= 0 and (not free(src) or g.tensors[src].producer in seen)):
+                    src = -1  # its largest input is on a path (or it is a side op): the branch starts here
                 br.append((b, src, t))
                 if src < 0 or len(br) >= MAX_BRANCH:
                     break
@@ -476,7 +559,10 @@ def _branches(
             if not any(entries[k][c.index].spine_terms for k, _, _ in br for c in s._ops[k]):
                 continue
             tracked = [x for x in g.ops[b].inputs if x in consumer_of and g.ops[b].inputs.count(x) == 1]
-            if br[-1][1] < 0 and tracked:  # it starts at a tracked tensor: that tensor's side
+            if b in side_of:  # a side op heads it: it stays its tensor's side
+                anchors[b] = side_of[b]
+                taken.add(b)
+            elif br[-1][1] < 0 and tracked:  # it starts at a tracked tensor: that tensor's side
                 anchors[b] = max(tracked, key=lambda x: (g.tensors[x].numel, depth[x], -x))
             br.reverse()
             consumer_of[y] = m
