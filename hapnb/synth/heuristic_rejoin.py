@@ -55,12 +55,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_STATES", "Rejoin", "Merge", "Coupling", "find_rejoins", "Layout", "Coupled", "coupled_term"]
+__all__ = [
+    "MAX_STATES",
+    "MAX_MERGE_STATES",
+    "Rejoin",
+    "Merge",
+    "Coupling",
+    "find_rejoins",
+    "Layout",
+    "Coupled",
+    "coupled_term",
+]
 
-#: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's):
-#: 24 admits a 5-form merge beside a tied LM head's 4 states (Cohere); 32 would let the MoE LM's routing
-#: rejoins in as well, which tripled its bound's compile time for the same plan (measured 2026-11-29)
-MAX_STATES = 24
+#: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's)
+MAX_STATES = 16
+#: the same for a merge (:class:`Merge`): 24 admits a 5-form merge beside a tied LM head's 4 states (Cohere).
+#: Raising :data:`MAX_STATES` to 24 too lets T5's residual rejoins in beside its tied head: the same plan in
+#: 37,842 expansions instead of 41,645, but its bound's compile time triples (synthesis 4.3 -> 4.8 s;
+#: measured 2026-11-29)
+MAX_MERGE_STATES = 24
 _INF = float("inf")
 
 
@@ -103,7 +116,8 @@ def find_rejoins(
     """The rejoining spine tensors of search ``s`` and the merging branches (``merges``) that the DP couples
     (module docstring): each spine tensor with no side consumer after its spine consumer, with the first
     later spine op that takes it once; the largest first (then the shortest span), while the states at
-    every position stay at most :data:`MAX_STATES` (``tied_states``: the tied parameter's, 1 if none)."""
+    every position stay at most :data:`MAX_STATES` (a merge: :data:`MAX_MERGE_STATES`; ``tied_states``: the
+    tied parameter's, 1 if none)."""
     g, tb = s.graph, s._tables
     spine_ops, entries = tb.spine, tb.entries
     found = []
@@ -131,7 +145,8 @@ def find_rejoins(
     kept: list[Coupling] = []
     for r in cands:
         span = range(r.made + 1, r.at + 1)
-        if max(size[p] for p in span) * len(r.forms) > MAX_STATES:
+        cap = MAX_MERGE_STATES if isinstance(r, Merge) else MAX_STATES
+        if max(size[p] for p in span) * len(r.forms) > cap:
             continue
         for p in span:
             size[p] *= len(r.forms)

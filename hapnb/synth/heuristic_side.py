@@ -455,8 +455,11 @@ def _merges(
     consumer_of: Mapping[int, int],
 ) -> list[Merge]:
     """The branches the spine DP may couple (:class:`~hapnb.synth.heuristic_rejoin.Merge`): headed by a side op
-    of a spine tensor ``x`` and merging into a spine op, the largest first, one per ``x`` (a coupled merge
-    values all of ``x``'s pending sides in its state's form)."""
+    of a spine tensor ``x``, merging into a spine op, with a weighted op after the head (which can change
+    the branch's form: a row-parallel projection), the largest first, then the latest merge op, one per ``x``
+    (a coupled merge values all of ``x``'s pending sides in its state's form). Attention's key and value
+    paths into SDPA have no such op; coupling them made T5's synthesis slower (4.3 -> 4.8 s) for the same
+    plan."""
     g, spine_ops, entries = s.graph, s._tables.spine, s._tables.entries
     out: list[Merge] = []
     taken: set[int] = set()
@@ -465,6 +468,8 @@ def _merges(
         x, at = anchors.get(head, -1), consumer_of.get(y, -1)
         if x < 0 or x in taken or at not in spine_ops or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
             continue
+        if not any(entries[b][c.index].spine_terms for b, _, _ in br[1:] for c in s._ops[b]):
+            continue  # its end form follows its head's output form (the head's table couples them)
         made, spine = g.tensors[x].producer, consumer_of.get(x, -1)
         if made is None or spine_ops.get(made, (0, -1))[1] != x or spine_ops.get(spine, (-1, 0))[0] != x:
             continue  # x is not a spine tensor

@@ -170,7 +170,7 @@ def test_coupling_a_merging_branch_raises_the_root_bound(monkeypatch):
     th = theory(_parallel_block_graph(16, 128, late=True), S.strategies)
     c = Cluster.parse(CLUSTERS[0])
     coupled = Search(th, c).node(0).score
-    monkeypatch.setattr(rejoin, "MAX_STATES", 0)  # nothing coupled: the branch ends in any form for free
+    monkeypatch.setattr(rejoin, "MAX_MERGE_STATES", 0)  # not coupled: the branch ends in any form free
     assert Search(th, c).node(0).score < 0.6 * coupled
 
 
