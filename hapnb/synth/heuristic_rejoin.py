@@ -254,6 +254,15 @@ class Layout:
             if isinstance(self.rejoins[j], Rejoin) and pos > self.rejoins[j].spine
         ]  # fmt: skip
 
+    def merges_at(self, i: int) -> list[int]:
+        """The state components of the merges that spine op ``i`` closes."""
+        live = self._live[i]
+        return [
+            1 + n
+            for n, j in enumerate(live)
+            if isinstance(self.rejoins[j], Merge) and self.rejoins[j].at == i
+        ]
+
     def merge_outer(self, pos: int) -> list[tuple[int, int]]:
         """The merges at ``pos`` whose tensor's spine consumer has run and whose head has not: (state
         component, index into rejoins); ``x``'s pending sides are valued in the state's form there."""

@@ -386,7 +386,7 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
                     if v < by_in[st][a]:
                         by_in[st][a] = v
             if i in pt.merging:  # the branch with the largest input into op i gets the op's share (one only)
-                _merge(s, pt, i, moves, by_in)
+                _merge(s, pt, i, moves, by_in, lay.merges_at(i))
             if src < 0:  # the source op: the spine tensor's form is its strategy's
                 consts = {st: Joint([by_in[st]], [[0.0]], (0,)) for st in by_in}
                 t0 = Tied({st[0]: j for st, j in consts.items()}, pmask) if tied >= 0 else consts[(0,)]
@@ -486,20 +486,35 @@ def _merge(
     i: int,
     moves: Sequence[tuple[Sequence[tuple[tuple[int, ...], float]], int, int]],
     by_in: Mapping[tuple[int, ...], list[float]],
+    free: Sequence[int] = (),
 ) -> None:
     """Spine op ``i``'s share of its cost for the branch with the largest input into it (what a strategy
     costs above the cheapest one for the spine tensor's form, in any state: the least over them is
-    admissible), then solve the branches that merge there."""
+    admissible), then solve the branches that merge there.
+
+    ``free``: the state components of the merges coupled at op ``i``. The share serves the positions after
+    a merge's head, where the main term is the least over that component and nothing else depends on it,
+    so the cheapest for the spine's form is taken over it too (per state, every strategy would be the
+    cheapest of its own merge form, and the share would vanish)."""
     g, th, entries = s.graph, s.theory, s._tables.entries
     brs = sorted(pt.merging[i], key=lambda br: (-g.tensors[br[-1][2]].numel, br[-1][2]))
     y = brs[0][-1][2]
     k_y = g.ops[i].inputs.index(y)
+
+    def key(st: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(-1 if n in free else x for n, x in enumerate(st))
+
+    best: dict[tuple[int, ...], list[float]] = {}
+    for st, tab in by_in.items():
+        have = best.get(key(st))
+        best[key(st)] = list(tab) if have is None else [min(u, w) for u, w in zip(have, tab)]
     share = [_INF] * len(th.forms[y])
     for row, a, index in moves:
         f = entries[i][index].in_forms[k_y]
         for st, v in row:
-            if v < _INF and by_in[st][a] < _INF:
-                v = max(0.0, v - by_in[st][a])
+            b = best[key(st)][a]
+            if v < _INF and b < _INF:
+                v = max(0.0, v - b)
                 if v < share[f]:
                     share[f] = v
     pt.merge_tabs[y] = share
