@@ -331,12 +331,19 @@ def bert(size: str = "tiny", batch: int | None = None, seq: int | None = None, s
     )
 
 
-def gptj(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
+def gptj(
+    size: str = "tiny",
+    batch: int | None = None,
+    seq: int | None = None,
+    seed: int = 0,
+    use_cache: bool = False,
+) -> Built:
     """Hugging Face ``GPTJForCausalLM`` with ``labels=``: a parallel block (attention and MLP from one layer
     norm, summed with the residual), partial rotary (interleaved, on the first ``rotary_dim`` of each head),
-    GELU-tanh MLP, untied head with a bias.
+    GELU-tanh MLP, untied head with a bias. ``use_cache=True`` is the library's default (the key/value cache
+    on in training too: :func:`examples.patterns.gptj`).
     tiny: hidden 32, 2 layers, 4 heads, rotary 4, vocab 128, seq 16, batch 8.
-    real: hidden 1024, 8 layers, 16 heads, rotary 32, vocab 32000, seq 512, batch 64.
+    real: hidden 1024, 8 layers, 16 heads, rotary 32, ff 4096, vocab 32000, seq 512, batch 64.
     """
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -353,7 +360,7 @@ def gptj(size: str = "tiny", batch: int | None = None, seq: int | None = None, s
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        use_cache=False,
+        use_cache=use_cache,
         tie_word_embeddings=False,
     )
     model = GPTJForCausalLM(cfg)

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.corpus import LossOf, TokensLoss, _finish, _pick, _tokens, t5
+from examples.corpus import LossOf, _finish, _pick, _tokens, t5
+from examples.corpus import gptj as corpus_gptj
 from examples.corpus import llama as corpus_llama
 from examples.factories import SmallUNet
 
@@ -283,22 +284,13 @@ def llama_amp(size: str = "tiny", seed: int = 0) -> Built:
 
 
 def gptj(size: str = "tiny", seed: int = 0) -> Built:
-    """HF ``GPTJForCausalLM`` with ``labels=`` and the config's defaults (``use_cache=True``: each layer's keys
-    and values are concatenated to the cache's empty tensor; dropout off). Attention and MLP run in parallel
-    from one layer norm, rotary on the first ``rotary_dim`` dims of each head.
+    """HF ``GPTJForCausalLM`` with ``labels=`` and the config's default ``use_cache=True``: each layer's keys
+    and values are concatenated to the cache's empty tensor (dropout off). Otherwise the corpus's
+    :func:`examples.corpus.gptj`: attention and MLP in parallel from one layer norm, rotary on the first
+    ``rotary_dim`` dims of each head.
     tiny: hidden 32, 2 layers, 4 heads, rotary 4, vocab 128, seq 16, batch 8;
     real: hidden 1024, 8 layers, 16 heads, rotary 32, ff 4096, vocab 32000, seq 512, batch 64."""
-    from transformers import GPTJConfig, GPTJForCausalLM
-
-    batch, seq = _pick(size, 8, 64), _pick(size, 16, 512)
-    tiny = {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4}
-    real = {"vocab_size": 32000, "n_embd": 1024, "n_layer": 8, "n_head": 16, "rotary_dim": 32}
-    torch.manual_seed(seed)
-    cfg = GPTJConfig(**_pick(size, tiny, real), n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0)  # fmt: skip
-    model = GPTJForCausalLM(cfg)
-    ids = _tokens(batch, seq, cfg.vocab_size, seed)
-    return _finish(model, "gptj", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
+    return corpus_gptj(size, seed=seed, use_cache=True)
 
 
 PATTERNS: dict[str, Callable[..., Any]] = {
