@@ -263,6 +263,14 @@ def t5(size: str = "tiny", batch: int | None = None, seq: int | None = None, see
     )
 
 
+def _gpt_style(dims: dict[str, int], seq: int) -> dict[str, Any]:
+    """The config keywords GPT-2-style configs (GPT-2, GPT-J) share: ``dims``, begin/end-of-text ids at the
+    vocabulary's end, positions for ``seq``, dropout off."""
+    end = dims["vocab_size"] - 1
+    return {**dims, "bos_token_id": end, "eos_token_id": end, "n_positions": max(seq, 16),
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+
+
 def gpt2(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
     """Hugging Face ``GPT2LMHeadModel``, ``model(input_ids=ids, labels=ids).loss`` (learned positions,
     LayerNorm, GELU-tanh MLP, Conv1D projections, tied head).
@@ -276,17 +284,7 @@ def gpt2(size: str = "tiny", batch: int | None = None, seq: int | None = None, s
     torch.manual_seed(seed)
     dims = _pick(size, {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4},
                  {"vocab_size": 50257, "n_embd": 1024, "n_layer": 8, "n_head": 16})  # fmt: skip
-    cfg = GPT2Config(
-        **dims,
-        bos_token_id=dims["vocab_size"] - 1,
-        eos_token_id=dims["vocab_size"] - 1,
-        n_positions=max(seq, 16),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+    cfg = GPT2Config(**_gpt_style(dims, seq), use_cache=False, attn_implementation="sdpa")
     model = GPT2LMHeadModel(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)
     return _finish(model, "gpt2", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
@@ -352,17 +350,7 @@ def gptj(
     torch.manual_seed(seed)
     dims = _pick(size, {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4},
                  {"vocab_size": 32000, "n_embd": 1024, "n_layer": 8, "n_head": 16, "rotary_dim": 32})  # fmt: skip
-    cfg = GPTJConfig(
-        **dims,
-        bos_token_id=dims["vocab_size"] - 1,
-        eos_token_id=dims["vocab_size"] - 1,
-        n_positions=max(seq, 16),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=use_cache,
-        tie_word_embeddings=False,
-    )
+    cfg = GPTJConfig(**_gpt_style(dims, seq), use_cache=use_cache, tie_word_embeddings=False)
     model = GPTJForCausalLM(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)
     return _finish(model, "gptj", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
