@@ -133,7 +133,7 @@ def term_value(terms: Sequence[Term], props: int) -> float:
 def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     """Per position (0 .. number of ops), the terms of the bound of :class:`~hapnb.synth.search.Search` ``s``
     (being compiled; see the module docstring), and ``jstar``, the device class the bound weighs."""
-    g, th, tb = s.graph, s.theory, s._tables
+    g, tb = s.graph, s._tables
     n_ops = len(g.ops)
     jstar = bound_device(s)
     spine_ops, entries = tb.spine, tb.entries
@@ -160,123 +160,35 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
     branches, anchors = _branches(s, on_path, sides, consumer_of)
 
-    def plain_tab(o: int, x: int) -> list[float]:
-        """Side op ``o``'s cheapest strategy per form it takes ``x`` in."""
-        k = g.ops[o].inputs.index(x)
-        tab = [_INF] * len(th.forms[x])
-        for c in s._ops[o]:
-            a = entries[o][c.index].in_forms[k]
-            v = local(o, c)
-            if v < tab[a]:
-                tab[a] = v
-        return tab
-
     minloc = [0.0 if i in on_path else min(local(i, c) for c in s._ops[i]) for i in range(n_ops)]
     terms: list[tuple[Term, ...]] = [()] * (n_ops + 1)
-
-    def charge_before(b: int, v: float) -> None:
-        """Count ``v`` at every position up to op ``b``: in the latest op's cheapest cost up to ``b`` that is
-        on no path, and as a constant term at the positions after it."""
-        p = b
-        while p >= 0 and p in on_path:
-            p -= 1
-        if p >= 0:
-            minloc[p] += v
-        if p < b:
-            const = Joint([[v]], [[0.0]], (0,))
-            for pos in range(p + 1, b + 1):
-                terms[pos] = terms[pos] + ((0, const.table, 0.0, const),)
-
     joints: dict[tuple[Any, ...], Joint] = {}  # (tensor, pending sides, main?, state) -> its Joint
-    bjoints: dict[tuple[int, int], Joint] = {}
-
-    def branch_joint(x: int, by_in: list[float], pend: list[int]) -> Joint:
-        """A branch tensor's term: its path consumer (``by_in``) and its sides still to run (``pend``)."""
-        key = (x, len(pend))
-        j = bjoints.get(key)
-        if j is None:
-            j = bjoints[key] = Joint([by_in] + [side_tab(o, x) for o in pend], price_matrix(x), tb.bits_of[x])
-        return j
-
-    # each branch backwards: per op, its cost per form it takes its path input in (``by_in``); a branch whose
-    # first op takes a tracked tensor (``heads``) is that tensor's side, with the branch's rest in its tab
-    heads = {br[0][0]: br for br in branches if br[0][0] in anchors}
-    by_ins: dict[int, list[float]] = {}
-
-    def side_tab(o: int, x: int) -> list[float]:  # noqa: F811  (a branch head: with what follows it)
-        br = heads.get(o)
-        if br is None:
-            return plain_tab(o, x)
-        if o not in solved:
-            solve(br)
-        return by_ins[o]
-
-    solved: set[int] = set()
-
-    def back(b: int, x: int, out: int, nxt: Sequence[float]) -> list[float]:
-        """Branch op ``b``'s cost per form it takes its path input ``x`` in, ``nxt`` valuing its output
-        ``out``'s forms (with what follows)."""
-        k_in, k_out = g.ops[b].inputs.index(x), g.ops[b].outputs.index(out)
-        tab = [_INF] * len(th.forms[x])
-        for c in s._ops[b]:
-            e = entries[b][c.index]
-            v = local(b, c) + nxt[e.out_forms[k_out]]
-            if v < tab[e.in_forms[k_in]]:
-                tab[e.in_forms[k_in]] = v
-        return tab
-
-    def solve(br: list[tuple[int, int, int]]) -> None:
-        solved.add(br[0][0])
-        y = br[-1][2]  # the merge op's share of its cost by the form it takes ``y`` in (0: any form is free)
-        nxt_tab = merge_tabs.get(y) or [0.0] * len(th.forms[y])
-        for b, src, out in reversed(br):
-            by_ins[-1 - b] = nxt_tab  # the consumer's tab of ``out``
-            at = branch_joint(out, nxt_tab, list(sides.get(out, ())))
-            nxt = [at.value(bit) for bit in tb.bits_of[out]]
-            if src < 0 and b not in anchors:  # its first op: its best strategy, counted before it
-                k_out = g.ops[b].outputs.index(out)
-                charge_before(
-                    b, min(local(b, c) + nxt[entries[b][c.index].out_forms[k_out]] for c in s._ops[b])
-                )
-                return
-            nxt_tab = by_ins[b] = back(b, anchors[b] if src < 0 else src, out, nxt)
-
-    def head_tab(m: Merge, f: int) -> list[float]:
-        """A coupled merge's head with its branch, per form it takes ``m.x`` in, the branch ending in form
-        ``f`` at the merge op (whose cost the spine DP counts in that state); nothing is cached under the
-        branch's own keys."""
-        nxt_tab = [0.0 if b == f else _INF for b in range(len(th.forms[m.y]))]
-        for b, src, out in reversed(heads[m.head]):
-            pend = list(sides.get(out, ()))
-            at = Joint([nxt_tab] + [side_tab(o, out) for o in pend], price_matrix(out), tb.bits_of[out])
-            nxt_tab = back(b, m.x if src < 0 else src, out, [at.value(bit) for bit in tb.bits_of[out]])
-        return nxt_tab
+    bt = _BranchTables(s, local, price_matrix, sides, anchors, branches, on_path, minloc, terms)
 
     # a branch into a spine op is solved when the DP below reaches that op (it reads the op's share, see
     # merge_share), the others now
-    merge_tabs: dict[int, list[float]] = {}
     merging: dict[int, list[tuple[int, int, int]]] = {}
     for br in branches:
         m = consumer_of[br[-1][2]]
         if m in spine_ops:
             merging.setdefault(m, []).append(br)
         else:
-            solve(br)
+            bt.solve(br)
     merges = _merges(s, branches, anchors, consumer_of)
     coupled: dict[int, Merge] = {}  # x -> its merge that the DP couples (filled by _main_terms)
     paths = _Paths(
-        local, minloc, sides, side_tab, price_matrix, merging, merge_tabs, solve, solved, joints,
-        merges, head_tab, coupled,
+        local, minloc, sides, bt.side_tab, price_matrix, merging, bt.merge_tabs, bt.solve, bt.solved, joints,
+        merges, bt.head_tab, coupled,
     )  # fmt: skip
     main = _main_terms(s, paths)
     for br in branches:
-        if br[0][0] not in solved:
-            solve(br)
+        if br[0][0] not in bt.solved:
+            bt.solve(br)
     for br in branches:  # positions (b, consumer]: the live branch tensor ``out``
         for b, _, out in br:
             for pos in range(b + 1, consumer_of[out] + 1):
                 pend = [o for o in sides.get(out, ()) if o >= pos]
-                j = branch_joint(out, by_ins[-1 - b], pend)
+                j = bt.branch_joint(out, bt.by_ins[-1 - b], pend)
                 terms[pos] = terms[pos] + ((_mask(tb.bits_of[out]), j.table, 0.0, j),)
     # side terms: a spine tensor whose spine consumer ran, with sides still to run
     for x, os_ in sides.items():
@@ -285,7 +197,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         if not late:
             continue
         bits, pm = tb.bits_of[x], price_matrix(x)
-        tabs = {o: side_tab(o, x) for o in late}
+        tabs = {o: bt.side_tab(o, x) for o in late}
         # up to a coupled merge's head, the main term values these sides in the state's form
         first = max(spine_i, coupled[x].head) + 1 if x in coupled else spine_i + 1
         for pos in range(first, late[-1] + 1):
@@ -298,10 +210,129 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     # a prologue that ran is in the node's cost: take off what its consumer's table may add (twice: a merge
     # op's share of its cost for a branch is a difference of two of its strategies)
     for p_op, c_op, most in windows:
-        const = Joint([[-2.0 * most]], [[0.0]], (0,))
-        for pos in range(p_op + 1, c_op + 1):
-            terms[pos] = terms[pos] + ((0, const.table, 0.0, const),)
+        _add_constant(terms, p_op + 1, c_op + 1, -2.0 * most)
     return jstar, [(main[pos],) + terms[pos] for pos in range(n_ops + 1)]
+
+
+def _add_constant(terms: list[tuple[Term, ...]], first: int, stop: int, v: float) -> None:
+    """Add ``v`` to the bound at the positions ``first .. stop - 1`` (a term of no properties)."""
+    const = Joint([[v]], [[0.0]], (0,))
+    for pos in range(first, stop):
+        terms[pos] = terms[pos] + ((0, const.table, 0.0, const),)
+
+
+class _BranchTables:
+    """The tables of the side ops and branches of :func:`side_terms`: per branch op, its cost per form it
+    takes its path input in (``by_ins``, with the rest of its branch and the merge op's share,
+    ``merge_tabs``); a branch whose first op takes a tracked tensor (``heads``) is that tensor's side, with
+    the branch's rest in its tab. A branch that starts on no tensor is charged before its first op
+    (``minloc``, ``terms``)."""
+
+    def __init__(
+        self,
+        s: Any,
+        local: Callable[[int, Any], float],
+        price_matrix: Callable[[int], list[list[float]]],
+        sides: dict[int, list[int]],
+        anchors: dict[int, int],
+        branches: Sequence[list[tuple[int, int, int]]],
+        on_path: set[int],
+        minloc: list[float],
+        terms: list[tuple[Term, ...]],
+    ) -> None:
+        self.s, self.local, self.price_matrix = s, local, price_matrix
+        self.sides, self.anchors, self.on_path = sides, anchors, on_path
+        self.minloc, self.terms = minloc, terms
+        self.heads = {br[0][0]: br for br in branches if br[0][0] in anchors}
+        self.by_ins: dict[int, list[float]] = {}
+        self.merge_tabs: dict[int, list[float]] = {}
+        self.solved: set[int] = set()
+        self._joints: dict[tuple[int, int], Joint] = {}
+
+    def plain_tab(self, o: int, x: int) -> list[float]:
+        """Side op ``o``'s cheapest strategy per form it takes ``x`` in."""
+        s = self.s
+        k = s.graph.ops[o].inputs.index(x)
+        tab = [_INF] * len(s.theory.forms[x])
+        for c in s._ops[o]:
+            a = s._tables.entries[o][c.index].in_forms[k]
+            v = self.local(o, c)
+            if v < tab[a]:
+                tab[a] = v
+        return tab
+
+    def side_tab(self, o: int, x: int) -> list[float]:
+        """Side op ``o`` of ``x``: its plain table, or, heading a branch, with what follows it."""
+        br = self.heads.get(o)
+        if br is None:
+            return self.plain_tab(o, x)
+        if o not in self.solved:
+            self.solve(br)
+        return self.by_ins[o]
+
+    def branch_joint(self, x: int, by_in: list[float], pend: list[int]) -> Joint:
+        """A branch tensor's term: its path consumer (``by_in``) and its sides still to run (``pend``)."""
+        key = (x, len(pend))
+        j = self._joints.get(key)
+        if j is None:
+            tabs = [by_in] + [self.side_tab(o, x) for o in pend]
+            j = self._joints[key] = Joint(tabs, self.price_matrix(x), self.s._tables.bits_of[x])
+        return j
+
+    def charge_before(self, b: int, v: float) -> None:
+        """Count ``v`` at every position up to op ``b``: in the latest op's cheapest cost up to ``b`` that is
+        on no path, and as a constant term at the positions after it."""
+        p = b
+        while p >= 0 and p in self.on_path:
+            p -= 1
+        if p >= 0:
+            self.minloc[p] += v
+        if p < b:
+            _add_constant(self.terms, p + 1, b + 1, v)
+
+    def back(self, b: int, x: int, out: int, nxt: Sequence[float]) -> list[float]:
+        """Branch op ``b``'s cost per form it takes its path input ``x`` in, ``nxt`` valuing its output
+        ``out``'s forms (with what follows)."""
+        s = self.s
+        g, entries = s.graph, s._tables.entries
+        k_in, k_out = g.ops[b].inputs.index(x), g.ops[b].outputs.index(out)
+        tab = [_INF] * len(s.theory.forms[x])
+        for c in s._ops[b]:
+            e = entries[b][c.index]
+            v = self.local(b, c) + nxt[e.out_forms[k_out]]
+            if v < tab[e.in_forms[k_in]]:
+                tab[e.in_forms[k_in]] = v
+        return tab
+
+    def solve(self, br: list[tuple[int, int, int]]) -> None:
+        """Branch ``br``'s tables, backwards from the merge op's share of its cost (0: any form is free)."""
+        s = self.s
+        g, entries, bits_of = s.graph, s._tables.entries, s._tables.bits_of
+        self.solved.add(br[0][0])
+        y = br[-1][2]
+        nxt_tab = self.merge_tabs.get(y) or [0.0] * len(s.theory.forms[y])
+        for b, src, out in reversed(br):
+            self.by_ins[-1 - b] = nxt_tab  # the consumer's tab of ``out``
+            at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())))
+            nxt = [at.value(bit) for bit in bits_of[out]]
+            if src < 0 and b not in self.anchors:  # its first op: its best strategy, counted before it
+                k_out = g.ops[b].outputs.index(out)
+                best = min(self.local(b, c) + nxt[entries[b][c.index].out_forms[k_out]] for c in s._ops[b])
+                self.charge_before(b, best)
+                return
+            nxt_tab = self.by_ins[b] = self.back(b, self.anchors[b] if src < 0 else src, out, nxt)
+
+    def head_tab(self, m: Merge, f: int) -> list[float]:
+        """A coupled merge's head with its branch, per form it takes ``m.x`` in, the branch ending in form
+        ``f`` at the merge op (whose cost the spine DP counts in that state); nothing is cached under the
+        branch's own keys."""
+        bits_of = self.s._tables.bits_of
+        nxt_tab = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[m.y]))]
+        for b, src, out in reversed(self.heads[m.head]):
+            tabs = [nxt_tab] + [self.side_tab(o, out) for o in self.sides.get(out, ())]
+            at = Joint(tabs, self.price_matrix(out), bits_of[out])
+            nxt_tab = self.back(b, m.x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
+        return nxt_tab
 
 
 class _Paths(NamedTuple):

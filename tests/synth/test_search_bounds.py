@@ -156,12 +156,12 @@ def _parallel_block_graph(batch: int, d: int, late: bool) -> S.Graph:
     return b.build(b.op("sum", [h], (), float(batch * d)), "parallel")
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_a_parallel_block_s_branch_is_coupled_at_its_merge_admissibly(seed):
     # the side op heads the branch, and the spine DP keeps the form the add takes the branch in as a state
     # (a Merge), the side op before (seed odd) or after (even) the spine op: exact, admissible on the optimal
-    # path, and the root bound is the optimum on these graphs
-    batch, d = [(8, 32), (64, 8), (16, 128), (4, 512)][seed % 4]
+    # path, and the root bound is the optimum on these graphs (throughput ratios and given ones)
+    batch, d = [(8, 32), (4, 512)][seed]
     s = _exact_and_admissible(_parallel_block_graph(batch, d, late=seed % 2 == 0), seed)
     assert s.node(0).score == pytest.approx(s.result().cost, rel=1e-9)
 
