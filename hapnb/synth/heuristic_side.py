@@ -15,7 +15,9 @@ activation input (an encoder-decoder's decoder side before its first cross-atten
 position-bias computation), back through each op's largest input, with its own sides; the op it merges
 into gives it its share of its cost by the form it takes the branch in (what that op costs above its
 cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
-tensor's side. A parameter that several spine ops take (tied embeddings, :func:`_tied`) is loaded once in
+tensor's side; so is one whose input a side op makes (a parallel block's MLP after its first projection:
+that op heads the branch, so the form it makes is the form the branch starts in). A branch merging into a
+spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`). A parameter that several spine ops take (tied embeddings, :func:`_tied`) is loaded once in
 one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`), and pays its load
 (its gradient's sync) where it first loads it. A spine tensor that a later spine op takes again (a residual,
 a mixture-of-experts layer's input at its dispatch einsum) keeps the form that op takes it in as a state too
@@ -560,9 +562,10 @@ def _branches(
     """Paths into a path op's other activation inputs, each a list of (op, path input or -1, output) in
     program order, latest branch first: from the input back through each op's largest activation input
     made by an op on no path (an encoder-decoder's decoder side before its cross-attention, a shared
-    position-bias computation), kept when an op on it takes a parameter (or an SFB strategy). A branch
-    tensor's other consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and
-    ``consumer_of`` (tensor -> the path op taking it) grow by them."""
+    position-bias computation) or by a side op of a spine tensor (which then heads the branch, anchored at
+    that tensor), kept when an op on it takes a parameter (or an SFB strategy). A branch tensor's other
+    consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and ``consumer_of`` (tensor ->
+    the path op taking it) grow by them."""
     g, entries = s.graph, s._tables.entries
     depth = [0] * len(g.tensors)
     for op in g.ops:
