@@ -149,21 +149,21 @@ def _finish(model: nn.Module, name: str, call: Callable[..., torch.Tensor], kind
 # ============================================================================ language models (HF)
 
 
-def _llama_config(size: str, seq: int) -> Any:
-    from transformers import LlamaConfig
-
+def _decoder_style(size: str, seq: int) -> dict[str, Any]:
+    """The config keywords the Llama-style decoder configs (Llama, Gemma, Cohere, Mixtral) share: the widths
+    of ``size``, positions for ``seq``, no KV cache, attention dropout off, SDPA attention."""
     tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
     real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
             "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
-    return LlamaConfig(
-        **_pick(size, tiny, real),
-        max_position_embeddings=max(seq, 16),
-        use_cache=False,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    return {**_pick(size, tiny, real), "max_position_embeddings": max(seq, 16), "use_cache": False,
+            "attention_dropout": 0.0, "attn_implementation": "sdpa"}  # fmt: skip
+
+
+def _llama_config(size: str, seq: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_decoder_style(size, seq), tie_word_embeddings=False)
 
 
 def llama(size: str = "tiny", batch: int | None = None, seq: int | None = None, seed: int = 0) -> Built:
@@ -197,18 +197,8 @@ def gemma(size: str = "tiny", batch: int | None = None, seq: int | None = None, 
 
     batch = batch or _pick(size, 8, 64)
     seq = seq or _pick(size, 16, 512)
-    tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}  # fmt: skip
-    real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip
     torch.manual_seed(seed)
-    cfg = GemmaConfig(
-        **_pick(size, tiny, real),
-        max_position_embeddings=max(seq, 16),
-        use_cache=False,
-        attention_dropout=0.0,
-        attn_implementation="sdpa",
-    )
+    cfg = GemmaConfig(**_decoder_style(size, seq), head_dim=_pick(size, 8, 64))
     model = GemmaForCausalLM(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)
     return _finish(model, "gemma", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
@@ -367,18 +357,7 @@ def cohere(size: str = "tiny", batch: int | None = None, seq: int | None = None,
     batch = batch or _pick(size, 8, 64)
     seq = seq or _pick(size, 16, 512)
     torch.manual_seed(seed)
-    tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-    real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-            "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
-    cfg = CohereConfig(
-        **_pick(size, tiny, real),
-        max_position_embeddings=max(seq, 16),
-        use_cache=False,
-        attention_dropout=0.0,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
+    cfg = CohereConfig(**_decoder_style(size, seq), tie_word_embeddings=True)
     model = CohereForCausalLM(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)
     return _finish(model, "cohere", lambda m, ids: m(input_ids=ids, labels=ids).loss, TokensLoss), (ids,)
@@ -400,19 +379,12 @@ def mixtral(size: str = "tiny", batch: int | None = None, seq: int | None = None
     batch = batch or _pick(size, 8, 64)
     seq = seq or _pick(size, 16, 512)
     torch.manual_seed(seed)
-    tiny = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}  # fmt: skip
-    real = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-            "num_attention_heads": 16, "num_key_value_heads": 4, "num_local_experts": 8}  # fmt: skip
     cfg = MixtralConfig(
-        **_pick(size, tiny, real),
+        **_decoder_style(size, seq),
+        num_local_experts=_pick(size, 4, 8),
         num_experts_per_tok=2,
-        max_position_embeddings=max(seq, 16),
-        use_cache=False,
         output_router_logits=False,
-        attention_dropout=0.0,
         experts_implementation="batched_mm",
-        attn_implementation="sdpa",
     )
     model = MixtralForCausalLM(cfg)
     ids = _tokens(batch, seq, cfg.vocab_size, seed)

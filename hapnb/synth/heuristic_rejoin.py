@@ -62,6 +62,7 @@ __all__ = [
     "Merge",
     "Coupling",
     "find_rejoins",
+    "find_merges",
     "Layout",
     "Coupled",
     "coupled_term",
@@ -118,12 +119,11 @@ def find_rejoins(
     later spine op that takes it once; the largest first (then the shortest span), while the states at
     every position stay at most :data:`MAX_STATES` (a merge: :data:`MAX_MERGE_STATES`; ``tied_states``: the
     tied parameter's, 1 if none)."""
-    g, tb = s.graph, s._tables
-    spine_ops, entries = tb.spine, tb.entries
+    g, spine_ops = s.graph, s._tables.spine
     found = []
     for i1, (x, _) in spine_ops.items():
-        made = g.tensors[x].producer if x >= 0 else None
-        if made is None or spine_ops.get(made, (0, -1))[1] != x:
+        made = _spine_made(s, x)
+        if made is None:
             continue
         if any(o > i1 for o in sides.get(x, ())):
             continue  # its late sides pay its forms in a side term
@@ -135,8 +135,7 @@ def find_rejoins(
             continue
         at = min(later)
         k = g.ops[at].inputs.index(x)
-        forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
-        found.append(Rejoin(x, made, i1, at, k, forms))
+        found.append(Rejoin(x, made, i1, at, k, _taken_forms(s, at, k)))
     cands: list[Coupling] = [*found, *merges]
     cands.sort(
         key=lambda r: (-g.tensors[_coupled(r)].numel, r.at - r.made, _coupled(r), isinstance(r, Merge))
@@ -153,6 +152,51 @@ def find_rejoins(
         kept.append(r)
     kept.sort(key=lambda r: (r.made, r.x, isinstance(r, Merge)))
     return kept
+
+
+def find_merges(
+    s: Any,
+    branches: Sequence[Sequence[tuple[int, int, int]]],
+    anchors: Mapping[int, int],
+    consumer_of: Mapping[int, int],
+) -> list[Merge]:
+    """The branches of search ``s`` that the spine DP may couple (:class:`Merge`; ``branches``, ``anchors`` and
+    ``consumer_of`` as :func:`hapnb.synth.heuristic_side._branches` lays them): headed by a side op of a spine
+    tensor ``x``, merging into a spine op, with a weighted op after the head (which can change the branch's
+    form: a row-parallel projection), the largest first, then the latest merge op, one per ``x`` (a coupled
+    merge values all of ``x``'s pending sides in its state's form). Attention's key and value paths into
+    SDPA have no such op; coupling them made T5's synthesis slower (4.3 -> 4.8 s) for the same plan."""
+    g, spine_ops, entries = s.graph, s._tables.spine, s._tables.entries
+    out: list[Merge] = []
+    taken: set[int] = set()
+    for br in sorted(branches, key=lambda br: (-g.tensors[br[-1][2]].numel, -consumer_of.get(br[-1][2], -1))):
+        head, y = br[0][0], br[-1][2]
+        x, at = anchors.get(head, -1), consumer_of.get(y, -1)
+        if x < 0 or x in taken or at not in spine_ops or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
+            continue
+        if not any(entries[b][c.index].spine_terms for b, _, _ in br[1:] for c in s._ops[b]):
+            continue  # its end form follows its head's output form (the head's table couples them)
+        made, spine = _spine_made(s, x), consumer_of.get(x, -1)
+        if made is None or spine_ops.get(spine, (-1, 0))[0] != x:
+            continue  # x is not a spine tensor
+        k = g.ops[at].inputs.index(y)
+        taken.add(x)
+        out.append(Merge(x, made, spine, head, y, at, k, _taken_forms(s, at, k)))
+    return out
+
+
+def _spine_made(s: Any, x: int) -> int | None:
+    """The spine op that makes tensor ``x`` as its spine output, or None (``x`` is not a spine tensor)."""
+    made = s.graph.tensors[x].producer if x >= 0 else None
+    if made is None or s._tables.spine.get(made, (0, -1))[1] != x:
+        return None
+    return made
+
+
+def _taken_forms(s: Any, at: int, k: int) -> tuple[int, ...]:
+    """The forms (indices) in which op ``at``'s strategies take its input ``k``."""
+    entries = s._tables.entries
+    return tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
 
 
 def _coupled(r: Coupling) -> int:
@@ -223,19 +267,26 @@ class Layout:
             out[key] = vals if have is None else [min(a, b) for a, b in zip(have, vals)]
         return out
 
-    def delta(self, pos: int, st: tuple[int, ...], n_forms: int) -> list[list[float]]:
-        """The extra consumers of the live spine tensor at ``pos``: where it is a rejoin, its form in state
-        ``st`` (made once, like the other consumers' forms); where it heads a merging branch still to run,
-        the head with the branch ending in the state's form."""
+    def extra(self, pos: int) -> tuple[tuple[int, int], ...]:
+        """The couplings that add a consumer to the live spine tensor at ``pos`` (state component, index into
+        rejoins): a rejoin before its spine consumer, a merge whose head is still to run."""
         out = []
         for n, j in enumerate(self._live[pos]):
             r = self.rejoins[j]
-            if isinstance(r, Merge):
-                if pos <= r.spine and pos <= r.head:
-                    out.append(self.head_tab(j, st[1 + n]))
-            elif pos <= r.spine:
-                b = st[1 + n]
-                out.append([0.0 if f == b else _INF for f in range(n_forms)])
+            if pos <= r.spine and (not isinstance(r, Merge) or pos <= r.head):
+                out.append((1 + n, j))
+        return tuple(out)
+
+    def delta(self, pos: int, st: tuple[int, ...], n_forms: int) -> list[list[float]]:
+        """The extra consumers (:meth:`extra`) of the live spine tensor at ``pos`` in state ``st``: a rejoin
+        needs its form in the state (made once, like the other consumers' forms); a merge's head comes with
+        its branch ending in the state's form."""
+        out = []
+        for comp, j in self.extra(pos):
+            if isinstance(self.rejoins[j], Merge):
+                out.append(self.head_tab(j, st[comp]))
+            else:
+                out.append([0.0 if f == st[comp] else _INF for f in range(n_forms)])
         return out
 
     def head_tab(self, j: int, f: int) -> list[float]:

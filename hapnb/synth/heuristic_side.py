@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 from ..triples import LOADABLE_ROLES
 from .heuristic import bound_device, local_pricer, price_matrices
-from .heuristic_rejoin import Layout, Merge, coupled_term, find_rejoins
+from .heuristic_rejoin import Layout, Merge, coupled_term, find_merges, find_rejoins
 
 __all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
 
@@ -176,13 +176,8 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
             merging.setdefault(m, []).append(br)
         else:
             bt.solve(br)
-    merges = _merges(s, branches, anchors, consumer_of)
-    coupled: dict[int, Merge] = {}  # x -> its merge that the DP couples (filled by _main_terms)
-    paths = _Paths(
-        local, minloc, sides, bt.side_tab, price_matrix, merging, bt.merge_tabs, bt.solve, bt.solved, joints,
-        merges, bt.head_tab, coupled,
-    )  # fmt: skip
-    main = _main_terms(s, paths)
+    merges = find_merges(s, branches, anchors, consumer_of)
+    main, coupled = _main_terms(s, _Paths(local, minloc, sides, price_matrix, merging, joints, merges, bt))
     for br in branches:
         if br[0][0] not in bt.solved:
             bt.solve(br)
@@ -272,13 +267,17 @@ class _BranchTables:
             self.solve(br)
         return self.by_ins[o]
 
-    def branch_joint(self, x: int, by_in: list[float], pend: list[int]) -> Joint:
-        """A branch tensor's term: its path consumer (``by_in``) and its sides still to run (``pend``)."""
+    def branch_joint(self, x: int, by_in: list[float], pend: list[int], cache: bool = True) -> Joint:
+        """A branch tensor's term: its path consumer (``by_in``) and its sides still to run (``pend``); cached
+        per tensor and pending count unless ``cache`` is off (a merge's head table ends in a chosen form)."""
         key = (x, len(pend))
-        j = self._joints.get(key)
+        j = self._joints.get(key) if cache else None
         if j is None:
-            tabs = [by_in] + [self.side_tab(o, x) for o in pend]
-            j = self._joints[key] = Joint(tabs, self.price_matrix(x), self.s._tables.bits_of[x])
+            j = Joint(
+                [by_in] + [self.side_tab(o, x) for o in pend], self.price_matrix(x), self.s._tables.bits_of[x]
+            )
+            if cache:
+                self._joints[key] = j
         return j
 
     def charge_before(self, b: int, v: float) -> None:
@@ -331,38 +330,33 @@ class _BranchTables:
         bits_of = self.s._tables.bits_of
         nxt_tab = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[m.y]))]
         for b, src, out in reversed(self.heads[m.head]):
-            tabs = [nxt_tab] + [self.side_tab(o, out) for o in self.sides.get(out, ())]
-            at = Joint(tabs, self.price_matrix(out), bits_of[out])
+            at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())), cache=False)
             nxt_tab = self.back(b, m.x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
         return nxt_tab
 
 
 class _Paths(NamedTuple):
     """What :func:`side_terms` hands its main DP (:func:`_main_terms`): the op pricer, the cheapest cost of
-    the ops on no path, the sides and their tables, the price matrices, the branches that merge into spine
-    ops (with their merge ops' shares, the branch solver and the solved branches) and the Joint cache."""
+    the ops on no path, the sides, the price matrices, the branches that merge into spine ops, the Joint
+    cache, the merges it may couple and the side and branch tables (with the merge ops' shares)."""
 
     local: Callable[[int, Any], float]
     minloc: list[float]
     sides: dict[int, list[int]]
-    side_tab: Callable[[int, int], list[float]]
     price_matrix: Callable[[int], list[list[float]]]
     merging: dict[int, list[tuple[int, int, int]]]
-    merge_tabs: dict[int, list[float]]
-    solve: Callable[[list[tuple[int, int, int]]], None]
-    solved: set[int]
     joints: dict[tuple[Any, ...], Joint]
     merges: list[Merge]
-    head_tab: Callable[[Merge, int], list[float]]
-    coupled: dict[int, Merge]
+    bt: _BranchTables
 
 
-def _main_terms(s: Any, pt: _Paths) -> list[Term]:
+def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
     """The main term per position: the spine DP from the loss back to the source op. ``main[pos]`` values the
     live spine tensor's present forms (with the rest of the spine behind it); the DP reads it with the
     tensor just made in each form. States (:class:`hapnb.synth.heuristic_rejoin.Layout`): a tied parameter's present form
-    (:func:`_tied`, :class:`Tied`) and the forms that rejoining spine tensors are taken in
-    (:mod:`hapnb.synth.heuristic_rejoin`, :class:`~hapnb.synth.heuristic_rejoin.Coupled`); without either there is one state."""
+    (:func:`_tied`, :class:`Tied`) and the forms that rejoining spine tensors and merging branches are taken
+    in (:mod:`hapnb.synth.heuristic_rejoin`, :class:`~hapnb.synth.heuristic_rejoin.Coupled`); without either
+    there is one state. Also returns the coupled merges by their tensor ``x``."""
     g, th, tb = s.graph, s.theory, s._tables
     n_ops, spine_ops, entries, local = len(g.ops), tb.spine, tb.entries, pt.local
     loss_bits = tb.bits_of[g.loss]
@@ -378,8 +372,7 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
         {b: s._load_s(tied, f, False) for f, b in zip(th.forms[tied], tb.bits_of[tied])} if tied >= 0 else {}
     )
     pvals = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
-    lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges), pvals, n_ops + 1, pt.head_tab)
-    pt.coupled.update({r.x: r for r in lay.rejoins if isinstance(r, Merge)})
+    lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges), pvals, n_ops + 1, pt.bt.head_tab)
     per_state: list[dict[tuple[int, ...], Joint]] = [{}] * (n_ops + 1)  # per position: state -> Joint
     per_state[n_ops] = {st: end for st in lay.states(n_ops)}
     tieds: dict[tuple[int, int], Tied] = {}
@@ -427,7 +420,7 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
                 main[i], per_state[i] = (pmask, t0.table, 0.0, t0), consts
                 continue
             cur, add = src, 0.0
-            tabs_side = {o: pt.side_tab(o, src) for o in pt.sides.get(src, ()) if o not in lay.heads}
+            tabs_side = {o: pt.bt.side_tab(o, src) for o in pt.sides.get(src, ()) if o not in lay.heads}
             bits, pm = tb.bits_of[src], pt.price_matrix(src)
         elif by_in is None:  # after the loss's producer or before the source: a constant
             m1, t1, a1, j1 = main[i + 1]
@@ -438,11 +431,11 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
         pend = [o for o in tabs_side if o >= i]
         js = {}
         for st in by_in:
-            extra = lay.delta(i, st, len(bits))  # a coupled merge's head leaves it once the head ran
-            key = (cur, len(pend), True, st, len(extra))
+            key = (cur, len(pend), True, st, lay.extra(i))  # a merge's head leaves them once it ran
             j = pt.joints.get(key)
             if j is None:
-                j = pt.joints[key] = Joint([by_in[st]] + [tabs_side[o] for o in pend] + extra, pm, bits)
+                tabs = [by_in[st]] + [tabs_side[o] for o in pend] + lay.delta(i, st, len(bits))
+                j = pt.joints[key] = Joint(tabs, pm, bits)
             js[st] = j
         per_state[i] = js
         if lay.live(i):
@@ -457,7 +450,7 @@ def _main_terms(s: Any, pt: _Paths) -> list[Term]:
             if t1 is None:
                 t1 = tieds[(cur, len(pend))] = Tied({st[0]: j for st, j in js.items()}, pmask)
             main[i] = (_mask(bits) | pmask, t1.table, add, t1)
-    return main
+    return main, {r.x: r for r in lay.rejoins if isinstance(r, Merge)}
 
 
 def _merge_outer(s: Any, pt: _Paths, lay: Layout, pos: int) -> list[tuple[int, int, dict[int, Joint]]]:
@@ -474,42 +467,10 @@ def _merge_outer(s: Any, pt: _Paths, lay: Layout, pos: int) -> list[tuple[int, i
             key = (m.x, len(pend), "merge", f)
             jt = pt.joints.get(key)
             if jt is None:
-                tabs = [lay.head_tab(j, f) if o == m.head else pt.side_tab(o, m.x) for o in pend]
+                tabs = [lay.head_tab(j, f) if o == m.head else pt.bt.side_tab(o, m.x) for o in pend]
                 jt = pt.joints[key] = Joint(tabs, pt.price_matrix(m.x), bits_of[m.x])
             by_form[f] = jt
         out.append((comp, _mask(bits_of[m.x]), by_form))
-    return out
-
-
-def _merges(
-    s: Any,
-    branches: Sequence[list[tuple[int, int, int]]],
-    anchors: Mapping[int, int],
-    consumer_of: Mapping[int, int],
-) -> list[Merge]:
-    """The branches the spine DP may couple (:class:`~hapnb.synth.heuristic_rejoin.Merge`): headed by a side op
-    of a spine tensor ``x``, merging into a spine op, with a weighted op after the head (which can change
-    the branch's form: a row-parallel projection), the largest first, then the latest merge op, one per ``x``
-    (a coupled merge values all of ``x``'s pending sides in its state's form). Attention's key and value
-    paths into SDPA have no such op; coupling them made T5's synthesis slower (4.3 -> 4.8 s) for the same
-    plan."""
-    g, spine_ops, entries = s.graph, s._tables.spine, s._tables.entries
-    out: list[Merge] = []
-    taken: set[int] = set()
-    for br in sorted(branches, key=lambda br: (-g.tensors[br[-1][2]].numel, -consumer_of.get(br[-1][2], -1))):
-        head, y = br[0][0], br[-1][2]
-        x, at = anchors.get(head, -1), consumer_of.get(y, -1)
-        if x < 0 or x in taken or at not in spine_ops or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
-            continue
-        if not any(entries[b][c.index].spine_terms for b, _, _ in br[1:] for c in s._ops[b]):
-            continue  # its end form follows its head's output form (the head's table couples them)
-        made, spine = g.tensors[x].producer, consumer_of.get(x, -1)
-        if made is None or spine_ops.get(made, (0, -1))[1] != x or spine_ops.get(spine, (-1, 0))[0] != x:
-            continue  # x is not a spine tensor
-        k = g.ops[at].inputs.index(y)
-        forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
-        taken.add(x)
-        out.append(Merge(x, made, spine, head, y, at, k, forms))
     return out
 
 
@@ -550,10 +511,10 @@ def _merge(
                 v = max(0.0, v - b)
                 if v < share[f]:
                     share[f] = v
-    pt.merge_tabs[y] = share
+    pt.bt.merge_tabs[y] = share
     for br in brs:
-        if br[0][0] not in pt.solved:
-            pt.solve(br)
+        if br[0][0] not in pt.bt.solved:
+            pt.bt.solve(br)
 
 
 def _branches(
