@@ -17,9 +17,10 @@ into gives it its share of its cost by the form it takes the branch in (what tha
 cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
 tensor's side; so is one whose input a side op makes (a parallel block's MLP after its first projection:
 that op heads the branch, so the form it makes is the form the branch starts in). A branch merging into a
-spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`). A parameter that several spine ops take (tied embeddings, :func:`_tied`) is loaded once in
-one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`), and pays its load
-(its gradient's sync) where it first loads it. A spine tensor that a later spine op takes again (a residual,
+spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`). A parameter that several spine ops take (tied
+embeddings, :func:`_tied`), or that a spine op takes after an op off the spine (Whisper's decoder embedding),
+is loaded once in one form: the spine DP keeps its form as a state read from the properties (:class:`Tied`),
+and pays its load (its gradient's sync) where the DP first loads it if no form is present yet. A spine tensor that a later spine op takes again (a residual,
 a mixture-of-experts layer's input at its dispatch einsum) keeps the form that op takes it in as a state too
 (:mod:`hapnb.synth.heuristic_rejoin`).
 
@@ -155,8 +156,10 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     # loads the bound otherwise misses, priced at the op that takes them: a weight's prologue (its cast
     # under autocast) and a weight shared by a spine op with off-spine ops
     tables, windows = _prologue_tables(s, local, price_matrix, on_path)
-    for i, rows in _shared_param_tables(s, price_matrix).items():
+    shared, shared_windows = _shared_param_tables(s, price_matrix)
+    for i, rows in shared.items():
         tables.setdefault(i, []).extend(rows)
+    windows += shared_windows
     local = _with_input_tables(local, tables, entries)
     # branches (paths into a path op's other inputs) with their sides; x -> the path op taking it
     consumer_of = {src: i for i, (src, _) in spine_ops.items() if src >= 0}
@@ -669,27 +672,35 @@ def _prologue_tables(
     return tables, windows
 
 
-def _shared_param_tables(s: Any, price_matrix: Callable[[int], list[list[float]]]) -> InputTables:
-    """The load of each parameter that several ops take, one of them a spine op (Whisper's decoder
-    embedding, tied to the output projection on the spine), priced at that spine op: for the form ``f`` it
-    takes the parameter in, the least over the parameter's forms ``l`` of its load in ``l`` (its gradient's
-    sync) plus the cheapest collective from ``l`` to ``f``. Without it no term counted such a parameter's
-    load (only a single consumer's, and the tied parameter's of :func:`_tied`). Every program loads the
-    parameter in some form and gives that op its form by at most one collective (or a load of its own),
-    and no other term counts the load, so the bound stays admissible."""
+def _shared_param_tables(
+    s: Any, price_matrix: Callable[[int], list[list[float]]]
+) -> tuple[InputTables, list[tuple[int, int, float]]]:
+    """The load of each parameter that several ops take, one of them a spine op, other than the one the DP
+    keeps as a state (:func:`_tied`), priced at a spine op that takes it: for the form ``f`` that op takes
+    the parameter in, the least over the parameter's forms ``l`` of its load in ``l`` (its gradient's sync)
+    plus the cheapest collective from ``l`` to ``f``. Without it no term counted such a parameter's load
+    (only a single consumer's). Every program loads the parameter in some form and gives that op its form
+    by at most one collective (or a load of its own), and no other term counts the load, so the bound stays
+    admissible. The program loads it where its first consumer runs: priced at the first consumer when that
+    is a spine op, else at the last spine op that takes it, and between the two the load is in the node's
+    cost, so there the bound takes off twice the most the table adds (returned as ``(first consumer, spine
+    op, most)`` windows, as :func:`_prologue_tables`'s)."""
     g, spine_ops, tied = s.graph, s._tables.spine, _tied(s)
     tables: InputTables = {}
+    windows: list[tuple[int, int, float]] = []
     for t in g.params:
         cons = sorted(set(g.tensors[t].consumers))
         if len(cons) < 2 or t == tied or t in s.pins:
             continue
         on_spine = [o for o in cons if o in spine_ops and g.ops[o].inputs.count(t) == 1 and s._ops[o]]
-        if on_spine:
-            load = [s._load_s(t, f, False) for f in s.theory.forms[t]]
-            tables.setdefault(on_spine[-1], []).append(
-                (g.ops[on_spine[-1]].inputs.index(t), _via(load, price_matrix(t)))
-            )
-    return tables
+        if not on_spine:
+            continue
+        at = cons[0] if cons[0] == on_spine[0] else on_spine[-1]
+        tab = _via([s._load_s(t, f, False) for f in s.theory.forms[t]], price_matrix(t))
+        tables.setdefault(at, []).append((g.ops[at].inputs.index(t), tab))
+        if at != cons[0]:
+            windows.append((cons[0], at, max(v for v in tab if v < _INF)))
+    return tables, windows
 
 
 def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:
@@ -723,13 +734,22 @@ class Tied:
 
 
 def _tied(s: Any) -> int:
-    """The largest parameter that two or more spine ops take (once each), or -1."""
+    """The parameter whose form the spine DP keeps as a state (:class:`Tied`), or -1: the largest that two
+    or more spine ops take (once each; tied embeddings), else the largest that a spine op takes after an op
+    off the spine has taken it (Whisper's decoder embedding, tied to the output projection on the spine;
+    the program loads it there, and the spine op must take it in that form; only a trainable weight, whose
+    load costs its gradient's sync: a state for a free load would only take the room of rejoin states)."""
     g, spine_ops = s.graph, s._tables.spine
-    best, size = -1, -1
+    best, key = -1, (False, -1)
     for t in g.params:
-        cons = [o for o in g.tensors[t].consumers if o in spine_ops and g.ops[o].inputs.count(t) == 1]
-        if len(cons) >= 2 and g.tensors[t].numel > size:
-            best, size = t, g.tensors[t].numel
+        cons = sorted(set(g.tensors[t].consumers))
+        on = [o for o in cons if o in spine_ops and g.ops[o].inputs.count(t) == 1]
+        tr = g.tensors[t]
+        if not on or (len(on) < 2 and (cons[0] == on[0] or tr.role != "param" or not tr.requires_grad)):
+            continue  # one spine op: only a weight with a gradient to sync (its load costs something)
+        k = (len(on) >= 2, g.tensors[t].numel)
+        if k > key:
+            best, key = t, k
     return best
 
 
