@@ -81,6 +81,7 @@ from .spec import (
     resolve_pins,
 )
 from .tables import ratio_classes
+from .updates import BufferUpdates
 
 __all__ = ["Search", "SearchNode", "SearchEvent", "SearchResult", "PinError", "NoProgramError"]
 
@@ -128,6 +129,17 @@ class _Node:
     tail: tuple[float, ...] = ()  # duplex: per-device inner gradient sync, charged once at the end
     ms: Any = None  # memory=True: the MemState (hapnb.synth.memory_prune)
     real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
+
+
+def stage_step(
+    base: float, acc: tuple[float, ...], acc_max: float, opens: bool, comm_s: float, comp: tuple[float, ...]
+) -> tuple[float, tuple[float, ...]]:
+    """A step's plain label ``(base, acc)`` from its parent's (``acc_max = max(acc)``): a step that
+    communicates (or the first) closes the open stage at its slowest device and opens one with its
+    communication and computation; another joins the open stage (the duplex label: :func:`label_step`)."""
+    if comm_s > 0.0 or opens:
+        return base + acc_max + comm_s, comp
+    return base, tuple(a + b for a, b in zip(acc, comp))
 
 
 class Search(Moves):
@@ -199,6 +211,9 @@ class Search(Moves):
         lb = self._compile_moves()
         if self.memory:
             self._mem = MemoryTracker(self)
+        # batch norm's running-statistics updates, charged where decided (the duplex time leaves them out)
+        upd = BufferUpdates(self.graph, self.theory, self._tables, self.cost_model)
+        self._updates = upd if upd and not self.duplex else None
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * len(self._reps)]
         for v in reversed(lb):
@@ -259,6 +274,8 @@ class Search(Moves):
         if not props & self._loss_bits_R:
             extra = (Conversion(self.graph.loss, "to_partial", I, R),)
         base += label_close(copen, acc, tail) if self.duplex else max(acc)
+        if self._updates is not None:
+            base += self._updates.end(props)
         if self._mem is None:
             return base, extra, ()
         # the deferred parameters' storage: the cheapest that fits
@@ -312,7 +329,8 @@ class Search(Moves):
             self._counter,
             heapq.heappush,
         )
-        chain = self._chain
+        chain, updates = self._chain, self._updates
+        upd_rows = updates.rows_at.get(pos, ()) if updates is not None else ()
         for c in self._ops[pos]:
             per_need, fail, t, f = self._need_options(c, props, comm)
             if fail:
@@ -344,6 +362,7 @@ class Search(Moves):
                     continue  # one tensor converted twice in one step
                 loads = tuple(loads_l)
                 convs = tuple(convs_l) + c.reshards  # a segment boundary: re-cut for this op's ratios
+                upd = updates.step(upd_rows, new_props, loads) if updates is not None else 0.0
                 new_props &= ~dies
                 new_comm &= ~dies_comm
                 comp = c.comp
@@ -362,12 +381,8 @@ class Search(Moves):
                     base, copen, acc = label_step(
                         node.base, node.copen, node.acc, opens, comm_t, grad_t, comp
                     )
-                elif comm_t > 0.0 or opens:
-                    base = node.base + node_max + comm_t
-                    acc = comp
-                else:
-                    base = node.base
-                    acc = tuple(a + b for a, b in zip(node.acc, comp))
+                else:  # a buffer update opens no stage: it adds to the iteration (hapnb.synth.updates)
+                    base, acc = stage_step(node.base + upd, node.acc, node_max, opens, comm_t, comp)
                 generated += 1
                 npos = pos + 1
                 if self.duplex:

@@ -90,8 +90,10 @@ def _priced(plan: hap.Plan) -> Counter:
     "pins,update",
     [
         ({"x": hap.Shard(0)}, None),  # batch sharded: the plan's own all-reduces give the statistics
-        ({"x": hap.Shard(0), "div_1": hap.Partial()}, "all_reduce"),  # var + eps reduced, var kept partial
-        ({"x": hap.Shard(1)}, "all_gather"),  # channels sharded: the statistics are sharded
+        # var and var + eps made partial: var + eps reduced for rsqrt, var left partial for the update (pinning
+        # var alone, the search, which charges the update, reduces var itself: no update collective)
+        ({"x": hap.Shard(0), "div_1": hap.Partial(), "add_3": hap.Partial()}, "all_reduce"),
+        ({"conv2d": hap.Shard(1)}, "all_gather"),  # channels sharded: the statistics are sharded
     ],
 )
 def test_priced_collectives_are_the_ones_the_program_runs(bn_graph, pins, update) -> None:

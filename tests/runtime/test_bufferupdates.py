@@ -100,11 +100,11 @@ def test_running_statistics_equal_one_device_training(model_and_plan, tmp_path: 
 
 @pytest.mark.slow
 def test_an_empty_shard_and_channel_sharded_statistics_update_alike() -> None:
-    """Rank 1 holds no samples; BatchNorm1d's statistics stay sharded by channel, so their update
-    all-gathers them first."""
-    plan = hap.synthesize(
-        BNNet(), "2xV100", example_inputs=_batch(), ratios=[1.0, 0.0], pins={"x": hap.Shard(0)}
-    )
+    """Rank 1 holds no samples; BatchNorm1d's statistics stay sharded by channel (its batch mean ``div_2``
+    pinned so: the search, which prices the update's all-gathers, would otherwise pick a plan without
+    them), so their update all-gathers them first."""
+    pins = {"x": hap.Shard(0), "div_2": hap.Shard(1)}
+    plan = hap.synthesize(BNNet(), "2xV100", example_inputs=_batch(), ratios=[1.0, 0.0], pins=pins)
     assert ("x", 0, (7, 0)) in plan.lengths
     notes = generate(plan, plan.graph, 0, dropout=False).notes
     assert any("all-gathers" in n and "bn1.running_var" in n for n in notes), notes

@@ -1,0 +1,38 @@
+"""Buffer updates in the search's cost (:mod:`hapnb.synth.updates`): A* minimises what the cost model charges,
+the running-statistics collectives included, and returns the brute-force optimum of that cost."""
+
+from __future__ import annotations
+
+import pytest
+import synthetic as S
+from oracles import brute_force
+from test_search import CLUSTERS
+
+from hapnb.cost.buffers import UpdateRead
+from hapnb.hardware.cluster import Cluster
+from hapnb.synth.search import Search
+from hapnb.triples import theory
+
+
+def _with_updates(seed: int):
+    """A random graph whose first product (it can be partial) and loss (no op reads it: charged when the
+    program completes) stand for batch statistics a buffer update reads, with the first weight (charged
+    when it is loaded stored sharded)."""
+    g = S.random_graph(seed)
+    first = g.ops[0].outputs[0]
+    w = next(t for t in g.ops[0].inputs if g.tensors[t].role == "param")
+    reads = (UpdateRead("bn.running_mean", (first,), (w,)), UpdateRead("bn.running_var", (g.loss,), ()))
+    object.__setattr__(g, "_update_reads", reads)  # what buffers.update_reads caches for a traced program
+    return g
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_search_charges_buffer_updates_and_returns_the_brute_force_optimum(seed):
+    th = theory(_with_updates(seed), S.strategies)
+    c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
+    ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
+    s = Search(th, c, ratios=ratios)
+    res = s.run()
+    bf_cost, _ = brute_force(th, c, s.ratios)  # CostModel.evaluate: the updates in the last stage
+    assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
+    assert res.cost == pytest.approx(s.cost_model.evaluate(res.program, s.ratios).cost_s, rel=1e-12)
