@@ -505,7 +505,7 @@ class CostModel:
         spec = COLLECTIVES.get(cv.name)
         if spec is None:
             raise ValueError(f"unknown collective {cv.name!r}; known: {', '.join(COLLECTIVES)}")
-        if spec.pricing == "free":
+        if spec.pricing == "free" or self.n == 1:
             return ()
         t = self.graph.tensors[cv.tensor]
         seg = self.segment_of[cv.tensor]
@@ -540,8 +540,11 @@ class CostModel:
     def load_terms(self, ld: Load) -> tuple[Term, ...]:
         """A replicated trainable parameter all-reduces its gradient (unless SFB syncs it; a frozen one has
         none); a ZeRO load all-gathers the shard in the forward and reduce-scatters the gradient in the
-        backward (padded, as a feature all-gather's dual), ZeRO-3 all-gathers it again in the backward."""
+        backward (padded, as a feature all-gather's dual), ZeRO-3 all-gathers it again in the backward.
+        None on a one-device cluster (nothing to talk to), as for every communication term here."""
         t = self.graph.tensors[ld.tensor]
+        if self.n == 1:
+            return ()
         if ld.zero > 0 and ld.stored is not None:
             return self.zero_terms(ld.tensor, ld.stored, ld.zero)
         if t.role != "param" or not t.requires_grad or ld.form.kind != "I" or ld.sfb:
@@ -575,7 +578,7 @@ class CostModel:
 
     def sfb_terms(self, step: Step) -> tuple[Term, ...]:
         """SFB: all-gather the G input and the output gradient (padded) in the backward."""
-        if not step.strategy.sfb:
+        if not step.strategy.sfb or self.n == 1:
             return ()
         g = self.graph
         op = g.ops[step.op]
@@ -611,8 +614,6 @@ class CostModel:
     def step_terms(self, step: Step, parts: Any = None) -> tuple[Term, ...]:
         """Communication terms of one step (its :meth:`step_parts`, or ``parts`` when the caller has them),
         in order; none on a one-device cluster (nothing to talk to)."""
-        if self.n == 1:
-            return ()
         loads, convs, sfb = self.step_parts(step) if parts is None else parts
         return tuple(tm for part in (*loads, *convs, sfb) for tm in part)
 
