@@ -64,9 +64,6 @@ from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
 from .memory import is_alias as _is_alias
 
 __all__ = [
-    "ddp_buckets",
-    "BUCKET_CAP_BYTES",
-    "FIRST_BUCKET_CAP_BYTES",
     "Term",
     "Step",
     "Load",
@@ -142,37 +139,6 @@ class Term:
             share = reshard_share(ratios[self.segment], ratios[self.segment2])
             return const + slope * share if share > 0 else 0.0
         return const + slope * max(ratios[self.segment])
-
-
-#: PyTorch DDP's gradient bucket sizes: 25 MiB per bucket, the first (the last layers' gradients) 1 MiB.
-BUCKET_CAP_BYTES = 25 * 2**20
-FIRST_BUCKET_CAP_BYTES = 2**20
-
-
-def ddp_buckets(
-    ready: Sequence[tuple[Any, int]],
-    cap: int = BUCKET_CAP_BYTES,
-    first_cap: int = FIRST_BUCKET_CAP_BYTES,
-) -> tuple[tuple[Any, ...], ...]:
-    """Group gradients into all-reduce buckets as DDP does: ``ready`` lists ``(key, bytes)`` in the order
-    the gradients become ready (reverse order of first use); a bucket closes once it holds at least its cap
-    (``first_cap`` for the first, then ``cap``), so a gradient larger than the cap fills a bucket alone.
-
-    >>> ddp_buckets([("a", 600_000), ("b", 600_000), ("c", 10), ("d", 30 * 2**20), ("e", 5)])
-    (('a', 'b'), ('c', 'd'), ('e',))
-    """
-    out: list[tuple[Any, ...]] = []
-    cur: list[Any] = []
-    size = 0
-    for key, nbytes in ready:
-        cur.append(key)
-        size += int(nbytes)
-        if size >= (first_cap if not out else cap):
-            out.append(tuple(cur))
-            cur, size = [], 0
-    if cur:
-        out.append(tuple(cur))
-    return tuple(out)
 
 
 def reshard_share(a: Sequence[float], b: Sequence[float]) -> float:
@@ -454,26 +420,39 @@ class CostModel:
     def optimizer_linear(
         self, program: Sequence[Step]
     ) -> tuple[dict[int, tuple[float, ...]], tuple[float, ...]]:
-        """The optimizer step (Adam, foreach) per device as ``(coef, const)`` like :meth:`comp_linear`:
-        memory-bound over the device's parameter bytes (a G-loaded parameter counts its share ``r``);
-        its launches once per step, or once per parameter tensor with ``optimizer_per_tensor``
-        (single-tensor Adam); zero on flops-only devices."""
+        """The optimizer step (Adam, foreach) per device as ``(coef, const)`` like :meth:`comp_linear`: each
+        loaded parameter's :meth:`optimizer_param` and the :meth:`optimizer_launches`; zero on flops-only
+        devices."""
         coef: dict[int, list[float]] = {}
-        const = [0.0] * self.n
         forms = self._param_forms(program)
-        for j, m in enumerate(self.models):
-            if m is None:
-                continue
-            launches = m.optimizer_kernels * (len(forms) if m.optimizer_per_tensor else 1)
-            const[j] += launches * m.kernel_s
-            per_byte = m.optimizer_passes / (m.bandwidth_Bps * self.gpus[j])
-            for t, f in forms.items():
-                nb = self.graph.tensors[t].nbytes * per_byte
-                if f.kind == "G":
-                    coef.setdefault(self.segment_of[t], [0.0] * self.n)[j] += nb
-                else:
-                    const[j] += nb
+        const = list(self.optimizer_launches(len(forms)))
+        for t, f in forms.items():
+            seg, v = self.optimizer_param(t, f)
+            row = coef.setdefault(seg, [0.0] * self.n) if seg >= 0 else const
+            for j, x in enumerate(v):
+                row[j] += x
         return {s: tuple(v) for s, v in coef.items()}, tuple(const)
+
+    def optimizer_param(self, tensor: int, storage: Form) -> tuple[int, tuple[float, ...]]:
+        """Parameter ``tensor``'s part of the optimizer step per device, memory-bound over its bytes: stored
+        sharded (``G``), ``(its ratio segment, seconds per unit of the device's share)``; else ``(-1,
+        seconds)``. Zero on flops-only devices."""
+        nbytes = self.graph.tensors[tensor].nbytes
+        v = tuple(
+            0.0 if m is None else nbytes * m.optimizer_passes / (m.bandwidth_Bps * k)
+            for m, k in zip(self.models, self.gpus)
+        )
+        return (self.segment_of[tensor], v) if storage.kind == "G" else (-1, v)
+
+    def optimizer_launches(self, n_params: int) -> tuple[float, ...]:
+        """Seconds of the optimizer step's kernel launches per device: once per step, or once per parameter
+        tensor with ``optimizer_per_tensor`` (single-tensor Adam); zero on flops-only devices."""
+        return tuple(
+            0.0
+            if m is None
+            else m.optimizer_kernels * (n_params if m.optimizer_per_tensor else 1) * m.kernel_s
+            for m in self.models
+        )
 
     def optimizer_comp(self, program: Sequence[Step], ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         """Seconds of the optimizer step per device at ``ratios`` (see :meth:`optimizer_linear`)."""

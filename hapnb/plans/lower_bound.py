@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..cost.model import ddp_buckets
+from ..cost.ddp import ddp_buckets
 from ..hardware.cluster import Cluster
 from .plan import Plan
 from .sim_costs import FORWARD_FRACTION, _slowdowns

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost.model import ddp_buckets
+from ..cost.ddp import ddp_buckets
 from ..hardware.cluster import Cluster
 from .plan import Plan
 from .sim_costs import FORWARD_FRACTION, _Costs

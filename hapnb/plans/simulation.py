@@ -19,7 +19,7 @@ Two modes (:func:`simulate`):
   - Backward: the steps in reverse order; a collective's backward runs after its consumer's backward and
     before its producer's; an SFB step's gathers run before the step's backward.
   - Gradients of replicated parameters are all-reduced on the gradient-comm stream in DDP buckets
-    (:func:`hapnb.cost.model.ddp_buckets`; ready in reverse order of first use), a bucket once every device
+    (:func:`hapnb.cost.ddp.ddp_buckets`; ready in reverse order of first use), a bucket once every device
     has all its gradients; a bucket costs the cluster's ``all_reduce`` ``latency + bytes/bandwidth``.
     Each device's optimizer step runs after the last bucket.
   - Comp-comm overlap (Proteus' overlap factor γ): a compute task runs at ``1/(1+γ)`` while any

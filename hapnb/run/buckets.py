@@ -2,7 +2,7 @@
 
 A generated rank program (``generate(..., grad_sync="buckets")``) leaves the gradients of its replicated
 (``I``) parameters partial and lists them in :attr:`~hapnb.runtime.program.RankProgram.grad_sync` in order of
-first use. :class:`GradBuckets` groups them as PyTorch's DDP does (:func:`hapnb.cost.model.ddp_buckets`: the
+first use. :class:`GradBuckets` groups them as PyTorch's DDP does (:func:`hapnb.cost.ddp.ddp_buckets`: the
 gradients in the order they become ready, i.e. reverse order of first use, 25 MiB buckets after a first
 1 MiB one), registers a post-accumulate-grad hook on each parameter and, as soon as every gradient of a
 bucket is ready, flattens the bucket and starts ``all_reduce(async_op=True)``. :meth:`GradBuckets.wait`
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.model import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
+from ..cost.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, ddp_buckets
 from ..runtime.collective_errors import group_timeout, guarded
 
 __all__ = ["GradBuckets", "program_buckets", "destroy_groups"]

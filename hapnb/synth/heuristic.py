@@ -52,7 +52,8 @@ def spine_path(g: Any) -> dict[int, tuple[int, int]]:
 def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
     """``local(op, compiled)``: a strategy's computation on device ``jstar`` (none with ``comm_only``)
     plus the communication of its own that the bounds count, in order: its single-consumer parameters'
-    loads and an SFB sync. Plain loads' prices do not depend on the ratios (shared per cluster), an SFB
+    loads (with, on device-model devices, their part of the optimizer step on ``jstar``: a weight stored
+    replicated updates all its bytes there, :mod:`hapnb.synth.optimizer_step`) and an SFB sync. Plain loads' prices do not depend on the ratios (shared per cluster), an SFB
     sync's do (shared per ratios); they are not shared where loads depend on the search (memory, storage
     pins). Used by the spine bound, its side consumers (:mod:`hapnb.synth.heuristic_side`) and the chain bound."""
     g, tb = s.graph, s._tables
@@ -62,11 +63,22 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
         s._per_cluster.setdefault("spine loads", {}) if plain else {}
     )
     entries = tb.entries
+    opt, opt_of = s._opt, {}  # device models: a single-consumer weight's optimizer step, by its storage
 
     def local(op_id: int, c: Any) -> float:
         v = 0.0 if comm_only else c.comp[jstar]
         if not entries[op_id][c.index].spine_terms:
             return v
+        if opt is not None:
+            x = opt_of.get((op_id, c.index))
+            if x is None:
+                op = g.ops[op_id]
+                x = opt_of[(op_id, c.index)] = sum(
+                    opt.least(ti, f, lean=s._mem is not None or ti in s.storage)[jstar]
+                    for ti, f in zip(op.inputs, c.strategy.inputs)
+                    if single[ti]
+                )
+            v += x
         key = (op_id, c.index)
         terms = terms_of.get(key)
         if terms is None:

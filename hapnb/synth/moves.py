@@ -227,17 +227,33 @@ class Moves:
             per_need.append(opts)
         return per_need, 0, -1, None
 
-    def _with_inner_syncs(
+    def _with_loads(
         self, loads: tuple[Load, ...], comp: tuple[float, ...], tail: tuple[float, ...]
     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """A step's computation and the label's tail with its loads' intra-machine gradient syncs (virtual
-        devices of several GPUs): in the step's computation, or (duplex) in the tail, once per iteration
-        after both micro-batches."""
-        for ld in loads:
-            inner_all = self.cost_model.load_comp(ld, self.ratios)
-            inner = tuple(inner_all[j] for j in self._reps)
-            if self.duplex:
-                tail = tuple(a + b for a, b in zip(tail, inner))
-            else:
-                comp = tuple(a + b for a, b in zip(comp, inner))
+        """A step's computation and the label's tail with what its loads add besides communication: the
+        intra-machine gradient syncs of virtual devices of several GPUs (in the step's computation, or,
+        duplex, in the tail, once per iteration after both micro-batches) and, on device-model devices, the
+        loaded weights' optimizer step (in the tail, :mod:`hapnb.synth.optimizer_step`)."""
+        if self._has_inner:
+            for ld in loads:
+                inner_all = self.cost_model.load_comp(ld, self.ratios)
+                inner = tuple(inner_all[j] for j in self._reps)
+                if self.duplex:
+                    tail = tuple(a + b for a, b in zip(tail, inner))
+                else:
+                    comp = tuple(a + b for a, b in zip(comp, inner))
+        if self._opt is not None:
+            tail = self._opt.add(tail, loads)
         return comp, tail
+
+
+def stage_step(
+    base: float, acc: tuple[float, ...], acc_max: float, opens: bool, comm_s: float, comp: tuple[float, ...]
+) -> tuple[float, tuple[float, ...]]:
+    """A step's plain label ``(base, acc)`` from its parent's (``acc_max = max(acc)``): a step that
+    communicates (or the first) closes the open stage at its slowest device and opens one with its
+    communication and computation; another joins the open stage (the duplex label:
+    :func:`hapnb.synth.duplex.label_step`)."""
+    if comm_s > 0.0 or opens:
+        return base + acc_max + comm_s, comp
+    return base, tuple(a + b for a, b in zip(acc, comp))

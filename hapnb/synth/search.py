@@ -18,10 +18,14 @@ Search-space reductions (each documented with its reason):
   only reorder independent computations establish the same properties, so this removes duplicate
   interleavings; the search still chooses every strategy, form, collective and stage boundary.
 
+The cost is the cost model's (:meth:`hapnb.cost.model.CostModel.evaluate`): the stage cost ``sum(comm + max_j
+comp_j)``, with the collectives of batch norm's running-statistics updates (:mod:`hapnb.synth.updates`, charged
+where a partial program decides them) and, on device-model devices, the optimizer step in the last stage
+(:mod:`hapnb.synth.optimizer_step`: each weight's part, by its storage, in a per-device ``tail``).
 Dominance is keyed on the property set (plus the comm tokens and the position); two partial programs
-with the same key are compared by (closed cost, per-device computation of the open stage): one is
-dropped only if the other is no worse in every component, so the search is exact for the stage cost
-``sum(comm + max_j comp_j)``. The heuristic is the larger of the remaining computation at infinite
+with the same key are compared by (closed cost, per-device computation of the open stage, optimizer step
+so far): one is dropped only if the other is no worse in every component, so the search is exact for
+that cost. The heuristic is the larger of the remaining computation at infinite
 bandwidth, ``max_j (open_j + remaining lower bound_j)``, and a relaxed program along the spine coupled with
 its tensors' other consumers (:mod:`hapnb.synth.heuristic_side`); a search still open after
 :data:`~hapnb.synth.chain_bound.SWITCH_AFTER` expansions adds the chain bound (:mod:`hapnb.synth.chain_bound`: the spine
@@ -35,14 +39,15 @@ open stage i plus the gradient syncs so far (whole, once), ``acc`` the open stag
 computation, ``copen`` its feature communication, ``tail`` the per-device inner syncs of virtual
 devices. Labels at one state are pruned by Pareto dominance (:func:`hapnb.synth.dominance.duplex_dominated`) and the
 priority is an admissible bound of ψ (:meth:`Search._h_duplex`), so the first complete program popped
-minimises the duplex time (the optimizer step left out, as in the plain search). ``step()``, ``run()``
+minimises the duplex time (the optimizer step and buffer updates left out). ``step()``, ``run()``
 and the views work the same; a node's ``cost`` is the partial program's duplex time if it ended there.
 
 **Memory** (``Search(..., memory=True)``, :mod:`hapnb.synth.memory_prune`): partial programs whose memory lower
 bound exceeds a device's capacity are pruned ("memory: ..." in :attr:`SearchEvent.pruned`); a parameter
 used replicated is loaded with its storage deferred (replicated, ZeRO-2 or ZeRO-3), priced at the cheapest
 and realized when the program completes (the cheapest storage that fits), and dominance also compares
-memory. Exact for fixed ratios among the programs that fit.
+memory. Exact for fixed ratios among the programs that fit (on device-model devices a deferred storage
+is realised by its communication and memory; the optimizer step it changes is charged, not weighed).
 
 >>> import hapnb
 >>> g = hapnb.zoo_graph("mlp", layers=2, hidden=16, batch=8, inputs=16)  # doctest: +SKIP
@@ -70,7 +75,8 @@ from .duplex import label_close, label_step, priority
 from .heuristic import spine_bound, spine_value
 from .heuristic_side import Term, side_terms, term_value
 from .memory_prune import MemoryTracker
-from .moves import _UNMET, Moves
+from .moves import _UNMET, Moves, stage_step
+from .optimizer_step import OptimizerStep
 from .spec import (
     PinError,
     SearchEvent,
@@ -131,17 +137,6 @@ class _Node:
     real: tuple[Load, ...] = ()  # memory=True, complete: the deferred loads as realized (in program order)
 
 
-def stage_step(
-    base: float, acc: tuple[float, ...], acc_max: float, opens: bool, comm_s: float, comp: tuple[float, ...]
-) -> tuple[float, tuple[float, ...]]:
-    """A step's plain label ``(base, acc)`` from its parent's (``acc_max = max(acc)``): a step that
-    communicates (or the first) closes the open stage at its slowest device and opens one with its
-    communication and computation; another joins the open stage (the duplex label: :func:`label_step`)."""
-    if comm_s > 0.0 or opens:
-        return base + acc_max + comm_s, comp
-    return base, tuple(a + b for a, b in zip(acc, comp))
-
-
 class Search(Moves):
     """Step-able A* over one program's theory for fixed ratios.
 
@@ -199,9 +194,9 @@ class Search(Moves):
             root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h_duplex(0, 0.0, 0.0, zero, zero, 0), tail=zero)
             self._seen[(0, 0, 0)] = [(root.base, root.acc, root.copen, root.tail)]
         else:
-            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0))
+            root = _Node(-1, None, 0.0, zero, 0, 0, 0, self._h(0, zero, 0), tail=zero)
             root.ms = self._mem.root() if self._mem is not None else None
-            self._seen[(0, 0, 0)] = [(root.base, root.acc, root.ms)]
+            self._seen[(0, 0, 0)] = [(root.base, root.acc, root.ms, root.tail)]
         self._push(root)
         self._stats.seconds += time.perf_counter() - t0
         del g
@@ -214,6 +209,13 @@ class Search(Moves):
         # batch norm's running-statistics updates, charged where decided (the duplex time leaves them out)
         upd = BufferUpdates(self.graph, self.theory, self._tables, self.cost_model)
         self._updates = upd if upd and not self.duplex else None
+        # device models' optimizer step, in the last stage (the duplex time leaves it out)
+        models = any(m is not None for m in self.cost_model.models)
+        self._opt = (
+            OptimizerStep(self.cost_model, self.theory, self.ratios, self._reps)
+            if models and not self.duplex
+            else None
+        )
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth
         rem = [(0.0,) * len(self._reps)]
         for v in reversed(lb):
@@ -227,6 +229,10 @@ class Search(Moves):
         else:  # the spine coupled with its tensors' other consumers (hapnb.synth.heuristic_side)
             self._jstar, self._terms = side_terms(self)
         self._w = tuple(1.0 if j == self._jstar else 0.0 for j in range(len(self._reps)))
+        # the heuristic's remaining computation with the least optimizer step the rest adds (on jstar: _opt_j)
+        self._rem_h, self._opt_j = self._rem, [0.0] * len(self._rem)
+        if self._opt is not None:
+            self._rem_h, self._opt_j = self._opt.bounds(self._rem, self._jstar, self._tables.single_param)
         self._chain: ChainBound | None = None  # the stronger bound, after SWITCH_AFTER expansions
 
     # ------------------------------------------------------------------ costs
@@ -234,8 +240,8 @@ class Search(Moves):
         """Admissible lower bound of the rest: the larger of (a) the remaining computation at infinite
         bandwidth per device and (b) the spine bound: the bottleneck device's computation plus the
         communication that the spine path cannot avoid (:func:`hapnb.synth.heuristic.spine_bound`)."""
-        h = max(map(operator.add, acc, self._rem[pos]))
-        h2 = acc[self._jstar] + term_value(self._terms[pos], props)  # one-hot on the bottleneck device
+        h = max(map(operator.add, acc, self._rem_h[pos]))
+        h2 = acc[self._jstar] + self._opt_j[pos] + term_value(self._terms[pos], props)  # one-hot: jstar
         return h2 if h2 > h else h
 
     # ------------------------------------------------------------------ core
@@ -273,20 +279,25 @@ class Search(Moves):
         extra: tuple[Conversion, ...] = ()
         if not props & self._loss_bits_R:
             extra = (Conversion(self.graph.loss, "to_partial", I, R),)
-        base += label_close(copen, acc, tail) if self.duplex else max(acc)
+        storage_s, real = 0.0, ()
+        if self._mem is not None:  # the deferred parameters' storage: the cheapest that fits
+            deferred = [ld for st in self.program(nid) for ld in st.loads if ld.zero == -1]
+            deferred += [ld for ld in loads if ld.zero == -1]
+            done = self._mem.realize(self._mem.finish(ms, extra), deferred)
+            if done is None:
+                return "memory: no storage of the replicated parameters fits"
+            storage_s, real = done
+            if self._opt is not None:
+                tail = self._opt.realized(tail, deferred, real)
+        if self.duplex:
+            base += label_close(copen, acc, tail)
+        else:
+            base += self._opt.close(acc, tail) if self._opt is not None else max(acc)
         if self._updates is not None:
             base += self._updates.end(props)
-        if self._mem is None:
-            return base, extra, ()
-        # the deferred parameters' storage: the cheapest that fits
-        deferred = [ld for st in self.program(nid) for ld in st.loads if ld.zero == -1]
-        deferred += [ld for ld in loads if ld.zero == -1]
-        done = self._mem.realize(self._mem.finish(ms, extra), deferred)
-        if done is None:
-            return "memory: no storage of the replicated parameters fits"
-        if base + done[0] >= best_cost - _EPS:
-            return f"cost {base + done[0]:.4g} with its storage >= best complete {best_cost:.4g}"
-        return base + done[0], extra, done[1]
+        if self._mem is not None and base + storage_s >= best_cost - _EPS:
+            return f"cost {base + storage_s:.4g} with its storage >= best complete {best_cost:.4g}"
+        return base + storage_s, extra, real
 
     def _dominated_any(
         self,
@@ -302,7 +313,7 @@ class Search(Moves):
         if self.duplex:
             return duplex_dominated(self._seen, key, (base, acc, copen, tail), _EPS)
         mem = self._mem.dominates if ms is not None and self._mem is not None else None
-        return plain_dominated(self._seen, key, base, acc, ms, mem, _EPS)
+        return plain_dominated(self._seen, key, base, acc, ms, mem, _EPS, tail)
 
     def _children(self, nid: int, record: bool) -> tuple[list[int], list[tuple[str, str]]]:
         node = self._nodes[nid]
@@ -321,7 +332,12 @@ class Search(Moves):
         # (:meth:`_h` inlined below: the same arithmetic, without a call per child)
         node_max = max(node.acc)
         opens = node.parent == -1  # the root: its first step always opens a stage
-        rem_next, sterms, jstar = self._rem[pos + 1], self._terms[pos + 1] if self._terms else (), self._jstar
+        rem_next, sterms, jstar = (
+            self._rem_h[pos + 1],
+            self._terms[pos + 1] if self._terms else (),
+            self._jstar,
+        )
+        opt_next = self._opt_j[pos + 1]
         seen, nodes, heap, counter, heappush = (
             self._seen,
             self._nodes,
@@ -329,7 +345,7 @@ class Search(Moves):
             self._counter,
             heapq.heappush,
         )
-        chain, updates = self._chain, self._updates
+        chain, updates, opt = self._chain, self._updates, self._opt
         upd_rows = updates.rows_at.get(pos, ()) if updates is not None else ()
         for c in self._ops[pos]:
             per_need, fail, t, f = self._need_options(c, props, comm)
@@ -367,8 +383,8 @@ class Search(Moves):
                 new_comm &= ~dies_comm
                 comp = c.comp
                 tail = node.tail
-                if self._has_inner and loads:
-                    comp, tail = self._with_inner_syncs(loads, comp, tail)
+                if loads and (self._has_inner or opt is not None):  # inner syncs, optimizer step
+                    comp, tail = self._with_loads(loads, comp, tail)
                 comm_t = 0.0
                 if not self.duplex:
                     comm_t += grad_t
@@ -388,15 +404,16 @@ class Search(Moves):
                 if self.duplex:
                     score = self._h_duplex(npos, base, copen, acc, tail, new_props)
                 else:  # base + self._h(npos, acc, new_props)
-                    h = max(map(operator.add, acc, rem_next))
-                    h2 = acc[jstar]
+                    acc_h = acc if opt is None else tuple(map(operator.add, acc, tail))  # with its optimizer
+                    h = max(map(operator.add, acc_h, rem_next))
+                    h2 = acc_h[jstar] + opt_next
                     for smask, stable, sadd, sjoint in sterms:
                         sp = new_props & smask
                         sv = stable.get(sp)
                         h2 += (sjoint.value(sp) if sv is None else sv) + sadd
                     score = base + (h2 if h2 > h else h)
                     if chain is not None and score < best_cost:
-                        h2 = base + acc[jstar] + chain.value(npos, new_props)
+                        h2 = base + acc_h[jstar] + opt_next + chain.value(npos, new_props)
                         if h2 > score:
                             score = h2
                 desc = f"{op.name}[{c.strategy.name}]" if record else ""
@@ -428,7 +445,7 @@ class Search(Moves):
                     score = base
                 key = (npos, new_props, new_comm)
                 if key not in seen and not self.duplex:  # the first program with these properties
-                    seen[key] = [(base, acc, ms)]
+                    seen[key] = [(base, acc, ms, tail)]
                 elif self._dominated_any(key, base, copen, acc, tail, ms):
                     self._stats.pruned_dominated += 1
                     if record:
@@ -436,9 +453,7 @@ class Search(Moves):
                     continue
                 step = Step(op.id, c.strategy, loads, convs)
                 child = _Node(nid, step, base, acc, npos, new_props, new_comm, score, complete, extra)
-                if self.duplex:
-                    child.copen, child.tail = copen, tail
-                child.ms, child.real = ms, real
+                child.copen, child.tail, child.ms, child.real = copen, tail, ms, real
                 cid = len(nodes)  # self._push(child), inlined
                 nodes.append(child)
                 heappush(heap, (score, next(counter), cid))
