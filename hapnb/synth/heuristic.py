@@ -53,9 +53,10 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
     """``local(op, compiled)``: a strategy's computation on device ``jstar`` (none with ``comm_only``)
     plus the communication of its own that the bounds count, in order: its single-consumer parameters'
     loads (with, on device-model devices, their part of the optimizer step on ``jstar``: a weight stored
-    replicated updates all its bytes there, :mod:`hapnb.synth.optimizer_step`) and an SFB sync. Plain loads' prices do not depend on the ratios (shared per cluster), an SFB
-    sync's do (shared per ratios); they are not shared where loads depend on the search (memory, storage
-    pins). Used by the spine bound, its side consumers (:mod:`hapnb.synth.heuristic_side`) and the chain bound."""
+    replicated updates all its bytes there, :mod:`hapnb.synth.optimizer_step`) and an SFB sync. Plain
+    loads' prices do not depend on the ratios (shared per cluster), an SFB sync's do (shared per ratios);
+    they are not shared where loads depend on the search (memory, storage pins). Used by the spine bound,
+    its side consumers (:mod:`hapnb.synth.heuristic_side`) and the chain bound."""
     g, tb = s.graph, s._tables
     single = tb.single_param
     plain = s._mem is None and not s.storage

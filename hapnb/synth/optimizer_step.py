@@ -35,7 +35,7 @@ class OptimizerStep:
         n_params = sum(1 for t in g.params if g.tensors[t].role == "param" and g.tensors[t].consumers)
         launches = cost_model.optimizer_launches(n_params)
         self.launches = tuple(launches[j] for j in self.reps)
-        self._of: dict[tuple[int, Any], tuple[float, ...]] = {}
+        self._of: dict[tuple[int, Any], tuple[float, ...] | None] = {}
 
     def part(self, ld: Load) -> tuple[float, ...] | None:
         """A load's part per device class (None: not a parameter)."""
@@ -101,7 +101,8 @@ class OptimizerStep:
     ) -> tuple[list[tuple[float, ...]], list[float]]:
         """The search heuristic's parts, per position: the remaining computation ``rem`` with the least step
         the rest adds, and that least step on device class ``jstar`` without the single-consumer weights
-        (``single``), whose parts the spine terms price with their loads (:func:`hapnb.synth.heuristic.local_pricer`)."""
+        (``single``), whose parts the spine terms price with their loads
+        (:func:`hapnb.synth.heuristic.local_pricer`)."""
         with_step = [tuple(a + b for a, b in zip(r, o)) for r, o in zip(rem, self.rest())]
         return with_step, [o[jstar] for o in self.rest(single)]
 
