@@ -17,7 +17,7 @@ from hapnb.triples import theory
 CLUSTERS = ["2xH100", "1xH100+1xA100"]
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(8))  # each cluster at throughput and at given ratios, twice
 def test_the_search_charges_the_optimizer_step_and_returns_the_brute_force_optimum(seed):
     th = theory(S.random_graph(seed), S.strategies)
     c = Cluster.parse(CLUSTERS[seed % 2])
