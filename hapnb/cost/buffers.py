@@ -30,7 +30,14 @@ from typing import Any
 from ..ir.forms import Form, I, R
 from ..ir.graph import DeferredProgram, Graph
 
-__all__ = ["UpdateRead", "UpdateCollective", "update_reads", "update_collectives"]
+__all__ = [
+    "UpdateRead",
+    "UpdateCollective",
+    "update_reads",
+    "update_inputs",
+    "update_kind",
+    "update_collectives",
+]
 
 
 @dataclass(frozen=True)
@@ -147,18 +154,29 @@ def update_collectives(graph: Graph, program: Sequence[Any]) -> tuple[UpdateColl
         for t, f in zip(op.outputs, st.strategy.outputs):
             forms.setdefault(t, set()).add(f)
     out: list[UpdateCollective] = []
-    done: set[int] = set()
-    for r in reads:
-        for tid in (*r.activations, *r.weights):
-            if tid in done:
-                continue
-            done.add(tid)
+    for buffer, tid in update_inputs(graph):
+        kind = update_kind(graph, tid, forms.get(tid, ()), tid in sharded)
+        if kind:
             t = graph.tensors[tid]
-            if t.role in ("param", "buffer", "const"):
-                kind = "all_gather" if tid in sharded else ""
-            else:
-                have = forms.get(tid, set())
-                kind = "" if I in have else "all_reduce" if R in have else "all_gather" if have else ""
-            if kind:
-                out.append(UpdateCollective(kind, tid, t.nbytes, r.buffer, t.name))
+            out.append(UpdateCollective(kind, tid, t.nbytes, buffer, t.name))
     return tuple(out)
+
+
+def update_inputs(graph: Graph) -> tuple[tuple[str, int], ...]:
+    """``(buffer, tensor)`` for each tensor the buffer updates of ``graph`` read, each once (with the
+    first buffer that reads it)."""
+    out: dict[int, str] = {}
+    for r in update_reads(graph):
+        for tid in (*r.activations, *r.weights):
+            out.setdefault(tid, r.buffer)
+    return tuple((b, t) for t, b in out.items())
+
+
+def update_kind(graph: Graph, tensor: int, forms: Iterable[Form], sharded: bool) -> str:
+    """The collective a buffer update runs on ``tensor`` ("" for none): a weight (parameter, buffer or
+    constant) stored sharded (``sharded``) is all-gathered; a statistic the program makes in ``forms`` costs
+    nothing if one of them is replicated, else is all-reduced if one is partial, all-gathered if sharded."""
+    if graph.tensors[tensor].role in ("param", "buffer", "const"):
+        return "all_gather" if sharded else ""
+    have = set(forms)
+    return "" if I in have else "all_reduce" if R in have else "all_gather" if have else ""

@@ -59,7 +59,7 @@ from ..ir.forms import Form, I
 from ..ir.graph import Graph, Op
 from ..rules import Strategy
 from ..triples import Theory
-from .buffers import update_collectives
+from .buffers import UpdateCollective, update_collectives
 from .memory import MEMORY_CATEGORIES, SAVED_FOR_BACKWARD, memory_breakdown
 from .memory import is_alias as _is_alias
 
@@ -599,7 +599,11 @@ class CostModel:
     def update_terms(self, program: Sequence[Step]) -> tuple[Term, ...]:
         """The collectives of the buffer updates after the forward (:mod:`.buffers`), forward only."""
         cs = update_collectives(self.graph, program) if self.n > 1 else ()
-        return tuple(Term(c.kind, self._t(c.kind, float(c.nbytes)), 0.0, 0, c.what) for c in cs)
+        return tuple(self.update_term(c) for c in cs)
+
+    def update_term(self, c: UpdateCollective) -> Term:
+        """One buffer update's collective: forward only, independent of the ratios (whole tensors)."""
+        return Term(c.kind, self._t(c.kind, float(c.nbytes)), 0.0, 0, c.what)
 
     def step_comp(self, step: Step, ratios: Sequence[Sequence[float]]) -> tuple[float, ...]:
         v = list(self.comp(step.op, step.strategy, ratios))

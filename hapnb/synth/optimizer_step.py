@@ -73,38 +73,42 @@ class OptimizerStep:
     def least(self, t: int, f: Any, lean: bool) -> tuple[float, ...]:
         """Parameter ``t`` used in form ``f``: its part stored as ``f`` (``lean``: where its storage may still
         be sharded, as a deferred or ZeRO-pinned one, the least over its sharded forms and ``f``)."""
-        forms = [f, *(x for x in self._forms(t) if x.kind == "G")] if lean and f.kind == "I" else [f]
-        return tuple(map(min, zip(*(self.part(Load(t, x)) for x in forms))))
-
-    def rest(self, skip: Sequence[bool] = ()) -> list[tuple[float, ...]]:
-        """Per position (0 .. number of ops), the least optimizer step per device class that the program
-        still adds from there: the launches, and each parameter not loaded yet (its first consumer at or
-        after the position) in its leanest storage, but those ``skip`` marks (priced elsewhere). A lower
-        bound for the search's heuristic."""
-        g = self.cm.graph
-        at = [[0.0] * len(self.reps) for _ in range(len(g.ops) + 1)]
-        for t in g.params:
-            tr = g.tensors[t]
-            if tr.role != "param" or not tr.consumers or (skip and skip[t]):
-                continue
-            row = at[min(tr.consumers)]
-            for j, v in enumerate(map(min, zip(*(self.part(Load(t, f)) for f in self._forms(t))))):
-                row[j] += v
-        out = [self.launches]
-        for row in reversed(at[:-1]):
-            out.append(tuple(a + b for a, b in zip(out[-1], row)))
-        out.reverse()
-        return out
+        return self._least(
+            t, [f, *(x for x in self._forms(t) if x.kind == "G")] if lean and f.kind == "I" else [f]
+        )
 
     def bounds(
         self, rem: Sequence[tuple[float, ...]], jstar: int, single: Sequence[bool]
     ) -> tuple[list[tuple[float, ...]], list[float]]:
-        """The search heuristic's parts, per position: the remaining computation ``rem`` with the least step
-        the rest adds, and that least step on device class ``jstar`` without the single-consumer weights
-        (``single``), whose parts the spine terms price with their loads
-        (:func:`hapnb.synth.heuristic.local_pricer`)."""
-        with_step = [tuple(a + b for a, b in zip(r, o)) for r, o in zip(rem, self.rest())]
-        return with_step, [o[jstar] for o in self.rest(single)]
+        """The search heuristic's parts, per position (0 .. number of ops): the remaining computation
+        ``rem`` with the least step the program still adds from there (the launches, and each parameter not
+        loaded yet, its first consumer at or after the position, in its leanest storage), and that least step
+        on device class ``jstar`` without the single-consumer weights (``single``), whose parts the spine
+        terms price with their loads (:func:`hapnb.synth.heuristic.local_pricer`)."""
+        g = self.cm.graph
+        every = [[0.0] * len(self.reps) for _ in range(len(g.ops) + 1)]  # by the position first loaded
+        off_spine = [0.0] * (len(g.ops) + 1)
+        for t in g.params:
+            tr = g.tensors[t]
+            if tr.role != "param" or not tr.consumers:
+                continue
+            v, first = self._least(t, self._forms(t)), min(tr.consumers)
+            for j, x in enumerate(v):
+                every[first][j] += x
+            if not single[t]:
+                off_spine[first] += v[jstar]
+        with_step, on_j = [], []
+        acc, acc_j = list(self.launches), self.launches[jstar]
+        for pos in range(len(g.ops), -1, -1):  # suffix sums, from the end
+            acc = [a + b for a, b in zip(acc, every[pos])]
+            acc_j += off_spine[pos]
+            with_step.append(tuple(a + b for a, b in zip(rem[pos], acc)))
+            on_j.append(acc_j)
+        return with_step[::-1], on_j[::-1]
+
+    def _least(self, t: int, forms: Sequence[Any]) -> tuple[float, ...]:
+        """Parameter ``t``'s least part over its storage ``forms``, per device class."""
+        return tuple(map(min, zip(*(self.part(Load(t, f)) for f in forms))))
 
     def _forms(self, t: int) -> list[Any]:
         """The storage forms parameter ``t`` can have (replicated or sharded)."""

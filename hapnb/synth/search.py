@@ -207,7 +207,7 @@ class Search(Moves):
         if self.memory:
             self._mem = MemoryTracker(self)
         # batch norm's running-statistics updates, charged where decided (the duplex time leaves them out)
-        upd = BufferUpdates(self.graph, self.theory, self._tables, self.cost_model)
+        upd = BufferUpdates(self.graph, self._tables, self.cost_model)
         self._updates = upd if upd and not self.duplex else None
         # device models' optimizer step, in the last stage (the duplex time leaves it out)
         models = any(m is not None for m in self.cost_model.models)

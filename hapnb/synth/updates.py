@@ -18,52 +18,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..cost.buffers import update_reads
+from ..cost.buffers import UpdateCollective, update_inputs, update_kind
 
 __all__ = ["BufferUpdates"]
-
-#: a statistic's row: (its form bits, the bits of its I forms, of its R forms, all-reduce s, all-gather s)
-Row = tuple[int, int, int, float, float]
 
 
 class BufferUpdates:
     """The update charges of one search: :meth:`step` for a step's dying statistics and loads, :meth:`end`
-    for the statistics no op reads. ``rows_at[pos]`` holds the statistics whose last reader is op ``pos``."""
+    for the statistics no op reads. ``rows_at[pos]`` holds the statistics (tensor, its form bits) whose last
+    reader is op ``pos``. The rule and the price are the cost model's
+    (:func:`hapnb.cost.buffers.update_kind`, :meth:`hapnb.cost.model.CostModel.update_term`), kept per
+    (tensor, present forms)."""
 
-    def __init__(self, graph: Any, theory: Any, tables: Any, cost_model: Any) -> None:
-        self.rows_at: dict[int, list[Row]] = {}
-        self.end_rows: list[Row] = []
+    def __init__(self, graph: Any, tables: Any, cost_model: Any) -> None:
+        self.graph, self.tables, self.cm = graph, tables, cost_model
+        self.rows_at: dict[int, list[tuple[int, int]]] = {}
+        self.end_rows: list[tuple[int, int]] = []
         self.weights: dict[int, float] = {}  # an update-read weight -> its all-gather when stored sharded
+        self._s: dict[tuple[int, int], float] = {}
         if cost_model.n <= 1:
             return
-        done: set[int] = set()
-        for r in update_reads(graph):
-            for t in (*r.activations, *r.weights):
-                if t in done:
-                    continue
-                done.add(t)
-                tr = graph.tensors[t]
-                gather = cost_model._t("all_gather", float(tr.nbytes))
-                if tr.role in ("param", "buffer", "const"):
-                    self.weights[t] = gather
-                    continue
-                ibits = rbits = 0
-                for f, b in zip(theory.forms[t], tables.bits_of[t]):
-                    if f.kind == "I":
-                        ibits |= b
-                    elif f.kind == "R":
-                        rbits |= b
-                row = (tables.tmask[t], ibits, rbits, cost_model._t("all_reduce", float(tr.nbytes)), gather)
-                last = tables.last_use[t]
-                (self.rows_at.setdefault(last, []) if last >= 0 else self.end_rows).append(row)
+        for _, t in update_inputs(graph):
+            gather = self._seconds(t, update_kind(graph, t, (), True))
+            if gather:  # a weight: charged when it is loaded stored sharded
+                self.weights[t] = gather
+                continue
+            last = tables.last_use[t]
+            (self.rows_at.setdefault(last, []) if last >= 0 else self.end_rows).append((t, tables.tmask[t]))
 
     def __bool__(self) -> bool:
         return bool(self.rows_at or self.end_rows or self.weights)
 
-    def step(self, rows: Sequence[Row], props: int, loads: Sequence[Any]) -> float:
+    def step(self, rows: Sequence[tuple[int, int]], props: int, loads: Sequence[Any]) -> float:
         """Seconds decided by a step: its dying statistics' (``rows``, with the step's properties ``props``
         before they die) and the update-read weights it loads stored sharded."""
-        v = _charge(rows, props)
+        v = self._charge(rows, props)
         if self.weights:
             for ld in loads:
                 if ld.tensor in self.weights and ld.storage.kind == "G":
@@ -72,13 +61,27 @@ class BufferUpdates:
 
     def end(self, props: int) -> float:
         """Seconds of the statistics no op reads, from a complete program's properties."""
-        return _charge(self.end_rows, props)
+        return self._charge(self.end_rows, props)
 
+    def _charge(self, rows: Sequence[tuple[int, int]], props: int) -> float:
+        v = 0.0
+        for t, mask in rows:
+            have = props & mask
+            if have:
+                x = self._s.get((t, have))
+                if x is None:
+                    forms, bits = [], have
+                    while bits:
+                        low = bits & -bits
+                        forms.append(self.tables.forms_of_bit[low][1])
+                        bits ^= low
+                    x = self._s[(t, have)] = self._seconds(t, update_kind(self.graph, t, forms, False))
+                v += x
+        return v
 
-def _charge(rows: Sequence[Row], props: int) -> float:
-    v = 0.0
-    for mask, ibits, rbits, reduce_s, gather_s in rows:
-        have = props & mask
-        if have and not have & ibits:
-            v += reduce_s if have & rbits else gather_s
-    return v
+    def _seconds(self, t: int, kind: str) -> float:
+        """The cost model's price of an update's ``kind`` collective on tensor ``t`` (0 for none)."""
+        if not kind:
+            return 0.0
+        nbytes = self.graph.tensors[t].nbytes
+        return self.cm.update_term(UpdateCollective(kind, t, nbytes, "")).const  # no ratio in it
