@@ -702,8 +702,14 @@ def proven_gap(cost_s: float, stats: Mapping[str, Any]) -> float:
     might be: ``(cost_s - bound) / cost_s`` with ``bound`` the least lower bound proven by a search that
     stopped at its budget (``stats["bound_s"]``); 0 when every search proved its program optimal or no
     stopped search could beat ``cost_s``. A stopped search whose bound is above the plan's cost (say, a
-    tensor-parallel seed) does not count: nothing in its space beats the plan."""
+    tensor-parallel seed) does not count: nothing in its space beats the plan. Once the loop proved its best
+    program optimal (``stats["optimal"]``, also by bound), the gap is 0 even where the plan is a costlier
+    candidate the simulator preferred: the proof stands, and the plan's own place is ``stats["cost_rank"]``.
+
+    >>> round(proven_gap(1.0, {"optimal": False, "bound_s": 0.9}), 6), proven_gap(1.0, {"optimal": True, "bound_s": 0.9})
+    (0.1, 0.0)
+    """
     bound = stats.get("bound_s")
-    if bound is None or cost_s <= 0:
+    if bound is None or cost_s <= 0 or stats.get("optimal"):
         return 0.0
     return max(0.0, (cost_s - bound) / cost_s)
