@@ -14,7 +14,7 @@ is the optimum.
 A :class:`Rejoin` is ``x`` (made by spine op ``made``, the spine input of op ``spine``) and the later spine op
 ``at`` that takes it. For the positions ``(made, at]`` the DP keeps, as a state, the form ``b`` that op
 ``at`` takes ``x`` in: at op ``at`` only the strategies that take ``x`` in ``b`` are allowed; where ``x`` is
-the live spine tensor (positions ``(made, spine]``) its :class:`~hapnb.synth.heuristic_side.Joint` has one more
+the live spine tensor (positions ``(made, spine]``) its :class:`~hapnb.synth.heuristic_joint.Joint` has one more
 consumer that needs ``b`` (so ``b`` is made once, shared with the spine op and the sides that take it); after
 ``x``'s spine consumer (positions ``(spine, at]``) the term pays the cheapest collective from a present form
 of ``x`` to ``b`` (nothing when ``b`` is present). The term's value is the least over the states

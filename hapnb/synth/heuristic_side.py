@@ -44,15 +44,16 @@ ops before the spine consumer that are on no path (their cheapest strategy).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..triples import LOADABLE_ROLES
 from .heuristic import bound_device, local_pricer, price_matrices
+from .heuristic_diamond import Least, coupled_joint, find_diamonds
+from .heuristic_joint import Joint, Term
 from .heuristic_rejoin import Layout, Merge, coupled_term, find_merges, find_rejoins
 
-__all__ = ["MAX_SIDES", "Joint", "Term", "side_terms", "term_value"]
+__all__ = ["MAX_SIDES", "side_terms"]
 
 #: the most side consumers coupled with one spine tensor (the facility-location step enumerates subsets of
 #: the tensor's forms, so this keeps it small; further consumers count their cheapest strategy)
@@ -60,78 +61,6 @@ MAX_SIDES = 16
 #: the most ops on one branch (:func:`_branches`)
 MAX_BRANCH = 256
 _INF = float("inf")
-
-#: (mask of the tensor's form bits, cache: present bits -> value, constant added, the Joint)
-Term = tuple[int, dict[int, float], float, "Joint"]
-
-
-class Joint:
-    """The cheapest way to serve a tensor's pending consumers from its present forms: ``tabs[c][b]`` is
-    consumer ``c``'s cost (its op and, for the spine op, everything after it) when it takes the tensor in
-    form ``b``; ``price[a][b]`` the cheapest collective from form ``a`` to ``b``; ``bits[b]`` form ``b``'s
-    property bit. :meth:`value` is memoised per present-form bits in :attr:`table`."""
-
-    __slots__ = ("tabs", "price", "bits", "table")
-
-    def __init__(
-        self, tabs: Sequence[Sequence[float]], price: Sequence[Sequence[float]], bits: Sequence[int]
-    ):
-        self.tabs = [list(t) for t in tabs]
-        self.price = price
-        self.bits = bits
-        self.table: dict[int, float] = {}
-
-    def value(self, present: int) -> float:
-        """The bound for the present forms (bits); none present: the tensor is made later, in one form."""
-        v = self.table.get(present)
-        if v is None:
-            if present:
-                v = self._solve([k for k, b in enumerate(self.bits) if present & b])
-            else:
-                v = min((self._solve([k]) for k in range(len(self.bits))), default=_INF)
-            self.table[present] = v
-        return v
-
-    def _solve(self, have: list[int]) -> float:
-        """The least cost of the consumers' forms with ``have`` present. A tensor is converted at most once
-        (the search's rule), so its forms are the one it was made in and at most one more: with one form
-        present, at most one form is made (the cheapest collective from it; a slice of a replicated form is
-        free but still the tensor's one conversion); with two present, none."""
-        tabs = self.tabs
-        if len(have) > 1:  # converted already: every consumer takes a present form
-            v = 0.0
-            for t in tabs:
-                v += min([t[b] for b in have])
-            return v
-        a = have[0]
-        made = list(self.price[a])  # the cheapest collective from the present form to each form
-        made[a] = 0.0
-        if len(tabs) == 1:  # one consumer: its cheapest form, made if need be
-            return min(map(operator.add, made, tabs[0]), default=_INF)
-        best = 0.0  # no form made: every consumer takes the present one
-        for t in tabs:
-            best += t[a]
-        for b, m in enumerate(made):
-            if b == a or m >= best:
-                continue
-            v = m  # form b made: every consumer takes the better of the two
-            for t in tabs:
-                v += t[a] if t[a] < t[b] else t[b]
-                if v >= best:
-                    break
-            if v < best:
-                best = v
-        return best
-
-
-def term_value(terms: Sequence[Term], props: int) -> float:
-    """The sum of the terms for a node's properties (what the search's hot loop computes inline)."""
-    h = 0.0
-    for mask, table, add, joint in terms:
-        p = props & mask
-        v = table.get(p)
-        h += (joint.value(p) if v is None else v) + add
-    return h
 
 
 def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
@@ -189,7 +118,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         for b, _, out in br:
             for pos in range(b + 1, consumer_of[out] + 1):
                 pend = [o for o in sides.get(out, ()) if o >= pos]
-                j = bt.branch_joint(out, bt.by_ins[-1 - b], pend)
+                j = bt.term_joint(out, bt.by_ins[-1 - b], pend)
                 terms[pos] = terms[pos] + ((_mask(tb.bits_of[out]), j.table, 0.0, j),)
     # side terms: a spine tensor whose spine consumer ran, with sides still to run
     for x, os_ in sides.items():
@@ -249,6 +178,8 @@ class _BranchTables:
         self.merge_tabs: dict[int, list[float]] = {}
         self.solved: set[int] = set()
         self._joints: dict[tuple[int, int], Joint] = {}
+        #: a branch tensor's diamond-coupled value (:mod:`hapnb.synth.heuristic_diamond`) while its sides pend
+        self.coupled: dict[int, Least] = {}
 
     def plain_tab(self, o: int, x: int) -> list[float]:
         """Side op ``o``'s cheapest strategy per form it takes ``x`` in."""
@@ -277,12 +208,22 @@ class _BranchTables:
         key = (x, len(pend))
         j = self._joints.get(key) if cache else None
         if j is None:
-            j = Joint(
-                [by_in] + [self.side_tab(o, x) for o in pend], self.price_matrix(x), self.s._tables.bits_of[x]
-            )
+            j = self.joint(x, [by_in] + [self.side_tab(o, x) for o in pend])
             if cache:
                 self._joints[key] = j
         return j
+
+    def joint(self, x: int, tabs: list[list[float]]) -> Joint:
+        """The :class:`Joint` of tensor ``x``'s consumers with these tables."""
+        return Joint(tabs, self.price_matrix(x), self.s._tables.bits_of[x])
+
+    def term_joint(self, x: int, by_in: list[float], pend: list[int]) -> Joint | Least:
+        """Branch tensor ``x``'s term with its sides ``pend`` still to run: coupled with its diamond
+        (:mod:`hapnb.synth.heuristic_diamond`) while every side is pending, else :meth:`branch_joint`."""
+        least = self.coupled.get(x)
+        if least is not None and len(pend) == len(self.sides.get(x, ())):
+            return least
+        return self.branch_joint(x, by_in, pend)
 
     def charge_before(self, b: int, v: float) -> None:
         """Count ``v`` at every position up to op ``b``: in the latest op's cheapest cost up to ``b`` that is
@@ -295,14 +236,18 @@ class _BranchTables:
         if p < b:
             _add_constant(self.terms, p + 1, b + 1, v)
 
-    def back(self, b: int, x: int, out: int, nxt: Sequence[float]) -> list[float]:
+    def back(
+        self, b: int, x: int, out: int, nxt: Sequence[float], allow: Callable[[Any], bool] | None = None
+    ) -> list[float]:
         """Branch op ``b``'s cost per form it takes its path input ``x`` in, ``nxt`` valuing its output
-        ``out``'s forms (with what follows)."""
+        ``out``'s forms (with what follows); ``allow``: which of its strategies count (default all)."""
         s = self.s
         g, entries = s.graph, s._tables.entries
         k_in, k_out = g.ops[b].inputs.index(x), g.ops[b].outputs.index(out)
         tab = [_INF] * len(s.theory.forms[x])
         for c in s._ops[b]:
+            if allow is not None and not allow(c):
+                continue
             e = entries[b][c.index]
             v = self.local(b, c) + nxt[e.out_forms[k_out]]
             if v < tab[e.in_forms[k_in]]:
@@ -316,10 +261,20 @@ class _BranchTables:
         self.solved.add(br[0][0])
         y = br[-1][2]
         nxt_tab = self.merge_tabs.get(y) or [0.0] * len(s.theory.forms[y])
+        diamonds = find_diamonds(s, br, self.sides, self.heads)
+        merge_ops = {d.at for d in diamonds.values()}
+        nxt_of: dict[int, list[float]] = {}  # a diamond's merge op -> the values of its output's forms
         for b, src, out in reversed(br):
             self.by_ins[-1 - b] = nxt_tab  # the consumer's tab of ``out``
-            at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())))
+            d = diamonds.get(out)
+            at: Joint | Least
+            if d is not None:
+                at = self.coupled[out] = coupled_joint(self, br, d, nxt_of[d.at], self.head_to)
+            else:
+                at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())))
             nxt = [at.value(bit) for bit in bits_of[out]]
+            if b in merge_ops:
+                nxt_of[b] = nxt
             if src < 0 and b not in self.anchors:  # its first op: its best strategy, counted before it
                 k_out = g.ops[b].outputs.index(out)
                 best = min(self.local(b, c) + nxt[entries[b][c.index].out_forms[k_out]] for c in s._ops[b])
@@ -331,11 +286,16 @@ class _BranchTables:
         """A coupled merge's head with its branch, per form it takes ``m.x`` in, the branch ending in form
         ``f`` at the merge op (whose cost the spine DP counts in that state); nothing is cached under the
         branch's own keys."""
+        return self.head_to(m.head, m.x, m.y, f)
+
+    def head_to(self, head: int, x: int, y: int, f: int) -> list[float]:
+        """Side op ``head`` of ``x`` with its branch, per form it takes ``x`` in, the branch's output ``y``
+        taken in form ``f`` by the op it merges into (made in ``f`` or converted to it)."""
         bits_of = self.s._tables.bits_of
-        nxt_tab = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[m.y]))]
-        for b, src, out in reversed(self.heads[m.head]):
+        nxt_tab = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[y]))]
+        for b, src, out in reversed(self.heads[head]):
             at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())), cache=False)
-            nxt_tab = self.back(b, m.x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
+            nxt_tab = self.back(b, x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
         return nxt_tab
 
 

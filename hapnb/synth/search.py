@@ -73,7 +73,8 @@ from .chain_bound import NEAR, SWITCH_AFTER, ChainBound, switch
 from .dominance import duplex_dominated, plain_dominated
 from .duplex import label_close, label_step, priority
 from .heuristic import spine_bound, spine_value
-from .heuristic_side import Term, side_terms, term_value
+from .heuristic_joint import Term, term_value
+from .heuristic_side import side_terms
 from .memory_prune import MemoryTracker
 from .moves import _UNMET, Moves, stage_step
 from .optimizer_step import OptimizerStep
