@@ -17,7 +17,9 @@ into gives it its share of its cost by the form it takes the branch in (what tha
 cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
 tensor's side; so is one whose input a side op makes (a parallel block's MLP after its first projection:
 that op heads the branch, so the form it makes is the form the branch starts in). A branch merging into a
-spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`). A parameter that
+spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`); a side's branch that
+merges back into a later op of its tensor's own branch (a decoder's self-attention off the spine) is coupled
+in the branch DP (:mod:`hapnb.synth.heuristic_diamond`). A parameter that
 several spine ops take (tied embeddings, :func:`_tied`), or that a spine op takes after an op off the spine
 (Whisper's decoder embedding), is loaded once in one form: the spine DP keeps its form as a state read from
 the properties (:class:`Tied`), and pays its load (its gradient's sync) where the DP first loads it if no
