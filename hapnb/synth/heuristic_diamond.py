@@ -24,8 +24,10 @@ coupled first, while the states stay at most :data:`MAX_DIAMOND_STATES`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
+
+from .heuristic_rejoin import taken_forms
 
 __all__ = ["MAX_DIAMOND_STATES", "Diamond", "Least", "find_diamonds", "coupled_joint"]
 
@@ -35,13 +37,13 @@ _INF = float("inf")
 
 
 class Diamond(NamedTuple):
-    """Branch tensor ``x``, its path consumer ``consumer`` (``P``) and the later path op ``at`` (``m``) into which
-    the branches of the side ops ``heads`` merge: per head, (head op, its branch's output ``y``, ``m``'s input
-    index of ``y``, the forms ``m`` takes ``y`` in)."""
+    """Branch tensor ``x``, the later path op ``at`` (``m``) into which the branches of the side ops ``heads``
+    merge, and the places in the branch of ``x``'s path consumer (``P``) and of ``m`` (``span``); per head,
+    (head op, its branch's output ``y``, ``m``'s input index of ``y``, the forms ``m`` takes ``y`` in)."""
 
     x: int
-    consumer: int
     at: int
+    span: tuple[int, int]
     heads: tuple[tuple[int, int, int, tuple[int, ...]], ...]
 
 
@@ -70,10 +72,10 @@ def find_diamonds(
     """The diamonds of branch ``br`` (a list of (op, path input, output) in program order) by their tensor
     ``x``: a side op of ``x`` heading a branch (``heads``: head op -> its branch) whose output a later op of
     ``br`` takes once. Per ``x`` one merge op (the one the largest head output merges into)."""
-    g, entries = s.graph, s._tables.entries
+    g = s.graph
     index = {b: n for n, (b, _, _) in enumerate(br)}
     out: dict[int, Diamond] = {}
-    for n, (p_op, x, _) in enumerate(br):
+    for n, (_, x, _) in enumerate(br):
         if x < 0:
             continue
         cands = []
@@ -86,8 +88,7 @@ def find_diamonds(
             if at < 0 or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
                 continue
             k = g.ops[at].inputs.index(y)
-            forms = tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))
-            cands.append((-g.tensors[y].numel, y, o, at, k, forms))
+            cands.append((-g.tensors[y].numel, y, o, at, k, taken_forms(s, at, k)))
         if not cands:
             continue
         cands.sort()
@@ -98,29 +99,23 @@ def find_diamonds(
                 kept.append((o, y, k, forms))
                 size *= len(forms)
         if kept:
-            out[x] = Diamond(x, p_op, at, tuple(kept))
+            out[x] = Diamond(x, at, (n, index[at]), tuple(kept))
     return out
 
 
-def coupled_joint(
-    bt: Any,
-    br: Sequence[tuple[int, int, int]],
-    d: Diamond,
-    nxt_at: Sequence[float],
-    head_to: Callable[[int, int, int, int], list[float]],
-) -> Least:
+def coupled_joint(bt: Any, br: Sequence[tuple[int, int, int]], d: Diamond, nxt_at: Sequence[float]) -> Least:
     """``d.x``'s value (:class:`Least`) from the values of ``d.at``'s output forms (``nxt_at``, with what
-    follows): per state, the path's table from ``d.at`` back to ``d.consumer`` restricted to the strategies
-    of ``d.at`` that take each head's output in the state's form, joined at ``x`` with each head's branch
-    ending in that form (``head_to(head, x, y, form)``) and ``x``'s other sides. ``bt``: the branch tables
-    (:class:`hapnb.synth.heuristic_side._BranchTables`)."""
+    follows): per state, the path's table from ``d.at`` back to ``x``'s path consumer restricted to the
+    strategies of ``d.at`` that take each head's output in the state's form, joined at ``x`` with each head's
+    branch ending in that form (``bt.head_to``, once per head and form) and ``x``'s other sides. ``bt``: the
+    branch tables (:class:`hapnb.synth.heuristic_side._BranchTables`)."""
     bits_of = bt.s._tables.bits_of
     entries = bt.s._tables.entries[d.at]
-    index = {b: n for n, (b, _, _) in enumerate(br)}
-    lo, hi = index[d.consumer], index[d.at]
+    lo, hi = d.span
     m, src_m, out_m = br[hi]
     coupled = {o for o, _, _, _ in d.heads}
     others = [bt.side_tab(o, d.x) for o in bt.sides.get(d.x, ()) if o not in coupled]
+    head_tabs = {(o, f): bt.head_to(o, d.x, y, f) for o, y, _, forms in d.heads for f in forms}
     joints = []
     for st in itertools.product(*(forms for _, _, _, forms in d.heads)):
         checks = [(k, f) for (_, _, k, _), f in zip(d.heads, st)]
@@ -135,6 +130,6 @@ def coupled_joint(
             tab = bt.back(b, src, out, [at.value(bit) for bit in bits_of[out]])
         if min(tab) == _INF:
             continue  # no strategy of the merge op takes the heads' outputs in these forms
-        heads = [head_to(o, d.x, y, f) for (o, y, _, _), f in zip(d.heads, st)]
+        heads = [head_tabs[(o, f)] for (o, _, _, _), f in zip(d.heads, st)]
         joints.append(bt.joint(d.x, [tab, *heads, *others]))
     return Least(joints)

@@ -66,6 +66,7 @@ __all__ = [
     "Layout",
     "Coupled",
     "coupled_term",
+    "taken_forms",
 ]
 
 #: the most DP states at one position (the product of the coupled tensors' forms and the tied parameter's)
@@ -135,7 +136,7 @@ def find_rejoins(
             continue
         at = min(later)
         k = g.ops[at].inputs.index(x)
-        found.append(Rejoin(x, made, i1, at, k, _taken_forms(s, at, k)))
+        found.append(Rejoin(x, made, i1, at, k, taken_forms(s, at, k)))
     cands: list[Coupling] = [*found, *merges]
     cands.sort(
         key=lambda r: (-g.tensors[_coupled(r)].numel, r.at - r.made, _coupled(r), isinstance(r, Merge))
@@ -181,7 +182,7 @@ def find_merges(
             continue  # x is not a spine tensor
         k = g.ops[at].inputs.index(y)
         taken.add(x)
-        out.append(Merge(x, made, spine, head, y, at, k, _taken_forms(s, at, k)))
+        out.append(Merge(x, made, spine, head, y, at, k, taken_forms(s, at, k)))
     return out
 
 
@@ -193,7 +194,7 @@ def _spine_made(s: Any, x: int) -> int | None:
     return made
 
 
-def _taken_forms(s: Any, at: int, k: int) -> tuple[int, ...]:
+def taken_forms(s: Any, at: int, k: int) -> tuple[int, ...]:
     """The forms (indices) in which op ``at``'s strategies take its input ``k``."""
     entries = s._tables.entries
     return tuple(sorted({entries[at][c.index].in_forms[k] for c in s._ops[at]}))

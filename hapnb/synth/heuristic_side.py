@@ -271,7 +271,7 @@ class _BranchTables:
             d = diamonds.get(out)
             at: Joint | Least
             if d is not None:
-                at = self.coupled[out] = coupled_joint(self, br, d, nxt_of[d.at], self.head_to)
+                at = self.coupled[out] = coupled_joint(self, br, d, nxt_of[d.at])
             else:
                 at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())))
             nxt = [at.value(bit) for bit in bits_of[out]]
