@@ -65,7 +65,9 @@ __all__ = [
 #: stopped at the budget.
 MEMORY_EXPANSIONS, MEMORY_EXPANSIONS_PER_OP = 1000, 4
 #: With memory bound, a baseline seed that improves the best cost by less than this fraction is kept as the
-#: best without the Q/B rounds from its ratios (each a memory-aware search and LP).
+#: best without the Q/B rounds from its ratios (each a memory-aware search and LP), and a Q/B round stops
+#: where its LP gains less than this fraction over the ratios its memory-aware search (stopped at its budget)
+#: ran at.
 MEMORY_MIN_GAIN = 1e-3
 
 
@@ -638,6 +640,11 @@ class _Loop:
                 break
             if _same_ratios(self.best[3], s.ratios):  # type: ignore[index]
                 break  # the LP kept the ratios the search ran at: the next search would return the same program
+            if self.mem_on and not res.optimal and self.best[0] > res.cost * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
+                # memory: the LP's ratios gain this little over those the search ran at, not worth another
+                # memory-aware search (a costly one, stopped at its budget like this one) from ratios this close
+                self.stats["memory_rounds_cut"] = self.stats.get("memory_rounds_cut", 0) + 1
+                break
             B = self.best[3]  # type: ignore[index]
         return it
 
