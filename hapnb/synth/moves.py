@@ -4,7 +4,8 @@ A step runs one strategy of the next op. :class:`Moves` (the base of :class:`hap
 compiles each op's strategies that the pins allow into :class:`_Compiled` moves with their per-device
 computation, and answers, in the hot loop, how a strategy gets each input form it needs from the node's
 state: present already, a load (plain, SFB, or a ZeRO storage's gather), or a collective from a form the
-tensor has (:data:`~hapnb.synth.heuristic.CONVERSIONS`), each priced at the search's ratios. Prices are
+tensor has (:data:`~hapnb.synth.heuristic.CONVERSIONS`; outside the duplex search only the cheapest of
+them, as every one leaves the same state), each priced at the search's ratios. Prices are
 shared through the search's ``shared`` dict by the searches of one re-planning context at the same
 ratios (a collective's price per price class of tensors; a plain load's per cluster).
 """
@@ -111,6 +112,7 @@ class Moves:
             "conv_opts", {}
         )
         self._grouped = 0 if self.options["grouped"] else 1  # which list of the pair
+        self._conv_one: dict[tuple[int, int, int], list[Any]] = self._shared.setdefault("conv_one", {})
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
         self._conv_t: dict[tuple[int, str, int], float] = self._shared.setdefault("conv_t", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
@@ -179,6 +181,22 @@ class Moves:
                     opts[1].append(x)
         return opts
 
+    def _cheapest_option(self, have: int, bit: int, opts: list[Any]) -> list[Any]:
+        """Of the collectives that give a needed form (``opts``), the cheapest alone (the first of equal
+        ones). Every one of them leaves the same state (the form added, the tensor's token spent) and
+        differs only in seconds, so a costlier one's child is dominated by the cheapest's: with other
+        communication in the step both close the stage and the cheapest is no costlier; where only the
+        cheapest is free, its step joins the open stage, which no completion makes costlier than closing it
+        and paying more (a stage's maximum over devices is at most the sum of its parts' maxima). Keeping one
+        option per need stops the product over an op's needs from exploding: a Mamba block's ``stack`` of
+        16 scan steps, each given in another form, made 65,536 children per expansion. Not for the duplex
+        time (its labels are compared on a Pareto front)."""
+        key = (have, bit, self._grouped)
+        one = self._conv_one.get(key)
+        if one is None:
+            one = self._conv_one[key] = [min(opts, key=lambda x: x[4])]
+        return one
+
     def _fixed(self, op: int, c: _Compiled) -> tuple[float, ...]:
         """A compiled strategy's own communication seconds, in the order the cost adds them: its re-cuts of
         inputs from another ratio segment, then its SFB sync."""
@@ -224,6 +242,8 @@ class Moves:
             opts = pair[self._grouped]
             if not opts:
                 return per_need, 3, t, f
+            if len(opts) > 1 and not self.duplex:
+                opts = self._cheapest_option(have, bit, opts)
             per_need.append(opts)
         return per_need, 0, -1, None
 

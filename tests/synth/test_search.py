@@ -116,3 +116,97 @@ def test_grouped_broadcast_wins_on_skewed_ratios_padded_on_even():
 
     assert gather_kind([1.0] * 8) == ["all_gather"]  # even: no padding, one launch
     assert gather_kind([0.93] + [0.01] * 7) == ["grouped_all_gather"]  # skewed: padding would be 8x
+
+
+def _sumk_strategies(graph, op):
+    """:func:`synthetic.strategies`, and for ``sumk`` (the sum of k same-shaped tensors) one strategy per
+    form every input and the output share: replicated, each dim sharded, partial."""
+    if op.target != "sumk":
+        return S.strategies(graph, op)
+    from hapnb.rules import Strategy
+
+    k, nd, F = len(op.inputs), len(graph.tensors[op.outputs[0]].shape), op.flops
+    out = [Strategy("replicated", (I,) * k, (I,), 0.0, 3 * F), Strategy("R", (R,) * k, (R,), 0.0, 3 * F)]
+    return out + [Strategy(f"G{d}", (G(d),) * k, (G(d),), 3 * F, 0.0) for d in range(nd)]
+
+
+def _sumk_graph(k: int, batch: int = 16, d: int = 32):
+    """k matmuls of one input, each free to leave its output in another form (data: G0, column: G1, row:
+    R, replicated: I), summed by one op that takes all k at once (as a Mamba block's ``stack`` of its scan
+    steps): each input it needs in another form has up to two collectives to get there."""
+    b = S.Builder()
+    x = b.tensor("x", (batch, d), "input")
+    hs = [
+        b.op("mm", [x, b.tensor(f"w{i}", (d, d), "param")], (batch, d), 2.0 * batch * d * d) for i in range(k)
+    ]
+    s = b.op("sumk", hs, (batch, d), float(k * batch * d))
+    return b.build(b.op("sum", [s], (), float(batch * d)), f"gather{k}")
+
+
+@pytest.mark.parametrize("cluster", ["2xV100+2xP100", "1x5e12+1x1e12+1x2e12"])
+def test_an_op_taking_many_inputs_gets_each_by_its_cheapest_collective_alone(cluster):
+    # every collective giving a needed form leaves the same state, so the search keeps the cheapest alone:
+    # A* still equals brute force (which tries every collective), and an op with k inputs to convert
+    # expands to at most one child per strategy instead of the product of the options (2^k)
+    c = Cluster.parse(cluster)
+    small = theory(_sumk_graph(3), _sumk_strategies)
+    s = Search(small, c, ratios=[[(j + 1.0) for j in range(c.n)]])
+    res = s.run()
+    bf_cost, _ = brute_force(small, c, s.ratios)
+    assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
+
+    k = 12
+    th = theory(_sumk_graph(k), _sumk_strategies)
+    s = Search(th, c)
+    at = next(op.id for op in th.graph.ops if op.target == "sumk")
+    widest = 0
+    while not (ev := s.step()).done:
+        if ev.popped is not None and ev.popped.position == at:
+            widest = max(widest, len(ev.children) + len(ev.pruned))
+    assert 0 < widest <= len(th.strategies[at])
+    assert s.result().optimal
+
+
+def test_a_state_space_lm_s_scan_expands_to_one_child_per_strategy():
+    # HF MambaForCausalLM runs its selective scan step by step and stacks the 16 steps' outputs: the stack
+    # takes 16 tensors that a step may leave in another form. Each was offered every collective from every
+    # present form, and one expansion of the stack made 65,536 children (a 2-layer Mamba at batch 8 x seq 16
+    # took 67 s to plan, 8.8 million children in one search; now 2.8 s)
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from hapnb.tracing import trace
+
+    cfg = transformers.MambaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        state_size=4,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=4,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    lm = transformers.MambaForCausalLM(cfg)
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = lm
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    th = theory(trace(Loss().train(), (ids,), name="mamba"))
+    stacks = [op.id for op in th.graph.ops if op.target == "aten.stack.default" and len(op.inputs) == 16]
+    assert stacks
+    s = Search(th, Cluster.parse("V100+P100"))
+    widths: list[int] = []
+    for _ in range(20_000):
+        ev = s.step()
+        if ev.done or len(widths) == 3:
+            break
+        if ev.popped is not None and ev.popped.position in stacks:
+            widths.append(len(ev.children) + len(ev.pruned))
+    assert widths and max(widths) <= max(len(th.strategies[k]) for k in stacks)
