@@ -36,10 +36,13 @@ SWITCH_AFTER = 5000
 NEAR = 0.002
 #: the most ops on one side chain
 MAX_CHAIN = 64
-#: the most DP states one chain bound expands (a realistic Llama needs ~47k, about a second): past it the
-#: bound gives up (:attr:`ChainBound.exhausted`; an encoder-decoder's bias and cross-attention chains can
-#: need millions) and states not solved yet are valued at the untracked ops' part alone (still admissible)
-MAX_STATES = 60_000
+#: the most DP states one chain bound expands (about 30 us each). The searches it helps need up to ~27k
+#: (the corpus's tiny Llama ~12k, with LoRA adapters ~27k; at realistic sizes every corpus search proves
+#: its program before it would switch); past the cap the bound gives up (:attr:`ChainBound.exhausted`; an
+#: encoder-decoder's bias and cross-attention chains can need millions: T5, Whisper, Cohere at real size)
+#: and states not solved yet are valued at the untracked ops' part alone (still admissible). At 60k giving
+#: up took 1.3-2.0 s of those models' 3-5 s syntheses
+MAX_STATES = 32_000
 _INF = float("inf")
 
 
