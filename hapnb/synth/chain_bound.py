@@ -24,6 +24,7 @@ by a memoised DP over the tracked ops (iterative: no recursion limit), shared by
 from __future__ import annotations
 
 import heapq
+from operator import itemgetter
 from typing import Any
 
 from .heuristic import local_pricer
@@ -104,12 +105,14 @@ class ChainBound:
         self._price = _Prices(s)
         # the moves with state indices: needs as (index in the state before op i or -1, bit, tensor); the
         # next state's slots as an index in the state before (>= 0) or in the made bits (-1 - k)
-        self._moves: dict[int, tuple[tuple[int, ...], list[Any]]] = {}
+        # and the next state read off the state before followed by the made bits, by one itemgetter
+        self._moves: dict[int, tuple[Any, list[Any]]] = {}
         for i, (outs, moves) in raw.items():
             at = {t: k for k, t in enumerate(self.live[i])}
-            src = tuple(at[t] if t not in outs else -1 - outs.index(t) for t in self.live[i + 1])
+            n_in = len(self.live[i])
+            src = [at[t] if t not in outs else n_in + outs.index(t) for t in self.live[i + 1]]
             self._moves[i] = (
-                src,
+                _getter(src),
                 [(v, tuple((at.get(t, -1), b, t) for t, b in need), made) for v, need, made in moves],
             )
 
@@ -169,7 +172,7 @@ class ChainBound:
         j = self._next[i + 1]
         head = self._suffix[i + 1] - self._suffix[j]
         cheapest, known = self._price.cheapest, self._price._memo
-        src, moves = self._moves[i]
+        nxt, moves = self._moves[i]
         end = j >= self.n
         out = []
         for cost, need, made in moves:
@@ -187,9 +190,7 @@ class ChainBound:
                 st[k] = have | b
             if cost >= _INF:
                 continue
-            out.append(
-                (cost + head, None if end else (j, tuple(st[k] if k >= 0 else made[-1 - k] for k in src)))
-            )
+            out.append((cost + head, None if end else (j, nxt((*st, *made)))))
         return out
 
     def _solve(self, key: tuple[int, tuple[int, ...]]) -> float:
@@ -246,6 +247,16 @@ def switch(s: Any) -> ChainBound | None:
     heapq.heapify(heap)
     s._heap = heap
     return chain
+
+
+def _getter(idx: list[int]) -> Any:
+    """``f(values)``: the tuple of ``values`` at ``idx`` (:func:`operator.itemgetter`, also for 0 or 1 index)."""
+    if len(idx) > 1:
+        return itemgetter(*idx)
+    if idx:
+        k = idx[0]
+        return lambda v: (v[k],)
+    return lambda v: ()
 
 
 class _Prices:
