@@ -104,8 +104,7 @@ class ChainBound:
         self.exhausted = False
         self._price = _Prices(s)
         # the moves with state indices: needs as (index in the state before op i or -1, bit, tensor); the
-        # next state's slots as an index in the state before (>= 0) or in the made bits (-1 - k)
-        # and the next state read off the state before followed by the made bits, by one itemgetter
+        # next state read by one getter off the state before followed by the made bits
         self._moves: dict[int, tuple[Any, list[Any]]] = {}
         for i, (outs, moves) in raw.items():
             at = {t: k for k, t in enumerate(self.live[i])}

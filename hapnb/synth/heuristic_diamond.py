@@ -109,7 +109,6 @@ def coupled_joint(bt: Any, br: Sequence[tuple[int, int, int]], d: Diamond, nxt_a
     strategies of ``d.at`` that take each head's output in the state's form, joined at ``x`` with each head's
     branch ending in that form (``bt.head_to``, once per head and form) and ``x``'s other sides. ``bt``: the
     branch tables (:class:`hapnb.synth.heuristic_side._BranchTables`)."""
-    bits_of = bt.s._tables.bits_of
     entries = bt.s._tables.entries[d.at]
     lo, hi = d.span
     m, src_m, out_m = br[hi]
@@ -124,10 +123,7 @@ def coupled_joint(bt: Any, br: Sequence[tuple[int, int, int]], d: Diamond, nxt_a
             e = entries[c.index]
             return all(e.in_forms[k] == f for k, f in checks)
 
-        tab = bt.back(m, src_m, out_m, nxt_at, allow)
-        for b, src, out in reversed(br[lo:hi]):
-            at = bt.branch_joint(out, tab, list(bt.sides.get(out, ())), cache=False)
-            tab = bt.back(b, src, out, [at.value(bit) for bit in bits_of[out]])
+        tab = bt.carry_back(br[lo:hi], bt.back(m, src_m, out_m, nxt_at, allow))
         if min(tab) == _INF:
             continue  # no strategy of the merge op takes the heads' outputs in these forms
         heads = [head_tabs[(o, f)] for (o, _, _, _), f in zip(d.heads, st)]

@@ -293,12 +293,19 @@ class _BranchTables:
     def head_to(self, head: int, x: int, y: int, f: int) -> list[float]:
         """Side op ``head`` of ``x`` with its branch, per form it takes ``x`` in, the branch's output ``y``
         taken in form ``f`` by the op it merges into (made in ``f`` or converted to it)."""
+        end = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[y]))]
+        return self.carry_back(self.heads[head], end, x)
+
+    def carry_back(self, ops: Sequence[tuple[int, int, int]], tab: list[float], x: int = -1) -> list[float]:
+        """``tab`` (the values of the last op's output forms) carried back along the branch ops ``ops`` ((op,
+        path input, output) in program order; a first op with no path input takes ``x``): each output's
+        Joint with its sides (uncached: ``tab`` is not the branch's own), then the op's cost per form it
+        takes its input in."""
         bits_of = self.s._tables.bits_of
-        nxt_tab = [0.0 if b == f else _INF for b in range(len(self.s.theory.forms[y]))]
-        for b, src, out in reversed(self.heads[head]):
-            at = self.branch_joint(out, nxt_tab, list(self.sides.get(out, ())), cache=False)
-            nxt_tab = self.back(b, x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
-        return nxt_tab
+        for b, src, out in reversed(ops):
+            at = self.branch_joint(out, tab, list(self.sides.get(out, ())), cache=False)
+            tab = self.back(b, x if src < 0 else src, out, [at.value(bit) for bit in bits_of[out]])
+        return tab
 
 
 class _Paths(NamedTuple):

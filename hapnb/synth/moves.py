@@ -103,16 +103,17 @@ class Moves:
         # the hot loop's lookups by property bits (ints hash fast): a load's option [(Load, bit, 0, 1, seconds)]
         # by (bit, sfb) (a plain load's price does not depend on the ratios: shared per cluster, unless a
         # storage pin makes the search's loads its own); the options to get a tensor's needed form from its
-        # present ones by (present bits, target bit), with and without the grouped collectives (shared by
-        # the searches at these ratios); an SFB sync's time; a collective's time per price class
+        # present ones by (present bits, target bit), with and without the grouped collectives, all of them
+        # (the duplex search) or the cheapest alone (shared by the searches at these ratios); an SFB sync's
+        # time; a collective's time per price class
         self._load_opts: dict[tuple[int, bool], list[Any]] = (
             {} if self.storage else self._per_cluster.setdefault("plain loads", {})
         )
-        self._conv_opts: dict[tuple[int, int], tuple[list[Any], list[Any]]] = self._shared.setdefault(
+        self._conv_opts: dict[tuple[int, int], tuple[list[Any], ...]] = self._shared.setdefault(
             "conv_opts", {}
         )
-        self._grouped = 0 if self.options["grouped"] else 1  # which list of the pair
-        self._conv_one: dict[tuple[int, int, int], list[Any]] = self._shared.setdefault("conv_one", {})
+        # which of the four lists (:meth:`_conversion_options`)
+        self._conv_pick = (0 if self.options["grouped"] else 1) + (0 if self.duplex else 2)
         self._sfb_of: dict[tuple[int, int], float] = self._shared.setdefault("sfb", {})
         self._conv_t: dict[tuple[int, str, int], float] = self._shared.setdefault("conv_t", {})
         self._loss_bits_R = self._bit.get((g.loss, R), 0)
@@ -157,11 +158,21 @@ class Moves:
             return self._mem.time(ld)
         return sum(tm.time(self.ratios) for tm in self.cost_model.load_terms(ld))
 
-    def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], list[Any]]:
+    def _conversion_options(self, t: int, have: int, f: Form, bit: int) -> tuple[list[Any], ...]:
         """The hot loop's options to get tensor ``t`` in ``f`` (``bit``) from its present forms (``have``):
-        one per collective from each present form, with its time, with and without the grouped collectives.
+        one per collective from each present form, with its time, with and without the grouped collectives
+        (lists 0 and 1), and of each of those the cheapest alone (lists 2 and 3; the first of equal ones).
         A collective's time is shared by the tensors of one price class; the collectives between two forms
-        of a tensor are kept per theory (``_cv_lists``)."""
+        of a tensor are kept per theory (``_cv_lists``).
+
+        Every collective that gives the form leaves the same state (the form added, the tensor's token
+        spent) and differs only in seconds, so outside the duplex search a costlier one's child is dominated
+        by the cheapest's: with other communication in the step both close the stage and the cheapest is no
+        costlier; where only the cheapest is free, its step joins the open stage, which no completion makes
+        costlier than closing it and paying more (a stage's maximum over devices is at most the sum of its
+        parts' maxima). One option per need stops the product over an op's needs from exploding: a Mamba
+        block's ``stack`` of 16 scan steps, each given in another form, made 65,536 children per expansion.
+        The duplex search takes every option (its labels are compared on a Pareto front)."""
         opts: tuple[list[Any], list[Any]] = ([], [])
         tbit = 1 << t
         while have:
@@ -179,23 +190,7 @@ class Moves:
                 opts[0].append(x)
                 if not grouped:
                     opts[1].append(x)
-        return opts
-
-    def _cheapest_option(self, have: int, bit: int, opts: list[Any]) -> list[Any]:
-        """Of the collectives that give a needed form (``opts``), the cheapest alone (the first of equal
-        ones). Every one of them leaves the same state (the form added, the tensor's token spent) and
-        differs only in seconds, so a costlier one's child is dominated by the cheapest's: with other
-        communication in the step both close the stage and the cheapest is no costlier; where only the
-        cheapest is free, its step joins the open stage, which no completion makes costlier than closing it
-        and paying more (a stage's maximum over devices is at most the sum of its parts' maxima). Keeping one
-        option per need stops the product over an op's needs from exploding: a Mamba block's ``stack`` of
-        16 scan steps, each given in another form, made 65,536 children per expansion. Not for the duplex
-        time (its labels are compared on a Pareto front)."""
-        key = (have, bit, self._grouped)
-        one = self._conv_one.get(key)
-        if one is None:
-            one = self._conv_one[key] = [min(opts, key=lambda x: x[4])]
-        return one
+        return (*opts, *([min(o, key=lambda x: x[4])] if o else [] for o in opts))
 
     def _fixed(self, op: int, c: _Compiled) -> tuple[float, ...]:
         """A compiled strategy's own communication seconds, in the order the cost adds them: its re-cuts of
@@ -239,11 +234,9 @@ class Moves:
             pair = self._conv_opts.get((have, bit))
             if pair is None:
                 pair = self._conv_opts[(have, bit)] = self._conversion_options(t, have, f, bit)
-            opts = pair[self._grouped]
+            opts = pair[self._conv_pick]
             if not opts:
                 return per_need, 3, t, f
-            if len(opts) > 1 and not self.duplex:
-                opts = self._cheapest_option(have, bit, opts)
             per_need.append(opts)
         return per_need, 0, -1, None
 

@@ -175,6 +175,7 @@ def test_a_state_space_lm_s_scan_expands_to_one_child_per_strategy():
     transformers = pytest.importorskip("transformers")
     import torch
 
+    from examples import corpus
     from hapnb.tracing import trace
 
     cfg = transformers.MambaConfig(
@@ -187,18 +188,11 @@ def test_a_state_space_lm_s_scan_expands_to_one_child_per_strategy():
         use_cache=False,
     )
     torch.manual_seed(0)
-    lm = transformers.MambaForCausalLM(cfg)
-
-    class Loss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = lm
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids, labels=input_ids).loss
-
+    lm = corpus.TokensLoss(
+        transformers.MambaForCausalLM(cfg), lambda m, x: m(input_ids=x, labels=x).loss, "mamba"
+    )
     ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
-    th = theory(trace(Loss().train(), (ids,), name="mamba"))
+    th = theory(trace(lm.train(), (ids,), name="mamba"))
     stacks = [op.id for op in th.graph.ops if op.target == "aten.stack.default" and len(op.inputs) == 16]
     assert stacks
     s = Search(th, Cluster.parse("V100+P100"))
