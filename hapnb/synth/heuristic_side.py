@@ -88,7 +88,7 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
     # loads the bound otherwise misses, priced at the op that takes them: a weight's prologue (its cast
     # under autocast) and a weight shared by a spine op with off-spine ops
     tables, windows = _prologue_tables(s, local, price_matrix, on_path)
-    shared, shared_windows = _shared_param_tables(s, price_matrix)
+    shared, shared_windows = _shared_param_tables(s, price_matrix, jstar)
     for i, rows in shared.items():
         tables.setdefault(i, []).extend(rows)
     windows += shared_windows
@@ -340,9 +340,13 @@ def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
     # its form as a state (0: not loaded yet), read from the node's properties (:class:`Tied`)
     tied = _tied(s)
     pmask = _mask(tb.bits_of[tied]) if tied >= 0 else 0
-    # its load (with its gradient's sync) is paid once, where the DP first loads it (state 0 -> its form)
+    # its load (with its gradient's sync and its optimizer step's excess) is paid once, where the DP first
+    # loads it (state 0 -> its form)
+    jstar = bound_device(s)
     tied_load = (
-        {b: s._load_s(tied, f, False) for f, b in zip(th.forms[tied], tb.bits_of[tied])} if tied >= 0 else {}
+        {b: _load_with_step(s, tied, f, jstar) for f, b in zip(th.forms[tied], tb.bits_of[tied])}
+        if tied >= 0
+        else {}
     )
     pvals = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
     lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges), pvals, n_ops + 1, pt.bt.head_tab)
@@ -643,7 +647,7 @@ def _prologue_tables(
 
 
 def _shared_param_tables(
-    s: Any, price_matrix: Callable[[int], list[list[float]]]
+    s: Any, price_matrix: Callable[[int], list[list[float]]], jstar: int
 ) -> tuple[InputTables, list[tuple[int, int, float]]]:
     """The load of each parameter that several ops take, one of them a spine op, other than the one the DP
     keeps as a state (:func:`_tied`), priced at a spine op that takes it: for the form ``f`` that op takes
@@ -666,11 +670,23 @@ def _shared_param_tables(
         if not on_spine:
             continue
         at = cons[0] if cons[0] == on_spine[0] else on_spine[-1]
-        tab = _via([s._load_s(t, f, False) for f in s.theory.forms[t]], price_matrix(t))
+        tab = _via([_load_with_step(s, t, f, jstar) for f in s.theory.forms[t]], price_matrix(t))
         tables.setdefault(at, []).append((g.ops[at].inputs.index(t), tab))
         if at != cons[0]:
             windows.append((cons[0], at, max(v for v in tab if v < _INF)))
     return tables, windows
+
+
+def _load_with_step(s: Any, t: int, f: Any, jstar: int) -> float:
+    """Weight ``t``'s load in form ``f`` (its gradient's sync) with, on device-model devices, what its optimizer
+    step in that storage adds on the bound's device over the least one, which the optimizer-step part of the
+    bound counts for a weight several ops take (:meth:`hapnb.synth.optimizer_step.OptimizerStep.excess`; a
+    single consumer's weight gets its step in :func:`hapnb.synth.heuristic.local_pricer`). A program loads
+    the weight once, in one form, so adding the excess where the load is priced counts its step once."""
+    v = s._load_s(t, f, False)
+    if s._opt is not None:
+        v += s._opt.excess(t, f, s._mem is not None or t in s.storage, jstar)
+    return v
 
 
 def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:

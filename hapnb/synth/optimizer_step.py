@@ -77,6 +77,15 @@ class OptimizerStep:
             t, [f, *(x for x in self._forms(t) if x.kind == "G")] if lean and f.kind == "I" else [f]
         )
 
+    def excess(self, t: int, f: Any, lean: bool, j: int) -> float:
+        """What parameter ``t`` used in form ``f`` adds on device class ``j`` to the least part over its
+        storage forms, which :meth:`bounds` counts for a weight that several ops take: the bound adds it where
+        it prices that weight's load (:mod:`hapnb.synth.heuristic_side`), so the weight's step is counted
+        once, in full."""
+        if self.cm.graph.tensors[t].role != "param":
+            return 0.0  # a buffer or constant: no optimizer step
+        return self.least(t, f, lean)[j] - self._least(t, self._forms(t))[j]
+
     def bounds(
         self, rem: Sequence[tuple[float, ...]], jstar: int, single: Sequence[bool]
     ) -> tuple[list[tuple[float, ...]], list[float]]:
