@@ -62,6 +62,27 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _budget_args(p: argparse.ArgumentParser, seconds: bool = True) -> None:
+    """How long each A* search of the synthesis may run (``synthesize``'s ``max_expansions`` / ``max_seconds``;
+    ``hapnb compare`` takes the expansions only)."""
+    p.add_argument(
+        "--max-expansions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expansions per A* search (default 30000; memory-aware searches get 1000 + 4 per op, scaled by "
+        "N / 30000); a plan whose search stopped there reports its optimal_gap",
+    )
+    if seconds:
+        p.add_argument(
+            "--max-seconds",
+            type=float,
+            default=None,
+            metavar="S",
+            help="seconds per A* search (default: none)",
+        )
+
+
 def _pick_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pick",
@@ -119,6 +140,7 @@ def _plan_commands(sub: Any) -> None:
     _model_args(p)
     _cluster_args(p)
     _pin_args(p)
+    _budget_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.add_argument("--report", help="write an HTML report (plan, stages, Gantt, search stats)")
@@ -156,6 +178,7 @@ def _plan_commands(sub: Any) -> None:
     )
     p.add_argument("--duplex", action="store_true", help="HAP's plan with the duplex schedule")
     _pick_arg(p)
+    _budget_args(p, seconds=False)
 
     p = sub.add_parser("pipeline", help="plan a heterogeneous pipeline (Ditto: node folding + DP recovery)")
     _model_args(p)
@@ -229,6 +252,7 @@ def _run_commands(sub: Any) -> None:
     _model_args(p, required=False)
     _cluster_args(p, required=False)
     _pin_args(p)
+    _budget_args(p)
     p.add_argument("--nproc", type=int, help="number of local ranks (= devices of the plan)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--steps", type=int, default=3)

@@ -40,6 +40,24 @@ def _options(ns: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _budget(ns: argparse.Namespace) -> dict[str, Any]:
+    """The A* budget flags that were given (``--max-expansions``, ``--max-seconds``) as synthesis keywords."""
+    out: dict[str, Any] = {}
+    n = getattr(ns, "max_expansions", None)
+    if n is not None:
+        if n < 1:
+            raise SystemExit(
+                f"hapnb: --max-expansions {n}: expected a positive number of expansions per search"
+            )
+        out["max_expansions"] = n
+    sec = getattr(ns, "max_seconds", None)
+    if sec is not None:
+        if sec <= 0:
+            raise SystemExit(f"hapnb: --max-seconds {sec}: expected a positive number of seconds per search")
+        out["max_seconds"] = sec
+    return out
+
+
 def _value(v: str) -> Any:
     for cast in (int, float):
         try:
@@ -84,7 +102,9 @@ def _synthesize(ns: argparse.Namespace, duplex: bool | None = None) -> tuple[Any
     if duplex is None:
         duplex = getattr(ns, "duplex", None) not in (None, False)  # on, auto or True (verify's flag)
     pick = getattr(ns, "pick", "simulated")
-    plan = synthesize(ns.model, c, pins=pins, ratios=ratios, duplex=duplex, pick=pick, **_options(ns))
+    plan = synthesize(
+        ns.model, c, pins=pins, ratios=ratios, duplex=duplex, pick=pick, **_budget(ns), **_options(ns)
+    )
     return plan, c, plan.synthesis_s
 
 
@@ -194,8 +214,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     from .plans.comparison import compare
 
     cmp = compare(
-        ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_options(ns)
-    )
+        ns.model, ns.cluster, strategies=ns.strategies, pick=ns.pick, duplex=ns.duplex, **_budget(ns),
+        **_options(ns),
+    )  # fmt: skip
     if ns.json:
         out = cmp.to_json() if ns.detail else cmp.times("simulated" if ns.simulated else "stage")
         print(json.dumps(out))

@@ -118,3 +118,6 @@ CLI: dict[str, list[str]] = {
 CLI["launch"] = sorted(
     [*CLI["launch"], "--dtype", "--rebalance", "--rebalance-option", "--slowdown"]
 )  # issue 21: live rebalance
+for _cmd, _flags in (("plan", ["--max-expansions", "--max-seconds"]), ("verify", ["--max-expansions", "--max-seconds"]),
+                     ("compare", ["--max-expansions"])):  # fmt: skip
+    CLI[_cmd] = sorted([*CLI[_cmd], *_flags])  # issue 18: the A* budget per search from the command line

@@ -176,3 +176,19 @@ def test_plan_duplex_reports_the_plain_plan_and_auto_keeps_the_faster(capsys):
     rc, out, _ = run(capsys, *base, "--duplex")  # plain --duplex: the duplex plan, whichever is faster
     assert rc == 0 and "duplex: " in out and "against the plain plan's" in out
     assert ("predicted" in out) and ("--duplex auto" in out) == (not d["duplex_faster"])
+
+
+def test_the_search_budget_flags_reach_the_synthesis(capsys, tmp_path):
+    # --max-expansions / --max-seconds are synthesize's max_expansions / max_seconds (recorded in the plan's
+    # search stats, which the "not proven optimal" line reads); compare takes the expansions
+    path = tmp_path / "plan.json"
+    rc, _, _ = run(capsys, "plan", *SMALL, "--cluster", "2xV100", "--no-baselines", "--max-expansions", "7",
+                   "--max-seconds", "60", "-o", str(path))  # fmt: skip
+    search = json.loads(path.read_text())["search"]
+    assert rc == 0 and search["max_expansions"] == 7 and search["max_seconds"] == 60.0
+    rc, out, _ = run(capsys, "compare", *SMALL, "--cluster", "2xV100", "--json", "--strategies", "hap,dp_ev",
+                     "--max-expansions", "7")  # fmt: skip
+    assert rc == 0 and set(json.loads(out)) == {"hap", "dp_ev"}
+    for flag, value in (("--max-expansions", "0"), ("--max-seconds", "-1")):
+        with pytest.raises(SystemExit, match=f"{flag} {value}"):
+            main(["plan", *SMALL, "--cluster", "2xV100", flag, value])

@@ -424,6 +424,7 @@ class Plan:
             lines.append(
                 f"  not proven optimal: optimal_gap {self.stats.get('gap', 0.0):.2%} (to the A* bound)"
             )
+            lines.append("    " + _budget_note(self.stats))
         if self.fallback_ops:
             lines.append(
                 f"  ops without a rule (run replicated): {', '.join(n for n, _ in self.fallback_ops)}"
@@ -616,3 +617,24 @@ def _jsonable(v: Any) -> Any:
 def freeze_mapping(m: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     """A mapping as sorted (key, frozen value) pairs, the way plans store options."""
     return tuple(sorted((str(k), _freeze(v)) for k, v in (m or {}).items()))
+
+
+def _budget_note(stats: Mapping[str, Any]) -> str:
+    """Why a plan is not proven optimal and how to search further: the budget its searches stopped at
+    (``stats["max_expansions"]``, and ``stats["memory_budget"]`` where memory-aware searches ran).
+
+    >>> print(_budget_note({"max_expansions": 30000, "memory_budget": 3800}))
+    a search stopped at its budget (30,000 expansions per search; memory-aware searches 3,800, ...): --max-expansions 120000 ...
+    """
+    if "max_expansions" not in stats:  # a plan written before the budget was recorded
+        return "a search stopped at its budget: a larger max_expansions (--max-expansions) searches further"
+    n, sec = stats["max_expansions"], stats.get("max_seconds")
+    if n is None:
+        return f"a search stopped at its time limit ({sec} s per search): --max-seconds (hapnb plan) or synthesize(..., max_seconds=) longer searches further"
+    mem = stats.get("memory_budget")
+    more = 4 * n
+    return (
+        f"a search stopped at its budget ({n:,} expansions per search"
+        + (f"; memory-aware searches {mem:,}, scaled by the same factor" if mem else "")
+        + f"): --max-expansions {more} (hapnb plan) or synthesize(..., max_expansions={more}) searches further"
+    )

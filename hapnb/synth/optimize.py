@@ -53,6 +53,8 @@ __all__ = [
     "parse_pins",
     "keeps_ratio_pins",
     "proven_gap",
+    "memory_budget",
+    "DEFAULT_EXPANSIONS",
     "without_gc",
 ]
 
@@ -64,6 +66,9 @@ __all__ = [
 #: storage costs only show once many parameters are placed); ``stats["optimal"]`` says when a search
 #: stopped at the budget.
 MEMORY_EXPANSIONS, MEMORY_EXPANSIONS_PER_OP = 1000, 4
+#: The default ``max_expansions`` of :func:`optimize` (and of :func:`hapnb.synthesize`): a larger one scales the
+#: memory-aware searches' budget by as much (:func:`memory_budget`)
+DEFAULT_EXPANSIONS = 30_000
 #: With memory bound, a baseline seed that improves the best cost by less than this fraction is kept as the
 #: best without the Q/B rounds from its ratios (each a memory-aware search and LP), and a Q/B round stops
 #: where its LP gains less than this fraction over the ratios its memory-aware search (stopped at its budget)
@@ -274,7 +279,7 @@ def optimize(
     *,
     options: Mapping[str, bool] | None = None,
     max_iterations: int = 10,
-    max_expansions: int | None = 30_000,
+    max_expansions: int | None = DEFAULT_EXPANSIONS,
     max_seconds: float | None = None,
     seed_baselines: bool = True,
     progress: bool = False,
@@ -358,6 +363,7 @@ class _Loop:
         self.stats: dict[str, Any] = {
             "expansions": 0, "generated": 0, "pruned_dominated": 0, "pruned_bound": 0, "search_s": 0.0,
             "balance_s": 0.0, "optimal": True, "gap": 0.0, "duplex": bool(duplex),
+            "max_expansions": max_expansions, "max_seconds": max_seconds,
         }  # fmt: skip
         self.mem_on = False  # memory bound in an earlier search: every later search keeps to memory
         self._fit_memo: dict[tuple[int, int, int], tuple[Any, Any, Any, bool]] = {}
@@ -439,9 +445,7 @@ class _Loop:
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
         budget, dives = self.max_expansions, 32
         if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
-            budget = min(
-                budget or MEMORY_EXPANSIONS, MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * len(th.graph.ops)
-            )
+            budget = self.stats["memory_budget"] = memory_budget(budget, len(th.graph.ops))
             dives = 1
         res = s.run(max_expansions=budget, max_seconds=self.max_seconds, progress=self.progress, dives=dives)
         if not res.optimal and fallback is not None and not duplex:
@@ -702,6 +706,21 @@ class _Loop:
             # space beats the plan, so the plan is proven optimal all the same
             stats["optimal"] = stats["optimal_by_bound"] = True
         return Optimum(cost, prog, extra, ratios_best, tuple(self.history), stats, self.ratio_pins, ranked)
+
+
+def memory_budget(max_expansions: int | None, n_ops: int) -> int:
+    """The expansion budget of a memory-aware search in the loop for a graph of ``n_ops`` ops:
+    :data:`MEMORY_EXPANSIONS` + :data:`MEMORY_EXPANSIONS_PER_OP` per op, never above ``max_expansions``, and
+    scaled up by as much as ``max_expansions`` exceeds :data:`DEFAULT_EXPANSIONS` (a user who asks for a longer
+    search gets it for memory-aware searches too). ``None`` (no limit on plain searches): :data:`MEMORY_EXPANSIONS`.
+
+    >>> memory_budget(30_000, 700), memory_budget(300_000, 700), memory_budget(2_000, 700), memory_budget(None, 700)
+    (3800, 38000, 2000, 1000)
+    """
+    if max_expansions is None:
+        return MEMORY_EXPANSIONS
+    base = MEMORY_EXPANSIONS + MEMORY_EXPANSIONS_PER_OP * n_ops
+    return min(max_expansions, int(base * max(1.0, max_expansions / DEFAULT_EXPANSIONS)))
 
 
 def proven_gap(cost_s: float, stats: Mapping[str, Any]) -> float:
