@@ -42,7 +42,7 @@ from .duplex import duplex_cost
 from .history import Round
 from .memo import Memo
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
-from .seeds import dp_pins, seeds
+from .seeds import SHARDED, dp_pins, seeds
 
 __all__ = [
     "Round",
@@ -66,6 +66,11 @@ __all__ = [
 #: storage costs only show once many parameters are placed); ``stats["optimal"]`` says when a search
 #: stopped at the budget.
 MEMORY_EXPANSIONS, MEMORY_EXPANSIONS_PER_OP = 1000, 4
+#: Expansion budget of a sharded data-parallel seed's search where it is seeded for its sharded optimizer
+#: step, not for memory (:func:`hapnb.synth.seeds.seeds`): data parallelism's pins leave little to search, and
+#: where its search does not prove its program in this budget (ResNet-50 at realistic size on h100x8, whose
+#: data-parallel seeds stop at 30,000 expansions too) the full budget only cost time (2.9 s of 11 s)
+SHARDED_SEED_EXPANSIONS = 5_000
 #: The default ``max_expansions`` of :func:`optimize` (and of :func:`hapnb.synthesize`): a larger one scales the
 #: memory-aware searches' budget by as much (:func:`memory_budget`)
 DEFAULT_EXPANSIONS = 30_000
@@ -421,10 +426,11 @@ class _Loop:
 
     def run_search(
         self, ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool,
-        incumbent: Any = None, fallback: Any = None,
+        incumbent: Any = None, fallback: Any = None, budget: int | None = None,
     ) -> _Searched:  # fmt: skip
         """One A* search (seeded with ``incumbent``; a duplex search with the plain optimum), within the
-        budget; a search stopped at its budget gets ``fallback()``'s program as an incumbent."""
+        budget (``budget``, else ``max_expansions``); a search stopped at its budget gets ``fallback()``'s
+        program as an incumbent."""
         th, c, memo, duplex = self.th, self.c, self.memo, self.duplex
         shared = None if memo is None else memo.shared((self.ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
@@ -443,7 +449,7 @@ class _Loop:
             pres = p.run(max_expansions=self.max_expansions, max_seconds=self.max_seconds)
             s.seed(pres.program)
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
-        budget, dives = self.max_expansions, 32
+        budget, dives = (self.max_expansions if budget is None else budget), 32
         if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
             budget = self.stats["memory_budget"] = memory_budget(budget, len(th.graph.ops))
             dives = 1
@@ -479,6 +485,7 @@ class _Loop:
         move: bool = False,
         incumbent: Any = None,
         plain: bool = False,
+        budget: int | None = None,
     ) -> tuple[Any, _Searched]:
         """A search at ``ratios_`` (from the memo, or answered by an earlier one of this call), counted in
         the stats; when its program does not fit, memory binds and it runs again keeping to memory.
@@ -515,12 +522,14 @@ class _Loop:
             return out.result, out
         if self.memo is not None and self.max_seconds is None:
             key = (self.ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), self.duplex,
-                   self.max_expansions, mem, incumbent)  # fmt: skip
+                   self.max_expansions if budget is None else budget, mem, incumbent)  # fmt: skip
             out = self.memo.get(
-                "search", key, lambda: self.run_search(ratios_, pins_, merged, mem, incumbent, fallback)
+                "search",
+                key,
+                lambda: self.run_search(ratios_, pins_, merged, mem, incumbent, fallback, budget),
             )
         else:
-            out = self.run_search(ratios_, pins_, merged, mem, incumbent, fallback)
+            out = self.run_search(ratios_, pins_, merged, mem, incumbent, fallback, budget)
         self._done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         self._count(out)
         res = out.result
@@ -656,9 +665,17 @@ class _Loop:
         """The baseline seeds (:func:`hapnb.synth.seeds.seeds`): each a candidate at its own ratios, and a
         program not balanced before starts Q/B rounds of its own."""
         tried = {self.best[1]} if self.best is not None else set()
-        for name, bpins, bratios, bopts in seeds(self.th, self.c, self.form_pins, self.mem_on):
+        for name, bpins, bratios, bopts in seeds(
+            self.th, self.c, self.form_pins, self.mem_on, any(m is not None for m in self.cm.models)
+        ):
+            step_seed = name in SHARDED and not self.mem_on  # seeded for its sharded optimizer step
+            budget = (
+                min(self.max_expansions or SHARDED_SEED_EXPANSIONS, SHARDED_SEED_EXPANSIONS)
+                if step_seed
+                else None
+            )
             try:
-                res, s = self.search(bratios, bpins, bopts)
+                res, s = self.search(bratios, bpins, bopts, budget=budget)
             except (NoProgramError, ValueError):
                 continue
             own = self.cost_at(res.program, bratios)
@@ -688,6 +705,11 @@ class _Loop:
             if self.consider(res, s, it, f"seed {name}"):
                 if self.mem_on and self.best[0] > before * (1 - MEMORY_MIN_GAIN):  # type: ignore[index]
                     continue  # memory: a seed that gains this little is kept without more rounds
+                if step_seed:
+                    # seeded for its sharded optimizer step: a round's search (memory ignored) cannot store a
+                    # parameter sharded, and the rounds from throughput ratios searched that space already
+                    # (Cohere on h100x8: a 30,599-expansion search that found data parallelism again)
+                    continue
                 it = self.alternate(self.best[3], it, it + max_iterations)  # type: ignore[index]
 
     def optimum(self) -> Optimum:

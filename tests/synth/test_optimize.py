@@ -123,3 +123,22 @@ def test_a_memory_bound_round_whose_lp_gains_little_ends_the_rounds(monkeypatch)
     full = hap.synthesize(th, c)
     assert "memory_rounds_cut" not in full.stats and len(full.history) > len(cut.history)
     assert (cut.program, cut.ratios, cut.cost_s) == (full.program, full.ratios, full.cost_s)
+
+
+def test_where_device_models_price_the_optimizer_step_sharded_data_parallelism_is_a_candidate():
+    # on h100x8 the device model prices Adam's step, which ZeRO-2 and ZeRO-3 shard; without their seeds the
+    # plan (the stage optimum, 80.6 ms simulated) was slower than zero2's 79.0 ms and fsdp's on the clock the
+    # plan is picked by. Flops-only clusters price no step and get no such seed (their plans are unchanged)
+    from hapnb.synth.seeds import seeds
+    from hapnb.tracing import zoo_graph
+
+    c = hap.Cluster.preset("h100x8")
+    plan = hap.synthesize("gpt", c)
+    assert plan.stats["chosen"] == "baseline zero2"
+    sims = hap.compare("gpt", c, strategies="fsdp,dp_ev").times("simulated")
+    assert plan.simulated_s <= min(sims.values()) * (1 + 1e-9)
+    th = hap.theory(zoo_graph("gpt", devices=c.n)[0])
+    names = [s[0] for s in seeds(th, c, {}, memory_bound=False, step_priced=True)]
+    assert {"zero2", "fsdp"} <= set(names)
+    flops_only = hap.Cluster.preset("paper-hetero-8")
+    assert "zero2" not in [s[0] for s in seeds(th, flops_only, {}, memory_bound=False, step_priced=False)]
