@@ -451,7 +451,7 @@ class _Loop:
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
         budget, dives = (self.max_expansions if budget is None else budget), 32
         if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
-            budget = self.stats["memory_budget"] = memory_budget(budget, len(th.graph.ops))
+            budget = memory_budget(budget, len(th.graph.ops))
             dives = 1
         res = s.run(max_expansions=budget, max_seconds=self.max_seconds, progress=self.progress, dives=dives)
         if not res.optimal and fallback is not None and not duplex:
@@ -532,6 +532,9 @@ class _Loop:
             out = self.run_search(ratios_, pins_, merged, mem, incumbent, fallback, budget)
         self._done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         self._count(out)
+        if mem:  # the budget a memory-aware search had (the plan's note on a search stopped at it)
+            n = self.max_expansions if budget is None else budget
+            self.stats["memory_budget"] = memory_budget(n, len(self.th.graph.ops))
         res = out.result
         if not self.duplex and not self.mem_on and not self.fits(res.program, out.final, out.ratios):
             self.mem_on = self.stats["memory_bound"] = True  # search again, keeping to memory
