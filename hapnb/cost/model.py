@@ -254,8 +254,13 @@ class CostModel:
             inner.append(2.0 * (k - 1) / k / cluster.intra_machine_Bps if k > 1 else 0.0)
         self.inner_sync_s_per_byte = tuple(inner)
         self.models = tuple(d.model for d in cluster.devices)
-        self._flops_only = all(m is None for m in self.models)
+        #: some device has a device model (which also prices the optimizer step, :meth:`optimizer_linear`;
+        #: zero on flops-only devices); none: every computation is flops over flop/s
+        self.modelled = any(m is not None for m in self.models)
         self.gpus = tuple(max(1, d.gpus) for d in cluster.devices)
+        #: ZeRO storage is priced here: several devices, none virtual (a virtual device's inner data
+        #: parallelism is priced for replicated storage only)
+        self.zero_priced = self.n > 1 and all(k == 1 for k in self.gpus)
         total = sum(self.flops)
         #: the device's reference share: efficiency and regime of the device model are read there
         self.reference_share = tuple(f / total for f in self.flops)
@@ -271,7 +276,7 @@ class CostModel:
         """Seconds of ``op`` under ``s`` per device at ``ratios`` (``devices``: only those, in that order)."""
         r = ratios[self.graph.ops[op].segment]
         js = range(self.n) if devices is None else devices
-        if self._flops_only:
+        if not self.modelled:
             sf, ff, fl = s.scaled_flops, s.fixed_flops, self.flops
             return tuple([(sf * r[j] + ff) / fl[j] for j in js])
         out = []
@@ -400,10 +405,9 @@ class CostModel:
 
     def _flops_bound(self) -> float:
         total = 0.0
-        modelled = any(m is not None for m in self.models)  # then the gradients autograd skips are skipped
         for op, ss in zip(self.graph.ops, self.theory.strategies):
             total += min(s.scaled_flops + s.fixed_flops for s in ss) * (
-                self.grad_share(op.id) if modelled else 1.0
+                self.grad_share(op.id) if self.modelled else 1.0  # device models skip what autograd skips
             )
         rate = [f if m is None else m.peak_flops * k for f, m, k in zip(self.flops, self.models, self.gpus)]
         return total / sum(rate)

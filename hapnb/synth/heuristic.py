@@ -75,7 +75,7 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
             if x is None:
                 op = g.ops[op_id]
                 x = opt_of[(op_id, c.index)] = sum(
-                    opt.least(ti, f, lean=s._mem is not None or ti in s.storage)[jstar]
+                    opt.least(ti, f, lean=storage_open(s, ti))[jstar]
                     for ti, f in zip(op.inputs, c.strategy.inputs)
                     if single[ti]
                 )
@@ -96,6 +96,13 @@ def local_pricer(s: Any, jstar: int, comm_only: bool = False) -> Any:
         return v
 
     return local
+
+
+def storage_open(s: Any, t: int) -> bool:
+    """Whether weight ``t``'s storage is still open in search ``s`` where a strategy uses it replicated (deferred
+    under memory pruning, or a storage pin): the bounds then price its optimizer step at the least over its
+    sharded forms too (``lean`` of :meth:`hapnb.synth.optimizer_step.OptimizerStep.least`)."""
+    return s._mem is not None or t in s.storage
 
 
 def bound_device(s: Any) -> int:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..triples import LOADABLE_ROLES
-from .heuristic import bound_device, local_pricer, price_matrices
+from .heuristic import bound_device, local_pricer, price_matrices, storage_open
 from .heuristic_diamond import Least, coupled_joint, find_diamonds
 from .heuristic_joint import Joint, Term
 from .heuristic_rejoin import Layout, Merge, coupled_term, find_merges, find_rejoins
@@ -112,7 +112,8 @@ def side_terms(s: Any) -> tuple[int, list[tuple[Term, ...]]]:
         else:
             bt.solve(br)
     merges = find_merges(s, branches, anchors, consumer_of)
-    main, coupled = _main_terms(s, _Paths(local, minloc, sides, price_matrix, merging, joints, merges, bt))
+    paths = _Paths(local, minloc, sides, price_matrix, merging, joints, merges, bt, jstar)
+    main, coupled = _main_terms(s, paths)
     for br in branches:
         if br[0][0] not in bt.solved:
             bt.solve(br)
@@ -311,7 +312,8 @@ class _BranchTables:
 class _Paths(NamedTuple):
     """What :func:`side_terms` hands its main DP (:func:`_main_terms`): the op pricer, the cheapest cost of
     the ops on no path, the sides, the price matrices, the branches that merge into spine ops, the Joint
-    cache, the merges it may couple and the side and branch tables (with the merge ops' shares)."""
+    cache, the merges it may couple, the side and branch tables (with the merge ops' shares) and the device
+    class the bound weighs."""
 
     local: Callable[[int, Any], float]
     minloc: list[float]
@@ -321,6 +323,7 @@ class _Paths(NamedTuple):
     joints: dict[tuple[Any, ...], Joint]
     merges: list[Merge]
     bt: _BranchTables
+    jstar: int
 
 
 def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
@@ -342,9 +345,8 @@ def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
     pmask = _mask(tb.bits_of[tied]) if tied >= 0 else 0
     # its load (with its gradient's sync and its optimizer step's excess) is paid once, where the DP first
     # loads it (state 0 -> its form)
-    jstar = bound_device(s)
     tied_load = (
-        {b: _load_with_step(s, tied, f, jstar) for f, b in zip(th.forms[tied], tb.bits_of[tied])}
+        {b: _load_with_step(s, tied, f, pt.jstar) for f, b in zip(th.forms[tied], tb.bits_of[tied])}
         if tied >= 0
         else {}
     )
@@ -685,7 +687,7 @@ def _load_with_step(s: Any, t: int, f: Any, jstar: int) -> float:
     the weight once, in one form, so adding the excess where the load is priced counts its step once."""
     v = s._load_s(t, f, False)
     if s._opt is not None:
-        v += s._opt.excess(t, f, s._mem is not None or t in s.storage, jstar)
+        v += s._opt.excess(t, f, storage_open(s, t), jstar)
     return v
 
 

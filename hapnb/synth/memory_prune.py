@@ -75,7 +75,7 @@ class MemoryTracker:
         self.const = np.array(
             [d.model.memory_const_bytes * d.gpus if d.model is not None else 0.0 for d in devs]
         )
-        self.zero_ok = bool(s.options.get("zero", True)) and s.n > 1 and not any(d.gpus > 1 for d in devs)
+        self.zero_ok = bool(s.options.get("zero", True)) and cm.zero_priced
         self._vec: dict[tuple[int, Form, int], np.ndarray] = {}
         self._time: dict[Load, float] = {}
         self._dstar: dict[int, Form | None] = {}

@@ -426,11 +426,11 @@ class _Loop:
 
     def run_search(
         self, ratios_: Any, pins_: Mapping[str, Form], merged: Mapping[str, bool], mem: bool,
-        incumbent: Any = None, fallback: Any = None, budget: int | None = None,
+        incumbent: Any, fallback: Any, budget: int | None,
     ) -> _Searched:  # fmt: skip
-        """One A* search (seeded with ``incumbent``; a duplex search with the plain optimum), within the
-        budget (``budget``, else ``max_expansions``); a search stopped at its budget gets ``fallback()``'s
-        program as an incumbent."""
+        """One A* search (seeded with ``incumbent``; a duplex search with the plain optimum), within
+        ``budget`` expansions (a memory-aware one: :func:`memory_budget` of it); a search stopped at its budget
+        gets ``fallback()``'s program as an incumbent."""
         th, c, memo, duplex = self.th, self.c, self.memo, self.duplex
         shared = None if memo is None else memo.shared((self.ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
@@ -449,7 +449,7 @@ class _Loop:
             pres = p.run(max_expansions=self.max_expansions, max_seconds=self.max_seconds)
             s.seed(pres.program)
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
-        budget, dives = (self.max_expansions if budget is None else budget), 32
+        dives = 32
         if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
             budget = memory_budget(budget, len(th.graph.ops))
             dives = 1
@@ -496,7 +496,9 @@ class _Loop:
         program at its ratios; with memory, a seed's search its own plain twin (memory ignored). With
         memory a fallback counts only where it fits: a memory-aware search's budget is small, and its
         greedy completion can be far worse than a plain program that fits anyway (DeBERTa's data-parallel
-        seed: 4.08 s against the plain search's 3.05 s, which fits)."""
+        seed: 4.08 s against the plain search's 3.05 s, which fits). ``budget``: its expansions (default the
+        loop's ``max_expansions``)."""
+        budget = self.max_expansions if budget is None else budget  # a seed's own, else the loop's
         merged = {**self.options, **(opts or {})}
         if self.mem_on and move and self.fixed is None and len({tuple(r) for r in ratios_}) == 1:
             ratios_ = self._memory_start(ratios_, pins_)
@@ -522,7 +524,7 @@ class _Loop:
             return out.result, out
         if self.memo is not None and self.max_seconds is None:
             key = (self.ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), self.duplex,
-                   self.max_expansions if budget is None else budget, mem, incumbent)  # fmt: skip
+                   budget, mem, incumbent)  # fmt: skip
             out = self.memo.get(
                 "search",
                 key,
@@ -533,8 +535,7 @@ class _Loop:
         self._done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         self._count(out)
         if mem:  # the budget a memory-aware search had (the plan's note on a search stopped at it)
-            n = self.max_expansions if budget is None else budget
-            self.stats["memory_budget"] = memory_budget(n, len(self.th.graph.ops))
+            self.stats["memory_budget"] = memory_budget(budget, len(self.th.graph.ops))
         res = out.result
         if not self.duplex and not self.mem_on and not self.fits(res.program, out.final, out.ratios):
             self.mem_on = self.stats["memory_bound"] = True  # search again, keeping to memory
@@ -668,9 +669,9 @@ class _Loop:
         """The baseline seeds (:func:`hapnb.synth.seeds.seeds`): each a candidate at its own ratios, and a
         program not balanced before starts Q/B rounds of its own."""
         tried = {self.best[1]} if self.best is not None else set()
-        for name, bpins, bratios, bopts in seeds(
-            self.th, self.c, self.form_pins, self.mem_on, any(m is not None for m in self.cm.models)
-        ):
+        # device models price the optimizer step, which ZeRO storage (priced on this cluster, allowed) shards
+        sharded_step = self.cm.modelled and self.cm.zero_priced and bool(self.options.get("zero", True))
+        for name, bpins, bratios, bopts in seeds(self.th, self.c, self.form_pins, self.mem_on, sharded_step):
             step_seed = name in SHARDED and not self.mem_on  # seeded for its sharded optimizer step
             budget = (
                 min(self.max_expansions or SHARDED_SEED_EXPANSIONS, SHARDED_SEED_EXPANSIONS)

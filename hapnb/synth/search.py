@@ -211,10 +211,9 @@ class Search(Moves):
         upd = BufferUpdates(self.graph, self._tables, self.cost_model)
         self._updates = upd if upd and not self.duplex else None
         # device models' optimizer step, in the last stage (the duplex time leaves it out)
-        models = any(m is not None for m in self.cost_model.models)
         self._opt = (
             OptimizerStep(self.cost_model, self.theory, self.ratios, self._reps)
-            if models and not self.duplex
+            if self.cost_model.modelled and not self.duplex
             else None
         )
         # suffix sums of the per-device lower bounds: remaining computation at infinite bandwidth

@@ -48,20 +48,20 @@ def baseline_specs(th: Theory, c: Cluster, user_pins: Mapping[str, Form]) -> lis
 
 
 def seeds(
-    th: Theory, c: Cluster, user_pins: Mapping[str, Form], memory_bound: bool, step_priced: bool = False
+    th: Theory, c: Cluster, user_pins: Mapping[str, Form], memory_bound: bool, sharded_step: bool = False
 ) -> Iterator[Seed]:
     """The baseline seeds of the Q/B loop: :func:`baseline_specs`, then, when memory binds by then
     (``memory_bound``), sharded data parallelism at even ratios: ZeRO-2 (``zero2``: parameters gathered once
     per step, gradients and optimizer states sharded; about data parallelism's communication) and fully
     sharded (``fsdp``, ZeRO-3, as :func:`hapnb.compare` builds it). Where memory binds, a sharded program
     that fits is a candidate of the final pick too, so the plan is never slower than it on the clock it is
-    picked by. So it is where device models price the optimizer step (``step_priced``) on a cluster of
-    several single-GPU devices: a sharded step can make ZeRO-2 the faster program on both clocks (HF Llama
-    at realistic size on ``h100x8``: 105.0 / 100.1 ms stage / simulated against data parallelism's 105.3 /
-    102.1, and ZeRO-3's 100.3 ms simulated beat the plan before)."""
+    picked by. So it is where device models price the optimizer step and ZeRO storage is priced and allowed
+    (``sharded_step``: :attr:`hapnb.cost.model.CostModel.modelled` and ``zero_priced``): a sharded step can
+    make ZeRO-2 the faster program on both clocks (HF Llama at realistic size on ``h100x8``: 105.0 / 100.1
+    ms stage / simulated against data parallelism's 105.3 / 102.1, and ZeRO-3's 100.3 ms simulated beat the
+    plan before)."""
     specs = baseline_specs(th, c, user_pins)
     yield from specs
-    sharded_step = step_priced and c.n > 1 and not any(d.gpus > 1 for d in c.devices)
     if memory_bound or sharded_step:
         _, _, even, plain = specs[0]
         for name in SHARDED:

@@ -129,6 +129,7 @@ def test_where_device_models_price_the_optimizer_step_sharded_data_parallelism_i
     # on h100x8 the device model prices Adam's step, which ZeRO-2 and ZeRO-3 shard; without their seeds the
     # plan (the stage optimum, 80.6 ms simulated) was slower than zero2's 79.0 ms and fsdp's on the clock the
     # plan is picked by. Flops-only clusters price no step and get no such seed (their plans are unchanged)
+    from hapnb.cost.model import CostModel
     from hapnb.synth.seeds import seeds
     from hapnb.tracing import zoo_graph
 
@@ -138,7 +139,11 @@ def test_where_device_models_price_the_optimizer_step_sharded_data_parallelism_i
     sims = hap.compare("gpt", c, strategies="fsdp,dp_ev").times("simulated")
     assert plan.simulated_s <= min(sims.values()) * (1 + 1e-9)
     th = hap.theory(zoo_graph("gpt", devices=c.n)[0])
-    names = [s[0] for s in seeds(th, c, {}, memory_bound=False, step_priced=True)]
+    names = [s[0] for s in seeds(th, c, {}, memory_bound=False, sharded_step=True)]
     assert {"zero2", "fsdp"} <= set(names)
-    flops_only = hap.Cluster.preset("paper-hetero-8")
-    assert "zero2" not in [s[0] for s in seeds(th, flops_only, {}, memory_bound=False, step_priced=False)]
+    assert "zero2" not in [s[0] for s in seeds(th, c, {}, memory_bound=False, sharded_step=False)]
+    # what the loop asks (CostModel.modelled and zero_priced): h100x8 has device models and prices ZeRO, a
+    # flops-only cluster has no device model (no step), one H100 no ZeRO
+    assert CostModel(th, c).modelled and CostModel(th, c).zero_priced
+    assert not CostModel(th, hap.Cluster.preset("paper-hetero-8")).modelled
+    assert not CostModel(th, hap.Cluster.parse("1xH100")).zero_priced

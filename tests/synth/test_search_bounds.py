@@ -114,17 +114,18 @@ def test_tied_parameter_and_branch_terms_are_admissible_against_brute_force(seed
 def _exact_and_admissible(graph, seed):
     """Search ``graph`` on one of :data:`CLUSTERS` (even or uneven ratios by ``seed``): A* returns the
     brute-force optimum and no node on its path scores above it. Returns the search."""
-    th = theory(graph, S.strategies)
     c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
     ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
+    return exact_and_admissible_on(theory(graph, S.strategies), c, ratios)
+
+
+def exact_and_admissible_on(th, c, ratios):
+    """:func:`_exact_and_admissible` on theory ``th``, cluster ``c`` and ``ratios`` as given."""
     s = Search(th, c, ratios=ratios)
     res = s.run()
     bf_cost, _ = brute_force(th, c, s.ratios)
     assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
-    nid = s._best
-    while nid >= 0:
-        assert s.node(nid).score <= bf_cost * (1 + 1e-9)
-        nid = s.node(nid).parent
+    _path_scores_at_most(s, s._best, bf_cost)
     return s
 
 
