@@ -41,7 +41,8 @@ def _hint(reason: str) -> str:
 
 def _user_line(exc: BaseException) -> str:
     """Where in the model's code torch.export stopped: ``file.py:LINE: `code` `` from the error's "The following
-    call raised this error" block (empty when the error has none)."""
+    call raised this error" block or its "Caused by:" line (a guard on a size that depends on the data, e.g.
+    ``if idx.size(0) > 0`` after ``nonzero``); empty when the error has neither."""
     lines = str(exc).splitlines()
     for k, ln in enumerate(lines):
         if "following call raised this error" not in ln:
@@ -52,6 +53,26 @@ def _user_line(exc: BaseException) -> str:
                 code = lines[at + 1].strip() if at + 1 < len(lines) else ""
                 where = f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}"
                 return f"{where}: `{code}`" if code else where
+    for ln in lines:  # torch's other form: "Caused by: (models/bert/modeling_bert.py:1062 in forward)"
+        m = re.search(r"Caused by: \((\S+?):(\d+) in \w+\)", ln)
+        if m is not None:
+            where = f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}"
+            code = _frame_line(exc, m.group(1), int(m.group(2)))
+            return f"{where}: `{code}`" if code else where
+    return ""
+
+
+def _frame_line(exc: BaseException, path: str, line: int) -> str:
+    """The source of ``path:line`` when a frame of ``exc``'s traceback ran it (torch shortens the path it
+    reports, so a frame's file is matched by its ending); empty when none did."""
+    import linecache
+
+    tb = exc.__traceback__
+    while tb is not None:
+        fname = tb.tb_frame.f_code.co_filename
+        if tb.tb_lineno == line and fname.endswith(path):
+            return linecache.getline(fname, line).strip()
+        tb = tb.tb_next
     return ""
 
 

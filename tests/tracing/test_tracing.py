@@ -181,6 +181,31 @@ def test_a_data_dependent_shape_names_the_op_and_the_line() -> None:
     assert "`return self.fc(x)[mask].sum()`" in msg and "argmax" in msg
 
 
+class LabelledRows(nn.Module):
+    """Keeps the rows whose label is not negative and branches on how many there are, as HF DeBERTa-v2's
+    classification loss does (``(labels >= 0).nonzero()`` then ``if label_index.size(0) > 0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            return self.fc(x)[index.view(-1)].sum()
+        return self.fc(x).sum() * 0
+
+
+def test_a_branch_on_a_data_dependent_size_names_the_line() -> None:
+    """torch reports such a guard as "Caused by: (file:line in forward)" with a shortened path: the error
+    names the file, the line and its code."""
+    with pytest.raises(TraceError) as info:
+        trace(LabelledRows(), (torch.randn(5, 4), torch.arange(5)))
+    msg = str(info.value)
+    assert "at: test_tracing.py:" in msg and "`if index.size(0) > 0:`" in msg, msg
+    assert "branches on tensor values" in msg
+
+
 def test_fx_fallback_refuses_to_freeze_a_random_draw(monkeypatch):
     """Symbolic tracing runs ``torch.rand([])`` once, at trace time: the branch on it would be taken the same
     way in every step (a layer always kept, or always dropped). The fallback refuses instead."""
