@@ -32,6 +32,16 @@ coupled is a matter of cost: the states at a position are the product of the for
 live there (and the tied parameter's), and :func:`find_rejoins` keeps the largest tensors first (then the
 shortest spans, which nest inside the longer ones) while that product stays at most :data:`MAX_STATES`.
 
+A tensor made by an op on no path and taken by a later spine op (:func:`made_rejoins`: a padded model's
+attention mask, made once and added to every layer's scores) is a :class:`Rejoin` too, with ``spine`` its
+maker: over its whole span the term pays the cheapest collective from its present form to the state's. The
+bound let every layer's ``add`` take the mask in any form for free, so a program that made it split on the
+key positions (which no batch-split layer can use without an all-to-all of the whole mask) looked as cheap
+as one that made it split on the batch, and the search walked the first layer once per way of making it:
+T5 with a padding mask (``examples/patterns.py``, real size) needed 43,694 expansions for its proof, 27,692
+with the coupling. Such tensors take the room the others leave (they come last, with the merges' cap), so
+they never displace a rejoin or a merge: when they did, the MoE LM's root bound fell from 9.07 to 8.23 s.
+
 A :class:`Merge` is the same coupling for a branch instead of a spine tensor: a parallel block (GPT-J, Cohere)
 runs its MLP beside its attention from one layer norm, so the MLP is a branch headed by a side op of the
 norm's output ``x`` and merged by the add that closes the block (op ``at``). Without the coupling, the add's
@@ -55,6 +65,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..triples import LOADABLE_ROLES
+
 __all__ = [
     "MAX_STATES",
     "MAX_MERGE_STATES",
@@ -62,6 +74,7 @@ __all__ = [
     "Merge",
     "Coupling",
     "find_rejoins",
+    "made_rejoins",
     "find_merges",
     "Layout",
     "Coupled",
@@ -82,7 +95,8 @@ _INF = float("inf")
 @dataclass(frozen=True, slots=True)
 class Rejoin:
     """Spine tensor ``x`` (made by spine op ``made``, spine input of op ``spine``) taken again by spine op
-    ``at`` (its input ``k``) in one of ``forms`` (indices into ``theory.forms[x]``)."""
+    ``at`` (its input ``k``) in one of ``forms`` (indices into ``theory.forms[x]``); ``made == spine``: ``x``
+    is made by an op on no path (:func:`made_rejoins`)."""
 
     x: int
     made: int
@@ -113,15 +127,19 @@ Coupling = Rejoin | Merge
 
 
 def find_rejoins(
-    s: Any, sides: Mapping[int, Sequence[int]], tied_states: int, merges: Sequence[Merge] = ()
+    s: Any,
+    sides: Mapping[int, Sequence[int]],
+    tied_states: int,
+    merges: Sequence[Merge] = (),
+    made: Sequence[Rejoin] = (),
 ) -> list[Coupling]:
-    """The rejoining spine tensors of search ``s`` and the merging branches (``merges``) that the DP couples
-    (module docstring): each spine tensor with no side consumer after its spine consumer, with the first
-    later spine op that takes it once; the largest first (then the shortest span), while the states at
-    every position stay at most :data:`MAX_STATES` (a merge: :data:`MAX_MERGE_STATES`; ``tied_states``: the
-    tied parameter's, 1 if none)."""
+    """The rejoining spine tensors of search ``s``, the merging branches (``merges``) and the tensors made off
+    every path (``made``, :func:`made_rejoins`) that the DP couples (module docstring): each spine tensor with
+    no side consumer after its spine consumer, with the first later spine op that takes it once; the largest
+    first (then the shortest span), while the states at every position stay at most :data:`MAX_STATES` (a
+    merge: :data:`MAX_MERGE_STATES`; ``tied_states``: the tied parameter's, 1 if none)."""
     g, spine_ops = s.graph, s._tables.spine
-    found = []
+    found = list(made)
     for i1, (x, _) in spine_ops.items():
         made = _spine_made(s, x)
         if made is None:
@@ -139,13 +157,16 @@ def find_rejoins(
         found.append(Rejoin(x, made, i1, at, k, taken_forms(s, at, k)))
     cands: list[Coupling] = [*found, *merges]
     cands.sort(
-        key=lambda r: (-g.tensors[_coupled(r)].numel, r.at - r.made, _coupled(r), isinstance(r, Merge))
-    )
+        key=lambda r: (
+            isinstance(r, Rejoin) and r.made == r.spine,  # a tensor made off every path: in the room left
+            -g.tensors[_coupled(r)].numel, r.at - r.made, _coupled(r), isinstance(r, Merge),
+        )
+    )  # fmt: skip
     size = [tied_states] * (len(g.ops) + 1)
     kept: list[Coupling] = []
     for r in cands:
         span = range(r.made + 1, r.at + 1)
-        cap = MAX_MERGE_STATES if isinstance(r, Merge) else MAX_STATES
+        cap = MAX_MERGE_STATES if isinstance(r, Merge) or r.made == r.spine else MAX_STATES
         if max(size[p] for p in span) * len(r.forms) > cap:
             continue
         for p in span:
@@ -183,6 +204,35 @@ def find_merges(
         k = g.ops[at].inputs.index(y)
         taken.add(x)
         out.append(Merge(x, made, spine, head, y, at, k, taken_forms(s, at, k)))
+    return out
+
+
+def made_rejoins(s: Any, on_path: set[int]) -> list[Rejoin]:
+    """Tensors made by an op on no path (after the spine's first op) that a later spine op takes, not as its
+    spine input: a padded model's attention mask, made once and added to every layer's scores. Each is a
+    :class:`Rejoin` at the first such op ``at``, made and "spine-consumed" by its producer, so that over its
+    whole span ``(made, at]`` the term pays the cheapest collective from a present form to the state's form.
+    No other term reads such a tensor's forms (its producer is on no path: it is free everywhere else)."""
+    g, spine_ops = s.graph, s._tables.spine
+    if not spine_ops:
+        return []
+    first = min(spine_ops)
+    out = []
+    for t, tensor in enumerate(g.tensors):
+        p = tensor.producer
+        if p is None or p <= first or p in on_path or p in spine_ops or tensor.role in LOADABLE_ROLES:
+            continue
+        later = [
+            o for o in tensor.consumers
+            if o in spine_ops and spine_ops[o][0] != t and g.ops[o].inputs.count(t) == 1
+        ]  # fmt: skip
+        if not later or not s._ops[min(later)]:
+            continue
+        at = min(later)
+        k = g.ops[at].inputs.index(t)
+        forms = taken_forms(s, at, k)
+        if len(forms) > 1:
+            out.append(Rejoin(t, p, p, at, k, forms))
     return out
 
 
@@ -266,6 +316,22 @@ class Layout:
             vals = [joints[st].value(b) + add for b in bits]
             have = out.get(key)
             out[key] = vals if have is None else [min(a, b) for a, b in zip(have, vals)]
+        return out
+
+    def born(
+        self, i: int, values: Mapping[tuple[int, ...], list[float]]
+    ) -> dict[tuple[int, ...], list[float]]:
+        """``values`` (per state at position ``i + 1``) per state at ``i``: where op ``i`` (on no path) makes a
+        coupled tensor (:func:`made_rejoins`), the least over its form; else ``values`` as they are."""
+        live = self._live[i + 1]
+        new = [1 + n for n, j in enumerate(live) if self.rejoins[j].made == i]
+        if not new:
+            return dict(values)
+        out: dict[tuple[int, ...], list[float]] = {}
+        for st, vals in values.items():
+            key = tuple(x for n, x in enumerate(st) if n not in new)
+            have = out.get(key)
+            out[key] = list(vals) if have is None else [min(a, b) for a, b in zip(have, vals)]
         return out
 
     def extra(self, pos: int) -> tuple[tuple[int, int], ...]:

@@ -53,7 +53,7 @@ from ..triples import LOADABLE_ROLES
 from .heuristic import bound_device, local_pricer, price_matrices, storage_open
 from .heuristic_diamond import Least, coupled_joint, find_diamonds
 from .heuristic_joint import Joint, Term
-from .heuristic_rejoin import Layout, Merge, coupled_term, find_merges, find_rejoins
+from .heuristic_rejoin import Layout, Merge, coupled_term, find_merges, find_rejoins, made_rejoins
 
 __all__ = ["MAX_SIDES", "side_terms"]
 
@@ -351,7 +351,8 @@ def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
         else {}
     )
     pvals = [0, *tb.bits_of[tied]] if tied >= 0 else [0]
-    lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges), pvals, n_ops + 1, pt.bt.head_tab)
+    made = made_rejoins(s, pt.bt.on_path)
+    lay = Layout(find_rejoins(s, pt.sides, len(pvals), pt.merges, made), pvals, n_ops + 1, pt.bt.head_tab)
     per_state: list[dict[tuple[int, ...], Joint]] = [{}] * (n_ops + 1)  # per position: state -> Joint
     per_state[n_ops] = {st: end for st in lay.states(n_ops)}
     tieds: dict[tuple[int, int], Tied] = {}
@@ -407,6 +408,7 @@ def _main_terms(s: Any, pt: _Paths) -> tuple[list[Term], dict[int, Merge]]:
             continue
         else:
             add += pt.minloc[i]
+            by_in = lay.born(i, by_in)  # a coupled tensor op i makes: the least over its form before it
         pend = [o for o in tabs_side if o >= i]
         js = {}
         for st in by_in:

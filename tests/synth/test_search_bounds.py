@@ -499,3 +499,65 @@ def test_whisper_at_real_size_is_proven_optimal_within_the_default_budget():
     res = s.run(max_expansions=30_000)
     assert res.optimal and res.expansions < 15_000
     assert s.node(0).score >= res.cost * 0.998
+
+
+def _masked_graph(batch: int, d: int, h: int):
+    """Two blocks that add the same mask to their activations, as a padded model's layers add its attention
+    mask: the mask is made from an input by an op on no path (``relu``) and taken by both ``add`` ops of the
+    spine (:func:`hapnb.synth.heuristic_rejoin.made_rejoins`)."""
+    b = S.Builder()
+    x = b.tensor("x", (batch, d), "input")
+    m = b.tensor("m", (batch, h), "input")
+    w1 = b.tensor("w1", (d, h), "param")
+    w2 = b.tensor("w2", (h, h), "param")
+    h1 = b.op("mm", [x, w1], (batch, h), 2.0 * batch * d * h)
+    mask = b.op("relu", [m], (batch, h), float(batch * h))
+    h2 = b.op(
+        "mm", [b.op("add", [h1, mask], (batch, h), float(batch * h)), w2], (batch, h), 2.0 * batch * h * h
+    )
+    return b.build(b.op("sum", [b.op("add", [h2, mask], (batch, h), float(batch * h))], (), float(batch * h)))
+
+
+_MASKED = [(8, 16, 32), (64, 8, 64), (4, 64, 16)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tensor_made_off_every_path_is_coupled_admissibly(seed, monkeypatch):
+    # the mask's form at the first add is a state of the spine DP: A* returns the brute-force optimum, and
+    # no node on the optimal program's path (A*'s and brute force's, walked as a seed) scores above it
+    th = theory(_masked_graph(*_MASKED[seed]), S.strategies)
+    g = th.graph
+    for k, name in enumerate(CLUSTERS[:3]):
+        c = Cluster.parse(name)
+        ratios = None if (seed + k) % 2 else [[(j + 1.0) for j in range(c.n)]]
+        coupled = _coupled(monkeypatch)
+        s = Search(th, c, ratios=ratios)
+        assert [(g.ops[r.made].target, g.ops[r.at].target) for r in coupled[0] if r.made == r.spine] == [
+            ("relu", "add")
+        ]
+        res = s.run()
+        bf_cost, bf_program = brute_force(th, c, s.ratios)
+        assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
+        _path_scores_at_most(s, s._best, bf_cost)
+        walk = Search(th, c, ratios=ratios)
+        assert walk.seed(bf_program, dive=False)
+        _path_scores_at_most(walk, walk._best, bf_cost)
+
+
+def test_a_tensor_made_in_a_form_the_spine_cannot_take_costs_its_collective(monkeypatch):
+    # once the mask is made (position 2: h1 in G0), making it G1 leaves a collective to pay before the first
+    # add (or a spine in G1); I and G0 serve the add as they are. Without the coupling every form is free.
+    th = theory(_masked_graph(8, 16, 32), S.strategies)
+    c = Cluster.parse(CLUSTERS[0])
+    g = th.graph
+    h1, mask = g.ops[0].outputs[0], g.ops[1].outputs[0]
+
+    def bound(form) -> float:
+        s = Search(th, c)
+        return s._h(2, (0.0,) * len(s._reps), s._bit[(h1, G(0))] | s._bit[(mask, form)])
+
+    coupled = {f: bound(f) for f in (G(0), G(1), I)}
+    monkeypatch.setattr(heuristic_side, "made_rejoins", lambda *args: [])
+    free = {f: bound(f) for f in (G(0), G(1), I)}
+    assert coupled[G(0)] == coupled[I] == free[G(0)] == free[I] == free[G(1)]
+    assert coupled[G(1)] > 1.5 * free[G(1)]
