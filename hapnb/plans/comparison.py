@@ -71,7 +71,7 @@ from ..synth.seeds import baseline_specs, fsdp_pins
 from ..tracing import resolve_model
 from ..triples import Theory, dim_class, theory
 from .plan import Plan, freeze_mapping
-from .synthesis import OutOfMemoryError, baselines, fixed_plan, synthesize
+from .synthesis import Baselines, OutOfMemoryError, baselines, fixed_plan, synthesize
 
 __all__ = [
     "STRATEGIES",
@@ -349,9 +349,9 @@ class _Inputs:
     duplex: bool
     max_expansions: int | None
     pipeline_options: dict[str, Any]
-    _baselines: dict[str, Plan] | None = field(default=None, init=False, repr=False)
+    _baselines: Baselines | None = field(default=None, init=False, repr=False)
 
-    def baselines(self) -> dict[str, Plan]:
+    def baselines(self) -> Baselines:
         if self._baselines is None:
             self._baselines = baselines(self.theory, self.cluster, max_expansions=self.max_expansions)
         return self._baselines
@@ -416,13 +416,13 @@ def _hap(x: _Inputs) -> StrategyResult:
 
 def _baseline(key: str, name: str) -> Callable[[_Inputs], StrategyResult]:
     def build(x: _Inputs) -> StrategyResult:
-        plan = x.baselines().get(key)
+        built = x.baselines()
+        plan = built.get(key)
         if plan is None:
-            if key == "tp_ev":
-                return _absent(
-                    name, "no weight can be split with the batch replicated (no tensor parallelism)"
-                )
-            return _absent(name, "no program with these pins (the inputs cannot be split on the batch dim)")
+            why = built.unavailable.get(key)
+            return _absent(
+                name, why or "no program with these pins (the inputs cannot be split on the batch dim)"
+            )
         return _spmd_row(name, plan)
 
     return build

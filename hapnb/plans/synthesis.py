@@ -137,7 +137,7 @@ def baselines(
     example_inputs: Sequence[Any] | None = None,
     max_expansions: int | None = 30_000,
     **zoo_options: Any,
-) -> dict[str, Plan]:
+) -> Baselines:
     """Data parallel with even (``dp_ev``) and throughput-proportional (``dp_cp``) ratios, and Megatron-style
     tensor parallel (``tp_ev``: the batch whole on every device, weights split by the search, even ratios;
     :func:`hapnb.synth.seeds.batch_replicated`), all under the
@@ -159,8 +159,11 @@ def baselines(
         i.kind == "load" and i.form_value.kind == "G" and _is_param(th, i.tensor)
         for i in out["tp_ev"].program
     ):
-        del out["tp_ev"]  # no weight could be split: tensor parallelism does not apply
-        out.unavailable["tp_ev"] = "no weight can be split: tensor parallelism does not apply"
+        del out["tp_ev"]  # its best program splits no weight: tensor parallelism does not apply or pay
+        out.unavailable["tp_ev"] = (
+            "the best program found with the batch whole splits no weight: tensor parallelism does not apply "
+            "or does not pay here"
+        )
     return out
 
 
