@@ -41,6 +41,10 @@ as one that made it split on the batch, and the search walked the first layer on
 T5 with a padding mask (``examples/patterns.py``, real size) needed 43,694 expansions for its proof, 27,692
 with the coupling. Such tensors take the room the others leave (they come last, with the merges' cap), so
 they never displace a rejoin or a merge: when they did, the MoE LM's root bound fell from 9.07 to 8.23 s.
+Only a tensor at least :data:`MADE_MIN_SHARE` of the spine tensor its op takes is coupled: a norm's
+statistics (ResNet-50's batch norms, an RMSNorm's ``rsqrt``) are tiny, their collectives latency, and
+coupling them left every root the same but steered ResNet-50's search on ``h100x8``, which stops at its
+budget, to a 1.4 % costlier program (35.49 against 35.00 ms).
 
 A :class:`Merge` is the same coupling for a branch instead of a spine tensor: a parallel block (GPT-J, Cohere)
 runs its MLP beside its attention from one layer norm, so the MLP is a branch headed by a side op of the
@@ -61,7 +65,7 @@ op (the block's add rather than attention's query path).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +93,9 @@ MAX_STATES = 16
 #: 37,842 expansions instead of 41,645, but its bound's compile time triples (synthesis 4.3 -> 4.8 s;
 #: measured 2026-11-29)
 MAX_MERGE_STATES = 24
+#: a tensor made off every path is coupled (:func:`made_rejoins`) only when it is at least this fraction of the
+#: spine tensor that its op takes (a padded model's mask beside 16 or 32 heads' scores, not a norm's statistics)
+MADE_MIN_SHARE = 1 / 64
 _INF = float("inf")
 
 
@@ -220,7 +227,7 @@ def made_rejoins(s: Any, on_path: set[int]) -> list[Rejoin]:
     out = []
     for t, tensor in enumerate(g.tensors):
         p = tensor.producer
-        if p is None or p <= first or p in on_path or p in spine_ops or tensor.role in LOADABLE_ROLES:
+        if p is None or p <= first or p in on_path or tensor.role in LOADABLE_ROLES:  # on_path: spine ops too
             continue
         later = [
             o for o in tensor.consumers
@@ -229,10 +236,24 @@ def made_rejoins(s: Any, on_path: set[int]) -> list[Rejoin]:
         if not later or not s._ops[min(later)]:
             continue
         at = min(later)
+        if tensor.numel < MADE_MIN_SHARE * g.tensors[spine_ops[at][0]].numel:
+            continue  # small beside the spine tensor there: its collectives are latency (module docstring)
         k = g.ops[at].inputs.index(t)
         forms = taken_forms(s, at, k)
         if len(forms) > 1:
             out.append(Rejoin(t, p, p, at, k, forms))
+    return out
+
+
+def _least_over(
+    rows: Iterable[tuple[tuple[int, ...], list[float]]], drop: Sequence[int]
+) -> dict[tuple[int, ...], list[float]]:
+    """Per-state value lists with the state components ``drop`` left out: the elementwise least over them."""
+    out: dict[tuple[int, ...], list[float]] = {}
+    for st, vals in rows:
+        key = tuple(x for n, x in enumerate(st) if n not in drop)
+        have = out.get(key)
+        out[key] = list(vals) if have is None else [min(a, b) for a, b in zip(have, vals)]
     return out
 
 
@@ -308,31 +329,20 @@ class Layout:
     ) -> dict[tuple[int, ...], list[float]]:
         """Per state after spine op ``i`` without the rejoin ``i`` makes: the value at position ``i + 1`` with
         the live spine tensor just made in each form (``bits``), the least over that rejoin's forms."""
-        live = self._live[i + 1]
-        new = [1 + n for n, j in enumerate(live) if self.rejoins[j].made == i]
-        out: dict[tuple[int, ...], list[float]] = {}
-        for st in self.states(i + 1):
-            key = tuple(x for n, x in enumerate(st) if n not in new)
-            vals = [joints[st].value(b) + add for b in bits]
-            have = out.get(key)
-            out[key] = vals if have is None else [min(a, b) for a, b in zip(have, vals)]
-        return out
+        rows = ((st, [joints[st].value(b) + add for b in bits]) for st in self.states(i + 1))
+        return _least_over(rows, self._made_at(i))
 
     def born(
         self, i: int, values: Mapping[tuple[int, ...], list[float]]
     ) -> dict[tuple[int, ...], list[float]]:
         """``values`` (per state at position ``i + 1``) per state at ``i``: where op ``i`` (on no path) makes a
         coupled tensor (:func:`made_rejoins`), the least over its form; else ``values`` as they are."""
-        live = self._live[i + 1]
-        new = [1 + n for n, j in enumerate(live) if self.rejoins[j].made == i]
-        if not new:
-            return dict(values)
-        out: dict[tuple[int, ...], list[float]] = {}
-        for st, vals in values.items():
-            key = tuple(x for n, x in enumerate(st) if n not in new)
-            have = out.get(key)
-            out[key] = list(vals) if have is None else [min(a, b) for a, b in zip(have, vals)]
-        return out
+        new = self._made_at(i)
+        return _least_over(values.items(), new) if new else dict(values)
+
+    def _made_at(self, i: int) -> list[int]:
+        """The state components at position ``i + 1`` of the couplings that op ``i`` makes."""
+        return [1 + n for n, j in enumerate(self._live[i + 1]) if self.rejoins[j].made == i]
 
     def extra(self, pos: int) -> tuple[tuple[int, int], ...]:
         """The couplings that add a consumer to the live spine tensor at ``pos`` (state component, index into
