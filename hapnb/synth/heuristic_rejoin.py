@@ -332,13 +332,11 @@ class Layout:
         rows = ((st, [joints[st].value(b) + add for b in bits]) for st in self.states(i + 1))
         return _least_over(rows, self._made_at(i))
 
-    def born(
-        self, i: int, values: Mapping[tuple[int, ...], list[float]]
-    ) -> dict[tuple[int, ...], list[float]]:
+    def born(self, i: int, values: dict[tuple[int, ...], list[float]]) -> dict[tuple[int, ...], list[float]]:
         """``values`` (per state at position ``i + 1``) per state at ``i``: where op ``i`` (on no path) makes a
-        coupled tensor (:func:`made_rejoins`), the least over its form; else ``values`` as they are."""
+        coupled tensor (:func:`made_rejoins`), the least over its form; else ``values`` itself."""
         new = self._made_at(i)
-        return _least_over(values.items(), new) if new else dict(values)
+        return _least_over(values.items(), new) if new else values
 
     def _made_at(self, i: int) -> list[int]:
         """The state components at position ``i + 1`` of the couplings that op ``i`` makes."""

@@ -429,8 +429,8 @@ class _Loop:
         incumbent: Any, fallback: Any, budget: int | None,
     ) -> _Searched:  # fmt: skip
         """One A* search (seeded with ``incumbent``; a duplex search with the plain optimum), within
-        ``budget`` expansions (a memory-aware one: :func:`memory_budget` of it); a search stopped at its budget
-        gets ``fallback()``'s program as an incumbent."""
+        ``budget`` expansions (resolved by :meth:`search`); a search stopped at its budget gets ``fallback()``'s
+        program as an incumbent."""
         th, c, memo, duplex = self.th, self.c, self.memo, self.duplex
         shared = None if memo is None else memo.shared((self.ck, tuple(map(tuple, ratios_))))
         if shared is not None:  # prices that do not depend on the ratios: one dict per cluster
@@ -449,10 +449,7 @@ class _Loop:
             pres = p.run(max_expansions=self.max_expansions, max_seconds=self.max_seconds)
             s.seed(pres.program)
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
-        dives = 32
-        if s.memory:  # memory makes proving optimality costly where little is left to gain (see above)
-            budget = memory_budget(budget, len(th.graph.ops))
-            dives = 1
+        dives = 1 if s.memory else 32  # memory makes proving optimality costly where little is left to gain
         res = s.run(max_expansions=budget, max_seconds=self.max_seconds, progress=self.progress, dives=dives)
         if not res.optimal and fallback is not None and not duplex:
             # stopped at its budget: the fallback program (:meth:`search`) joins as an incumbent, so the
@@ -497,12 +494,16 @@ class _Loop:
         memory a fallback counts only where it fits: a memory-aware search's budget is small, and its
         greedy completion can be far worse than a plain program that fits anyway (DeBERTa's data-parallel
         seed: 4.08 s against the plain search's 3.05 s, which fits). ``budget``: its expansions (default the
-        loop's ``max_expansions``)."""
+        loop's ``max_expansions``; a memory-aware search gets :func:`memory_budget` of it)."""
         budget = self.max_expansions if budget is None else budget  # a seed's own, else the loop's
         merged = {**self.options, **(opts or {})}
         if self.mem_on and move and self.fixed is None and len({tuple(r) for r in ratios_}) == 1:
             ratios_ = self._memory_start(ratios_, pins_)
         mem = self.mem_on and not plain
+        if (
+            mem and not self.duplex
+        ):  # the budget a memory-aware search has (the plan's note on one stopped at it)
+            budget = self.stats["memory_budget"] = memory_budget(budget, len(self.th.graph.ops))
         fallback = None
         if (move or mem) and not self.duplex:
             fb_pins, fb_opts = ({**dp_pins(self.th), **pins_}, _PLAIN) if move else (pins_, opts)
@@ -534,8 +535,6 @@ class _Loop:
             out = self.run_search(ratios_, pins_, merged, mem, incumbent, fallback, budget)
         self._done.append((tuple(map(tuple, ratios_)), dict(pins_), merged, mem, out))
         self._count(out)
-        if mem:  # the budget a memory-aware search had (the plan's note on a search stopped at it)
-            self.stats["memory_budget"] = memory_budget(budget, len(self.th.graph.ops))
         res = out.result
         if not self.duplex and not self.mem_on and not self.fits(res.program, out.final, out.ratios):
             self.mem_on = self.stats["memory_bound"] = True  # search again, keeping to memory

@@ -9,6 +9,7 @@ traces the same wrapper.
 
 from __future__ import annotations
 
+import linecache
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,8 +66,6 @@ def _user_line(exc: BaseException) -> str:
 def _frame_line(exc: BaseException, path: str, line: int) -> str:
     """The source of ``path:line`` when a frame of ``exc``'s traceback ran it (torch shortens the path it
     reports, so a frame's file is matched by its ending); empty when none did."""
-    import linecache
-
     tb = exc.__traceback__
     while tb is not None:
         fname = tb.tb_frame.f_code.co_filename

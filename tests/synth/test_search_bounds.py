@@ -119,13 +119,18 @@ def _exact_and_admissible(graph, seed):
     return exact_and_admissible_on(theory(graph, S.strategies), c, ratios)
 
 
-def exact_and_admissible_on(th, c, ratios):
-    """:func:`_exact_and_admissible` on theory ``th``, cluster ``c`` and ``ratios`` as given."""
+def exact_and_admissible_on(th, c, ratios, walk: bool = False):
+    """:func:`_exact_and_admissible` on theory ``th``, cluster ``c`` and ``ratios`` as given; ``walk``: the
+    brute-force optimum's own path too (walked as a seed), where no node may score above it either."""
     s = Search(th, c, ratios=ratios)
     res = s.run()
-    bf_cost, _ = brute_force(th, c, s.ratios)
+    bf_cost, bf_program = brute_force(th, c, s.ratios)
     assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
     _path_scores_at_most(s, s._best, bf_cost)
+    if walk:
+        w = Search(th, c, ratios=ratios)
+        assert w.seed(bf_program, dive=False)
+        _path_scores_at_most(w, w._best, bf_cost)
     return s
 
 
@@ -392,20 +397,13 @@ def test_a_tensor_that_rejoins_the_spine_is_coupled_admissibly(seed, monkeypatch
     c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
     ratios = None if seed % 2 else [[(j + 1.0) for j in range(c.n)]]
     coupled = _coupled(monkeypatch)
-    s = Search(th, c, ratios=ratios)
+    exact_and_admissible_on(th, c, ratios, walk=True)
     g = th.graph
     # h at the dispatch, and the routes (the dispatch's spine input) at the combine
     assert [(g.ops[r.spine].target, g.ops[r.at].target) for r in coupled[0]] == [
         ("mm", "dispatch"),
         ("dispatch", "combine"),
     ]
-    res = s.run()
-    bf_cost, bf_program = brute_force(th, c, s.ratios)
-    assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
-    _path_scores_at_most(s, s._best, bf_cost)
-    walk = Search(th, c, ratios=ratios)
-    assert walk.seed(bf_program, dive=False)
-    _path_scores_at_most(walk, walk._best, bf_cost)
 
 
 def test_coupling_the_rejoin_raises_the_root_bound(monkeypatch):
@@ -531,17 +529,10 @@ def test_a_tensor_made_off_every_path_is_coupled_admissibly(seed, monkeypatch):
         c = Cluster.parse(name)
         ratios = None if (seed + k) % 2 else [[(j + 1.0) for j in range(c.n)]]
         coupled = _coupled(monkeypatch)
-        s = Search(th, c, ratios=ratios)
+        exact_and_admissible_on(th, c, ratios, walk=True)
         assert [(g.ops[r.made].target, g.ops[r.at].target) for r in coupled[0] if r.made == r.spine] == [
             ("relu", "add")
         ]
-        res = s.run()
-        bf_cost, bf_program = brute_force(th, c, s.ratios)
-        assert res.optimal and res.cost == pytest.approx(bf_cost, rel=1e-9)
-        _path_scores_at_most(s, s._best, bf_cost)
-        walk = Search(th, c, ratios=ratios)
-        assert walk.seed(bf_program, dive=False)
-        _path_scores_at_most(walk, walk._best, bf_cost)
 
 
 def test_a_tensor_made_in_a_form_the_spine_cannot_take_costs_its_collective(monkeypatch):
