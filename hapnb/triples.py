@@ -163,6 +163,10 @@ class Theory:
     forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
     units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
     requires_grad: tuple[bool, ...] = ()
+    #: per op, the first strategy of the unrestricted theory (:meth:`without` keeps it): what the cost model
+    #: weighs an op's work by when it decides whether a device is launch bound, so that a restricted space
+    #: prices every program as the whole theory does
+    first: tuple[Strategy, ...] = ()
     _cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def __iter__(self) -> Iterator[Triple]:
@@ -238,6 +242,7 @@ class Theory:
             forms,
             self.units,
             self.requires_grad,
+            self.first or tuple(ss[0] for ss in self.strategies),
         )
 
     def format(self, tr: Triple) -> str:

@@ -383,14 +383,16 @@ class CostModel:
 
     def launch_bound(self, j: int) -> bool:
         """Whether device ``j`` (with a device model) is launch bound on this graph: the launch times of
-        all ops (each under its first strategy, at the reference share) exceed their GPU work."""
+        all ops (each under its first strategy of the unrestricted theory, :attr:`hapnb.triples.Theory.first`, at
+        the reference share) exceed their GPU work: a restricted theory prices a program as the whole one does."""
         hit = self._bound.get(j)
         if hit is None:
             m = self.models[j]
             assert m is not None
             launch = work = 0.0
+            first = self.theory.first or tuple(ss[0] for ss in self.theory.strategies)
             for op in self.graph.ops:
-                const, coef = self._work_linear(op.id, self.theory.strategies[op.id][0], j)
+                const, coef = self._work_linear(op.id, first[op.id], j)
                 launch += self.op_traffic(op.id)[1] * m.kernel_s
                 work += const + coef * self.reference_share[j]
             hit = self._bound[j] = launch > work

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
+from ..cost.model import Step
 from ..hardware.cluster import Cluster
 from ..ir.graph import Graph
 from ..synth.balance import solver_name
 from ..synth.optimize import assign_segments, parse_pins, without_gc
 from ..synth.search import NoProgramError, Search
-from ..synth.seeds import baseline_specs, batch_replicated
+from ..synth.seeds import baseline_specs, batch_replicated, data_parallel_program
 from ..tracing import resolve_model
 from ..triples import Theory, coverage, theory
 from .fit import OutOfMemoryError, out_of_memory
@@ -150,9 +152,12 @@ def baselines(
     for name, pins, ratios, opts in baseline_specs(th, c, {}):
         try:
             space = batch_replicated(th) if name == "tp_ev" else th  # tensor parallel: the batch whole
+            # data parallel, stopped at its budget: never worse than textbook data parallelism
+            textbook = partial(data_parallel_program, th, c, pins, ratios, opts, max_expansions)
             out[name] = fixed_plan(
-                space, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions
-            )
+                space, c, pins, ratios, opts, name=name, model=spec, max_expansions=max_expansions,
+                fallback=None if name == "tp_ev" else textbook,
+            )  # fmt: skip
         except (NoProgramError, ValueError) as e:
             out.unavailable[name] = _unavailable(th, e)
     if "tp_ev" in out and not any(
@@ -197,15 +202,22 @@ def fixed_plan(
     name: str = "fixed",
     model: Mapping[str, Any] | None = None,
     max_expansions: int | None = 30_000,
+    fallback: Callable[[], Sequence[Step] | None] | None = None,
 ) -> Plan:
     """The plan of one A* search at fixed ``ratios`` (one row per segment; no LP) with form ``pins`` and
     search ``options``, with its simulated time: how :func:`baselines` (and the strategies of
     :func:`hapnb.compare`) package a fixed strategy. ``name`` is recorded as ``options["baseline"]``.
+    ``fallback``: a program walked in (:meth:`~hapnb.synth.search.Search.seed`) where the search stops at its
+    budget: the plan is then never costlier than it.
     Raises :class:`~hapnb.synth.search.NoProgramError` (or ValueError for bad pins) when no program exists."""
     t0 = time.perf_counter()
     opts = dict(options or {})
     s = Search(th, c, ratios=ratios, pins=pins, options=opts)
     res = s.run(max_expansions=max_expansions)
+    if not res.optimal and fallback is not None:
+        prog = fallback()
+        if prog is not None and s.seed(prog, dive=False):
+            res = dataclasses.replace(s.result(res.seconds), seconds=res.seconds)
     st = s.stats
     stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
     stats["optimal"] = res.optimal

@@ -42,7 +42,7 @@ from .duplex import duplex_cost
 from .history import Round
 from .memo import Memo
 from .search import NoProgramError, Search, normalize_ratios, resolve_pins
-from .seeds import SHARDED, dp_pins, seeds
+from .seeds import SHARDED, data_parallel_program, dp_pins, seeds
 
 __all__ = [
     "Round",
@@ -483,6 +483,7 @@ class _Loop:
         incumbent: Any = None,
         plain: bool = False,
         budget: int | None = None,
+        textbook: bool = False,
     ) -> tuple[Any, _Searched]:
         """A search at ``ratios_`` (from the memo, or answered by an earlier one of this call), counted in
         the stats; when its program does not fit, memory binds and it runs again keeping to memory.
@@ -494,7 +495,9 @@ class _Loop:
         memory a fallback counts only where it fits: a memory-aware search's budget is small, and its
         greedy completion can be far worse than a plain program that fits anyway (DeBERTa's data-parallel
         seed: 4.08 s against the plain search's 3.05 s, which fits). ``budget``: its expansions (default the
-        loop's ``max_expansions``; a memory-aware search gets :func:`memory_budget` of it)."""
+        loop's ``max_expansions``; a memory-aware search gets :func:`memory_budget` of it). ``textbook``: a
+        data-parallel search (a ``dp`` seed's, a fallback's), whose plain fallback is textbook data
+        parallelism (:meth:`dp_program`)."""
         budget = self.max_expansions if budget is None else budget  # a seed's own, else the loop's
         merged = {**self.options, **(opts or {})}
         if self.mem_on and move and self.fixed is None and len({tuple(r) for r in ratios_}) == 1:
@@ -504,7 +507,7 @@ class _Loop:
             mem and not self.duplex
         ):  # the budget a memory-aware search has (the plan's note on one stopped at it)
             budget = self.stats["memory_budget"] = memory_budget(budget, len(self.th.graph.ops))
-        fallback = None
+        fallback: Any = None
         if (move or mem) and not self.duplex:
             fb_pins, fb_opts = ({**dp_pins(self.th), **pins_}, _PLAIN) if move else (pins_, opts)
 
@@ -512,12 +515,18 @@ class _Loop:
                 """The fallback program at these ratios (None where there is none, or, with memory, where it
                 does not fit)."""
                 try:
-                    res, out = self.search(ratios_, fb_pins, fb_opts, plain=mem)
+                    res, out = self.search(ratios_, fb_pins, fb_opts, plain=mem, textbook=move or textbook)
                 except (NoProgramError, ValueError):
                     return None
                 if mem and not self.fits(res.program, out.final, out.ratios):
                     return None
                 return res.program
+
+        elif textbook and not self.duplex:
+
+            def fallback() -> Any:
+                """Textbook data parallelism at these ratios (None where there is none)."""
+                return self.dp_program(ratios_, pins_, opts or {})
 
         out = self.subsumed(ratios_, pins_, merged, mem)
         if out is not None:
@@ -525,7 +534,7 @@ class _Loop:
             return out.result, out
         if self.memo is not None and self.max_seconds is None:
             key = (self.ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), self.duplex,
-                   budget, mem, incumbent)  # fmt: skip
+                   budget, mem, incumbent, textbook)  # fmt: skip
             out = self.memo.get(
                 "search",
                 key,
@@ -540,6 +549,23 @@ class _Loop:
             self.mem_on = self.stats["memory_bound"] = True  # search again, keeping to memory
             return self.search(ratios_, pins_, opts, move, incumbent)
         return res, out
+
+    def dp_program(self, ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool]) -> Any:
+        """Textbook data parallelism at ``ratios_`` (:func:`hapnb.synth.seeds.data_parallel_program`, from the
+        memo): the fallback of a data-parallel search stopped at its budget (a ``dp`` seed's, a stopped
+        round's fallback), so that it is never worse than that program; None under the duplex objective or
+        where there is no such program."""
+        if self.duplex:
+            return None
+        merged = {**self.options, **opts}
+
+        def make() -> Any:
+            return data_parallel_program(self.th, self.c, pins_, ratios_, merged, self.max_expansions)
+
+        if self.memo is None:
+            return make()
+        key = (self.ck, tuple(map(tuple, ratios_)), _frozen(pins_), _frozen(merged), self.max_expansions)
+        return self.memo.get("dp_program", key, make)
 
     def _count(self, out: _Searched) -> None:
         """A search's expansions, time and proof in the loop's stats."""
@@ -678,7 +704,8 @@ class _Loop:
                 else None
             )
             try:
-                res, s = self.search(bratios, bpins, bopts, budget=budget)
+                dp = name in ("dp_ev", "dp_cp")
+                res, s = self.search(bratios, bpins, bopts, budget=budget, textbook=dp)
             except (NoProgramError, ValueError):
                 continue
             own = self.cost_at(res.program, bratios)
