@@ -11,11 +11,13 @@ Each architecture below is built from its library config at a tiny size (2 layer
 * verified against one device on 2 CPU ranks (``--verify``).
 
 ``--real`` plans the decoder LMs at the corpus's realistic widths (hidden 1024, 8 layers, 16 heads / 4 kv
-heads, vocab 32000, seq 512, batch 64) on ``2xV100+6xP100``: synthesis time, cost, proof.
+heads, vocab 32000, seq 512, batch 64) and the vision models at their library's default sizes (224 x 224,
+batch 64) on ``2xV100+6xP100`` (``--cluster`` for another): synthesis time, cost, proof, and the
+data-parallel and tensor-parallel baselines (:func:`hapnb.baselines`) on both clocks.
 
     python benchmarks/architectures.py --verify --out docs/benchmarks/architectures.json --md docs/models.md
     python benchmarks/architectures.py --render --out docs/benchmarks/architectures.json --md docs/models.md
-    python benchmarks/architectures.py --real [--only gemma2]...
+    python benchmarks/architectures.py --real [--only gemma2]... [--cluster h100x8]
 
 None of these is in the test suite (the corpus's families are: tests/test_corpus.py); this is the wider
 net, rerun when the tracer or the rules change. Results: docs/models.md, "Which architectures work".
@@ -173,6 +175,22 @@ REAL_LMS = {
 }
 
 
+#: the vision models at realistic size (``--real``): the library's default config (ResNet-50, RegNetY-040,
+#: MobileViT-S, ConvNeXt V2-T, PoolFormer-S12, LeViT-128S, DINOv2-B), EfficientNet-B0, 224 x 224 images,
+#: 1000 classes, batch 64
+REAL_VISION = {
+    "resnet": ("ResNetConfig", "ResNetForImageClassification", {}),
+    "regnet": ("RegNetConfig", "RegNetForImageClassification", {}),
+    "mobilevit": ("MobileViTConfig", "MobileViTForImageClassification", {"image_size": 224}),
+    "convnextv2": ("ConvNextV2Config", "ConvNextV2ForImageClassification", {}),
+    "poolformer": ("PoolFormerConfig", "PoolFormerForImageClassification", {}),
+    "levit": ("LevitConfig", "LevitForImageClassification", {}),
+    "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", {"image_size": 224, "patch_size": 14}),
+    "efficientnet": ("EfficientNetConfig", "EfficientNetForImageClassification",
+                     {"image_size": 224, "width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280}),
+}  # fmt: skip
+
+
 def tiny(name: str, verify: bool) -> dict[str, Any]:
     """One architecture at tiny size: the record of what worked (``stage`` is where it stopped)."""
     rec: dict[str, Any] = {"model": name, "stage": "build"}
@@ -203,25 +221,40 @@ def tiny(name: str, verify: bool) -> dict[str, Any]:
     return rec
 
 
-def real(name: str) -> dict[str, Any]:
-    """A decoder LM at the corpus's realistic widths, planned on :data:`REAL`."""
-    config, model, extra = REAL_LMS[name]
+def real(name: str, cluster: str = REAL) -> dict[str, Any]:
+    """A decoder LM at the corpus's realistic widths (:data:`REAL_LMS`) or a vision model at its default size
+    (:data:`REAL_VISION`), planned on ``cluster``, with its baselines."""
     torch.set_num_threads(1)
-    m = _model(config, model, {**corpus._decoder_style("real", 512), **extra})
-    wrapped = corpus._finish(m, model, lambda m, x: m(input_ids=x, labels=x).loss, corpus.TokensLoss)
+    if name in REAL_LMS:
+        config, model, extra = REAL_LMS[name]
+        m = _model(config, model, {**corpus._decoder_style("real", 512), **extra})
+        call = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+        wrapped, inputs = (
+            corpus._finish(m, model, call, corpus.TokensLoss),
+            (corpus._tokens(64, 512, 32000, 0),),
+        )
+    else:
+        config, model, extra = REAL_VISION[name]
+        m = _model(config, model, {"num_labels": 1000, **extra})
+        call = lambda m, x, y: m(pixel_values=x, labels=y).loss  # noqa: E731
+        wrapped, inputs = corpus._finish(m, model, call, corpus.ImagesLoss), corpus._images(64, 224, 1000, 0)
     t0 = time.perf_counter()
-    g = hap.trace(wrapped, (corpus._tokens(64, 512, 32000, 0),), name=name)
+    g = hap.trace(wrapped, inputs, name=name)
     trace_s = time.perf_counter() - t0
     del wrapped, m
     t0 = time.perf_counter()
-    plan = hap.synthesize(g, REAL)
+    plan = hap.synthesize(g, cluster)
+    synthesis_s = time.perf_counter() - t0
+    base = hap.baselines(g, cluster)
     return {
-        "model": name, "size": "real", "trace_s": round(trace_s, 1),
-        "synthesis_s": round(time.perf_counter() - t0, 2), "cost_ms": round(plan.cost_s * 1e3, 1),
+        "model": name, "size": "real", "cluster": cluster, "ops": len(g.ops), "trace_s": round(trace_s, 1),
+        "synthesis_s": round(synthesis_s, 2), "cost_ms": round(plan.cost_s * 1e3, 1),
         "simulated_ms": round(plan.simulated_s * 1e3, 1), "optimal": plan.stats.get("optimal"),
-        "gap": plan.stats.get("gap"), "expansions": plan.stats.get("expansions"),
+        "gap": plan.stats.get("gap"), "expansions": plan.stats.get("expansions"), "chosen": plan.stats.get("chosen"),
         "fallback": len(plan.fallback_ops), "batch_sharded": corpus.batch_sharded(plan),
         "replicated_ops": len(corpus.replicated_ops(plan)),
+        "baselines": {k: [round(b.cost_s * 1e3, 1), round(b.simulated_s * 1e3, 1)] for k, b in base.items()},
+        "unavailable": dict(base.unavailable),
     }  # fmt: skip
 
 
@@ -251,36 +284,62 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def write_table(path: Path, records: list[dict[str, Any]]) -> None:
-    """Replace the text between the ``architectures-table`` markers of ``path`` with :func:`table`."""
+def real_table(records: list[dict[str, Any]]) -> str:
+    """The realistic-size records (one cluster) as a markdown table: the plan against its baselines."""
+    rows = [
+        "| model | ops | HAP stage / sim (ms) | dp_ev stage / sim (ms) | best baseline (sim, ms) | picked | "
+        "proven | no rule | synthesis (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        base = r.get("baselines", {})
+        dp = base.get("dp_ev")
+        best = min(base.items(), key=lambda kv: kv[1][1]) if base else None
+        proven = "yes" if r["optimal"] else f"no, gap {100 * (r.get('gap') or 0):.1f} %"
+        rows.append(
+            f"| {r['model']} | {r.get('ops', '')} | {r['cost_ms']} / {r['simulated_ms']} | "
+            f"{f'{dp[0]} / {dp[1]}' if dp else '-'} | {f'{best[0]} {best[1][1]}' if best else '-'} | "
+            f"{r.get('chosen', '')} | {proven} | {r['fallback']} | {r['synthesis_s']} |"
+        )
+    return "\n".join(rows)
+
+
+def write_table(path: Path, records: list[dict[str, Any]], real: bool = False) -> None:
+    """Replace the text between the ``architectures-table`` markers of ``path`` with :func:`table`, or
+    (``real``) between the ``real-table CLUSTER`` markers with :func:`real_table`."""
     text = path.read_text()
-    start, end = "<!-- architectures-table -->", "<!-- /architectures-table -->"
+    tag = f"real-table {records[0]['cluster']}" if real else "architectures-table"
+    start, end = f"<!-- {tag} -->", f"<!-- /{tag} -->"
     a, b = text.index(start) + len(start), text.index(end)
-    path.write_text(text[:a] + "\n" + table(records) + "\n" + text[b:])
+    body = real_table(records) if real else table(records)
+    path.write_text(text[:a] + "\n" + body + "\n" + text[b:])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", help="run only this architecture (repeatable)")
     ap.add_argument("--verify", action="store_true", help="verify each tiny plan on 2 CPU ranks")
-    ap.add_argument("--real", action="store_true", help="the decoder LMs at realistic size on " + REAL)
+    ap.add_argument("--real", action="store_true", help="the LMs and vision models at realistic size")
+    ap.add_argument("--cluster", default=REAL, help="the cluster of --real (default %(default)s)")
     ap.add_argument("--out", help="write the records as JSON here")
-    ap.add_argument("--md", help="rewrite the architectures-table of this markdown file (tiny size)")
+    ap.add_argument(
+        "--md", help="rewrite this markdown file's table (tiny size, or --real's for its cluster)"
+    )
     ap.add_argument("--render", action="store_true", help="only rewrite --md from the --out file, no runs")
     args = ap.parse_args(argv)
     if args.render:
-        write_table(Path(args.md), json.loads(Path(args.out).read_text()))
+        write_table(Path(args.md), json.loads(Path(args.out).read_text()), args.real)
         return 0
-    names = args.only or list(REAL_LMS if args.real else ARCHITECTURES)
+    names = args.only or list({**REAL_LMS, **REAL_VISION} if args.real else ARCHITECTURES)
     records = []
     for name in names:
-        rec = real(name) if args.real else tiny(name, args.verify)
+        rec = real(name, args.cluster) if args.real else tiny(name, args.verify)
         print(json.dumps(rec), flush=True)
         records.append(rec)
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
-    if args.md and not args.real:
-        write_table(Path(args.md), records)
+    if args.md:
+        write_table(Path(args.md), records, args.real)
     failed = [r["model"] for r in records if "error" in r or r.get("verified") is False]
     return 1 if failed else 0
 
