@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..cost.model import Step
 from ..hardware.cluster import Cluster
 from ..ir.forms import Form, FullShard, G, I, R, ShardGradOp
 from ..triples import Theory, dim_class
@@ -151,9 +152,10 @@ def batch_split(th: Theory) -> Theory | None:
     shards (SyncBatchNorm) in whatever form is cheapest. None where no input has a batch dim or some op
     cannot keep the batch split. Cached per theory.
 
-    Its optimum seeds the data-parallel searches (:func:`data_parallel_program`): the space is small (a few
-    thousand expansions prove it), while the whole data-parallel space can hide it from a search stopped at
-    its budget (ResNet-50 on ``h100x8``: 33.18 ms here against 34.67 ms after 30,000 expansions there).
+    Its optimum (:func:`data_parallel_program`) is walked into every data-parallel search that stops at its
+    budget: the space is small (a few thousand expansions prove it), while the whole data-parallel space can
+    hide it from such a search (ResNet-50 on ``h100x8``: 33.18 ms here against 34.67 ms after 30,000
+    expansions there).
 
     >>> import torch, hapnb
     >>> g = hapnb.trace(torch.nn.Linear(4, 2), (torch.randn(6, 4),), loss=lambda y: y.sum())
@@ -190,10 +192,11 @@ def data_parallel_program(
     ratios: Sequence[Sequence[float]],
     options: Mapping[str, bool],
     max_expansions: int | None,
-) -> tuple[Any, ...] | None:
+) -> tuple[Step, ...] | None:
     """The cheapest program of :func:`batch_split` with ``pins`` at ``ratios`` (the best within
-    ``max_expansions``), priced as in ``th``, or None where that space is empty. A data-parallel search
-    seeded with it (:meth:`hapnb.synth.search.Search.seed`) is never worse than textbook data parallelism."""
+    ``max_expansions``), priced as in ``th``, or None where that space is empty or has no such program. A
+    data-parallel search it is walked into (:meth:`hapnb.synth.search.Search.seed`) is never worse than
+    textbook data parallelism."""
     space = batch_split(th)
     if space is None:
         return None
