@@ -552,9 +552,11 @@ def _branches(
             b = br[-1][0]
             if len(br) >= MAX_BRANCH:
                 br[-1] = (b, -1, br[-1][2])
-            if not any(entries[k][c.index].spine_terms for k, _, _ in br for c in s._ops[k]):
-                continue
-            tracked = [x for x in g.ops[b].inputs if x in consumer_of and g.ops[b].inputs.count(x) == 1]
+            # an op taking a tracked tensor twice (a variance's mul(x, x)) starts at it too
+            tracked = [x for x in g.ops[b].inputs if x in consumer_of]
+            weighted = any(entries[k][c.index].spine_terms for k, _, _ in br for c in s._ops[k])
+            if not weighted and not ((b in side_of or (br[-1][1] < 0 and tracked)) and _reduces_batch(s, br)):
+                continue  # weightless: kept only where it reduces over the batch from a tracked tensor
             if b in side_of:  # a side op heads it: it stays its tensor's side
                 anchors[b] = side_of[b]
                 taken.add(b)
@@ -693,14 +695,31 @@ def _load_with_step(s: Any, t: int, f: Any, jstar: int) -> float:
     return v
 
 
+def _reduces_batch(s: Any, br: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether an op of branch ``br`` has a strategy that makes a partial sum from an input split on its
+    batch (dim 0 of the size of an input's dim 0): a batch norm's statistics, which data parallelism
+    all-reduces. A norm over the hidden dim (a strategy splitting the hidden dim makes a partial sum too) is
+    not one: coupling those made every transformer's synthesis slower for the same bound."""
+    g = s.graph
+    batch = {g.tensors[t].shape[0] for t in g.inputs if g.tensors[t].shape}
+    for k, _, _ in br:
+        op = g.ops[k]
+        for c in s._ops[k]:
+            st = c.strategy
+            if any(f.kind == "R" for f in st.outputs) and any(
+                f.kind == "G" and f.dim == 0 and g.tensors[t].shape[0] in batch
+                for t, f in zip(op.inputs, st.inputs)
+            ):
+                return True
+    return False
+
+
 def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:
-    """The consumers of tensor ``x`` coupled with it as its sides: ops on no path yet that take ``x`` once,
-    those with communicating strategies first, at most :data:`MAX_SIDES`, in program order."""
+    """The consumers of tensor ``x`` coupled with it as its sides: ops on no path yet that take ``x`` (an op
+    taking it twice, a variance's ``mul(x, x)``, counts the form its first input takes: a relaxation), those
+    with communicating strategies first, at most :data:`MAX_SIDES`, in program order."""
     g, entries = s.graph, s._tables.entries
-    cands = [
-        o for o in g.tensors[x].consumers
-        if o not in on_path and g.ops[o].inputs.count(x) == 1 and s._ops[o]
-    ]  # fmt: skip
+    cands = [o for o in dict.fromkeys(g.tensors[x].consumers) if o not in on_path and s._ops[o]]
     cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
     return sorted(cands[:MAX_SIDES])
 
