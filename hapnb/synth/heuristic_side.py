@@ -17,10 +17,12 @@ into gives it its share of its cost by the form it takes the branch in (what tha
 cheapest for the spine's form; one branch per op), and a branch that starts at a tracked tensor is that
 tensor's side; so is one whose input a side op makes (a parallel block's MLP after its first projection:
 that op heads the branch, so the form it makes is the form the branch starts in). A branch merging into a
-spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`); a side's branch that
-merges back into a later op of its tensor's own branch (a decoder's self-attention off the spine) is coupled
-in the branch DP (:mod:`hapnb.synth.heuristic_diamond`). A parameter that
-several spine ops take (tied embeddings, :func:`_tied`), or that a spine op takes after an op off the spine
+spine op can instead be coupled there (:class:`~hapnb.synth.heuristic_rejoin.Merge`; a branch without a weight
+only where it reduces over the batch, :func:`_reduces_batch`: a batch norm's mean and variance, which data
+parallelism all-reduces before the norm uses them, and which the bound otherwise left free: on a stack of
+batch-normed convolutions on ``h100x8`` the root bound was 11 % below the optimum, and is the optimum); a
+side's branch that merges back into a later op of its tensor's own branch (a decoder's self-attention off the
+spine) is coupled in the branch DP (:mod:`hapnb.synth.heuristic_diamond`). A parameter that several spine ops take (tied embeddings, :func:`_tied`), or that a spine op takes after an op off the spine
 (Whisper's decoder embedding), is loaded once in one form: the spine DP keeps its form as a state read from
 the properties (:class:`Tied`), and pays its load (its gradient's sync) where the DP first loads it if no
 form is present yet. A spine tensor that a later spine op takes again (a residual, a mixture-of-experts
@@ -505,7 +507,8 @@ def _branches(
     program order, latest branch first: from the input back through each op's largest activation input
     made by an op on no path (an encoder-decoder's decoder side before its cross-attention, a shared
     position-bias computation) or by a side op of a spine tensor (which then heads the branch, anchored at
-    that tensor), kept when an op on it takes a parameter (or an SFB strategy). A branch tensor's other
+    that tensor), kept when an op on it takes a parameter (or an SFB strategy), or, with none, when it starts
+    at a tracked tensor and reduces over the batch (:func:`_reduces_batch`: a batch norm's statistics). A branch tensor's other
     consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and ``consumer_of`` (tensor ->
     the path op taking it) grow by them."""
     g, entries = s.graph, s._tables.entries
