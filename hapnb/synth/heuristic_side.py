@@ -22,8 +22,9 @@ only where it reduces over the batch, :func:`_reduces_batch`: a batch norm's mea
 parallelism all-reduces before the norm uses them, and which the bound otherwise left free: on a stack of
 batch-normed convolutions on ``h100x8`` the root bound was 11 % below the optimum, and is the optimum); a
 side's branch that merges back into a later op of its tensor's own branch (a decoder's self-attention off the
-spine) is coupled in the branch DP (:mod:`hapnb.synth.heuristic_diamond`). A parameter that several spine ops take (tied embeddings, :func:`_tied`), or that a spine op takes after an op off the spine
-(Whisper's decoder embedding), is loaded once in one form: the spine DP keeps its form as a state read from
+spine) is coupled in the branch DP (:mod:`hapnb.synth.heuristic_diamond`). A parameter that several spine
+ops take (tied embeddings, :func:`_tied`), or that a spine op takes after an op off the spine (Whisper's
+decoder embedding), is loaded once in one form: the spine DP keeps its form as a state read from
 the properties (:class:`Tied`), and pays its load (its gradient's sync) where the DP first loads it if no
 form is present yet. A spine tensor that a later spine op takes again (a residual, a mixture-of-experts
 layer's input at its dispatch einsum) keeps the form that op takes it in as a state too
@@ -508,9 +509,9 @@ def _branches(
     made by an op on no path (an encoder-decoder's decoder side before its cross-attention, a shared
     position-bias computation) or by a side op of a spine tensor (which then heads the branch, anchored at
     that tensor), kept when an op on it takes a parameter (or an SFB strategy), or, with none, when it starts
-    at a tracked tensor and reduces over the batch (:func:`_reduces_batch`: a batch norm's statistics). A branch tensor's other
-    consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and ``consumer_of`` (tensor ->
-    the path op taking it) grow by them."""
+    at a tracked tensor and reduces over the batch (:func:`_reduces_batch`: a batch norm's statistics). A
+    branch tensor's other consumers become its sides (as a spine tensor's); ``on_path``, ``sides`` and
+    ``consumer_of`` (tensor -> the path op taking it) grow by them."""
     g, entries = s.graph, s._tables.entries
     depth = [0] * len(g.tensors)
     for op in g.ops:
