@@ -163,11 +163,15 @@ class Theory:
     forms: tuple[tuple[Form, ...], ...]  # valid forms per tensor
     units: dict[tuple[int, int], tuple[int, int]] = field(repr=False)  # (t, d) -> (unit, base)
     requires_grad: tuple[bool, ...] = ()
-    #: per op, the first strategy of the unrestricted theory (:meth:`without` keeps it): what the cost model
-    #: weighs an op's work by when it decides whether a device is launch bound, so that a restricted space
-    #: prices every program as the whole theory does
+    #: per op, the first strategy of the unrestricted theory (:meth:`without` keeps it; by default each op's
+    #: first): what the cost model weighs an op's work by when it decides whether a device is launch bound, so
+    #: that a restricted space prices every program as the whole theory does
     first: tuple[Strategy, ...] = ()
     _cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.first:
+            self.first = tuple(ss[0] for ss in self.strategies)
 
     def __iter__(self) -> Iterator[Triple]:
         return iter(self.triples)
@@ -242,7 +246,7 @@ class Theory:
             forms,
             self.units,
             self.requires_grad,
-            self.first or tuple(ss[0] for ss in self.strategies),
+            self.first,
         )
 
     def format(self, tr: Triple) -> str:

@@ -390,7 +390,7 @@ class CostModel:
             m = self.models[j]
             assert m is not None
             launch = work = 0.0
-            first = self.theory.first or tuple(ss[0] for ss in self.theory.strategies)
+            first = self.theory.first
             for op in self.graph.ops:
                 const, coef = self._work_linear(op.id, first[op.id], j)
                 launch += self.op_traffic(op.id)[1] * m.kernel_s

@@ -214,10 +214,8 @@ def fixed_plan(
     opts = dict(options or {})
     s = Search(th, c, ratios=ratios, pins=pins, options=opts)
     res = s.run(max_expansions=max_expansions)
-    if not res.optimal and fallback is not None:
-        prog = fallback()
-        if prog is not None and s.seed(prog, dive=False):
-            res = dataclasses.replace(s.result(res.seconds), seconds=res.seconds)
+    if fallback is not None:
+        res = s.fall_back(res, fallback)
     st = s.stats
     stats = {k: st[k] for k in ("expansions", "generated", "pruned_dominated", "pruned_bound")}
     stats["optimal"] = res.optimal

@@ -203,8 +203,10 @@ def find_merges(
     ``consumer_of`` as :func:`hapnb.synth.heuristic_side._branches` lays them): headed by a side op of a spine
     tensor ``x``, merging into a spine op, with a weighted op after the head (which can change the branch's
     form: a row-parallel projection), the largest first, then the latest merge op, one per ``x`` (a coupled
-    merge values all of ``x``'s pending sides in its state's form). Attention's key and value paths into
-    SDPA have no such op; coupling them made T5's synthesis slower (4.3 -> 4.8 s) for the same plan."""
+    merge values all of ``x``'s pending sides in its state's form), or with no weighted op at all (a batch
+    norm's statistics, :attr:`Merge.weightless`). Attention's key and value paths into SDPA (a weighted head,
+    nothing weighted after it) are left out; coupling them made T5's synthesis slower (4.3 -> 4.8 s) for the
+    same plan."""
     g, spine_ops, entries = s.graph, s._tables.spine, s._tables.entries
     out: list[Merge] = []
     taken: set[int] = set()
@@ -213,17 +215,16 @@ def find_merges(
         x, at = anchors.get(head, -1), consumer_of.get(y, -1)
         if x < 0 or x in taken or at not in spine_ops or g.ops[at].inputs.count(y) != 1 or not s._ops[at]:
             continue
-        weightless = not any(entries[b][c.index].spine_terms for b, _, _ in br for c in s._ops[b])
-        if not weightless and not any(
-            entries[b][c.index].spine_terms for b, _, _ in br[1:] for c in s._ops[b]
-        ):
+        head_w = any(entries[head][c.index].spine_terms for c in s._ops[head])
+        after_w = any(entries[b][c.index].spine_terms for b, _, _ in br[1:] for c in s._ops[b])
+        if head_w and not after_w:
             continue  # its end form follows its head's output form (the head's table couples them)
         made, spine = _spine_made(s, x), consumer_of.get(x, -1)
         if made is None or spine_ops.get(spine, (-1, 0))[0] != x:
             continue  # x is not a spine tensor
         k = g.ops[at].inputs.index(y)
         taken.add(x)
-        out.append(Merge(x, made, spine, head, y, at, k, taken_forms(s, at, k), weightless))
+        out.append(Merge(x, made, spine, head, y, at, k, taken_forms(s, at, k), not (head_w or after_w)))
     return out
 
 

@@ -521,6 +521,7 @@ def _branches(
 
     # a side op (of a spine tensor) that makes a branch's input heads that branch, anchored at its tensor
     side_of = {o: x for x, os_ in sides.items() for o in os_}
+    batch = {g.tensors[t].shape[0] for t in g.inputs if g.tensors[t].shape}  # for _reduces_batch
     taken: set[int] = set()
 
     def free(x: int) -> bool:
@@ -559,7 +560,9 @@ def _branches(
             # an op taking a tracked tensor twice (a variance's mul(x, x)) starts at it too
             tracked = [x for x in g.ops[b].inputs if x in consumer_of]
             weighted = any(entries[k][c.index].spine_terms for k, _, _ in br for c in s._ops[k])
-            if not weighted and not ((b in side_of or (br[-1][1] < 0 and tracked)) and _reduces_batch(s, br)):
+            if not weighted and not (
+                (b in side_of or (br[-1][1] < 0 and tracked)) and _reduces_batch(s, br, batch)
+            ):
                 continue  # weightless: kept only where it reduces over the batch from a tracked tensor
             if b in side_of:  # a side op heads it: it stays its tensor's side
                 anchors[b] = side_of[b]
@@ -699,13 +702,12 @@ def _load_with_step(s: Any, t: int, f: Any, jstar: int) -> float:
     return v
 
 
-def _reduces_batch(s: Any, br: Sequence[tuple[int, int, int]]) -> bool:
+def _reduces_batch(s: Any, br: Sequence[tuple[int, int, int]], batch: set[int]) -> bool:
     """Whether an op of branch ``br`` has a strategy that makes a partial sum from an input split on its
-    batch (dim 0 of the size of an input's dim 0): a batch norm's statistics, which data parallelism
-    all-reduces. A norm over the hidden dim (a strategy splitting the hidden dim makes a partial sum too) is
-    not one: coupling those made every transformer's synthesis slower for the same bound."""
+    batch (dim 0 of a size in ``batch``, the inputs' dim 0 sizes): a batch norm's statistics, which data
+    parallelism all-reduces. A norm over the hidden dim (a strategy splitting the hidden dim makes a partial
+    sum too) is not one: coupling those made every transformer's synthesis slower for the same bound."""
     g = s.graph
-    batch = {g.tensors[t].shape[0] for t in g.inputs if g.tensors[t].shape}
     for k, _, _ in br:
         op = g.ops[k]
         for c in s._ops[k]:
@@ -723,7 +725,7 @@ def _side_consumers(s: Any, x: int, on_path: set[int]) -> list[int]:
     taking it twice, a variance's ``mul(x, x)``, counts the form its first input takes: a relaxation), those
     with communicating strategies first, at most :data:`MAX_SIDES`, in program order."""
     g, entries = s.graph, s._tables.entries
-    cands = [o for o in dict.fromkeys(g.tensors[x].consumers) if o not in on_path and s._ops[o]]
+    cands = [o for o in g.tensors[x].consumers if o not in on_path and s._ops[o]]
     cands.sort(key=lambda o: (not any(entries[o][c.index].spine_terms for c in s._ops[o]), o))
     return sorted(cands[:MAX_SIDES])
 

@@ -451,12 +451,10 @@ class _Loop:
             seed_exp, seed_s = p.stats["expansions"], pres.seconds
         dives = 1 if s.memory else 32  # memory makes proving optimality costly where little is left to gain
         res = s.run(max_expansions=budget, max_seconds=self.max_seconds, progress=self.progress, dives=dives)
-        if not res.optimal and fallback is not None and not duplex:
+        if fallback is not None and not duplex:
             # stopped at its budget: the fallback program (:meth:`search`) joins as an incumbent, so the
             # search's program is never worse than it and the proven bound is read with it
-            prog = fallback()
-            if prog is not None and s.seed(prog, dive=False):
-                res = replace(s.result(res.seconds), seconds=res.seconds)
+            res = s.fall_back(res, fallback)
         return _Searched(res, s.final_conversions(), tuple(s.stats.items()), s.ratios, seed_exp, seed_s)
 
     def _memory_start(self, ratios_: Any, pins_: Mapping[str, Form]) -> Any:
@@ -553,10 +551,7 @@ class _Loop:
     def dp_program(self, ratios_: Any, pins_: Mapping[str, Form], opts: Mapping[str, bool]) -> Any:
         """Textbook data parallelism at ``ratios_`` (:func:`hapnb.synth.seeds.data_parallel_program`, from the
         memo): the fallback of a data-parallel search stopped at its budget (a ``dp`` seed's, a stopped
-        round's fallback), so that it is never worse than that program; None under the duplex objective or
-        where there is no such program."""
-        if self.duplex:
-            return None
+        round's fallback), so that it is never worse than that program; None where there is no such program."""
         merged = {**self.options, **opts}
 
         def make() -> Any:
@@ -703,9 +698,9 @@ class _Loop:
                 if step_seed
                 else None
             )
+            textbook = name in ("dp_ev", "dp_cp")
             try:
-                dp = name in ("dp_ev", "dp_cp")
-                res, s = self.search(bratios, bpins, bopts, budget=budget, textbook=dp)
+                res, s = self.search(bratios, bpins, bopts, budget=budget, textbook=textbook)
             except (NoProgramError, ValueError):
                 continue
             own = self.cost_at(res.program, bratios)

@@ -59,7 +59,7 @@ import heapq
 import itertools
 import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -580,6 +580,14 @@ class Search(Moves):
             self.program(self._best), cost, done, self._stats.expansions, seconds,
             cost if done else min(cost, self.lower_bound()),
         )  # fmt: skip
+
+    def fall_back(self, res: SearchResult, program: Callable[[], Sequence[Step] | None]) -> SearchResult:
+        """``res``, this search's result, or where it stopped at its budget the result once ``program()`` (a
+        known program, made only then; None: none) is walked in (:meth:`seed`): never costlier than it."""
+        if res.optimal:
+            return res
+        prog = program()
+        return self.result(res.seconds) if prog is not None and self.seed(prog, dive=False) else res
 
     def lower_bound(self) -> float:
         """A lower bound of the optimum at these ratios: the least score of a live open program (every

@@ -131,9 +131,7 @@ def batch_replicated(th: Theory) -> Theory:
     >>> sorted({str(s.outputs[0]) for s in batch_replicated(th).strategies[0]})
     ['G1', 'I', 'R']
     """
-    whole: set[tuple[int, int]] = set()
-    for name, d in batch_dims(th).items():
-        whole.update(dim_class(th, th.graph.tensor(name).id, d))
+    whole = _batch_class(th)
     if not whole:
         return th
 
@@ -142,6 +140,13 @@ def batch_replicated(th: Theory) -> Theory:
         return any(f.kind == "G" and (t, f.dim) in whole for t, f in pairs)
 
     return th.without(splits)
+
+
+def _batch_class(th: Theory) -> set[tuple[int, int]]:
+    """The ``(tensor, dim)`` pairs in the dim class of an input's batch dim (:func:`batch_dims`,
+    :func:`hapnb.triples.dim_class`): the dims data parallelism splits."""
+    g = th.graph
+    return {p for name, d in batch_dims(th).items() for p in dim_class(th, g.tensor(name).id, d)}
 
 
 def batch_split(th: Theory) -> Theory | None:
@@ -166,10 +171,9 @@ def batch_split(th: Theory) -> Theory | None:
         return _BATCH_SPLIT[th]
     g = th.graph
     keep: dict[int, set[int]] = {}
-    for name, d in batch_dims(th).items():
-        for t, k in dim_class(th, g.tensor(name).id, d):
-            if g.tensors[t].shape[k] > 1:
-                keep.setdefault(t, set()).add(k)
+    for t, k in _batch_class(th):
+        if g.tensors[t].shape[k] > 1:
+            keep.setdefault(t, set()).add(k)
 
     def whole(op: Any, s: Any) -> bool:
         pairs = zip(op.inputs + op.outputs, s.inputs + s.outputs)

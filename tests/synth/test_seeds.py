@@ -90,7 +90,7 @@ def test_a_data_parallel_search_stopped_at_its_budget_is_never_worse_than_the_te
 
     # the bound without the statistics' coupling (the next test), as it still is where the searches stop at
     # their budget (ResNet-50 on h100x8): the search alone stops at a costlier program
-    monkeypatch.setattr(heuristic_side, "_reduces_batch", lambda s, br: False)
+    monkeypatch.setattr(heuristic_side, "_reduces_batch", lambda *args: False)
     th = bn_stand_in
     c = hap.Cluster.resolve("h100x8")
     _, pins, ratios, opts = baseline_specs(th, c, {})[0]
