@@ -59,6 +59,17 @@ class BufferUpdates:
                     v += self.weights[ld.tensor]
         return v
 
+    def form_prices(self, forms: Sequence[Any]) -> dict[int, list[float]]:
+        """Per statistic an update reads (activations only; by tensor id), its update's price if the program
+        held it in each form of ``forms[t]`` alone: what the A* bound charges it as one more consumer
+        (:mod:`hapnb.synth.heuristic_side`). With more forms present the update costs at least the least of
+        theirs (nothing with ``I``, an all-reduce with ``R``, else an all-gather), so the bound stays below it."""
+        out: dict[int, list[float]] = {}
+        for rows in (*self.rows_at.values(), self.end_rows):
+            for t, _ in rows:
+                out[t] = [self._seconds(t, update_kind(self.graph, t, (f,), False)) for f in forms[t]]
+        return out
+
     def end(self, props: int) -> float:
         """Seconds of the statistics no op reads, from a complete program's properties."""
         return self._charge(self.end_rows, props)
