@@ -59,3 +59,12 @@ def test_the_bound_counts_a_statistic_s_update_admissibly(seed, monkeypatch):
     assert Search(th, c).node(0).score == pytest.approx(opt, rel=1e-9)
     monkeypatch.setattr(BufferUpdates, "form_prices", lambda self, forms: {})
     assert Search(th, c).node(0).score < opt * 0.98
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_node_on_an_optimal_path_scores_above_the_optimum_with_updates(seed):
+    # the random graphs above, whose first product may be a branch tensor: the update's charge in its Joint
+    # keeps every node on A*'s optimal path and on brute force's (walked as a seed) at or below the optimum
+    th = theory(_with_updates(seed), S.strategies)
+    c = Cluster.parse(CLUSTERS[seed % len(CLUSTERS)])
+    exact_and_admissible_on(th, c, None if seed % 2 else [[(j + 1.0) for j in range(c.n)]], walk=True)
