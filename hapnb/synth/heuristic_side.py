@@ -37,9 +37,9 @@ update reads (a training batch norm's mean and variance, :mod:`hapnb.synth.updat
 more consumer of its Joint where it is a branch tensor (a norm's statistics are; elsewhere the update is
 left out, which only lowers the bound), priced per form as if the program held it in that form alone
 (nothing ``I``, an all-reduce ``R``, an all-gather sharded): the search charges the update when the
-statistic dies, at least the least of its forms' prices. Left out, a norm computed feature-split (its statistics need no
-collective in the norm itself) looked cheaper than it is: on ResNet-50 on ``h100x8`` the bound stayed 1.4 %
-below the optimum after 71,793 expansions; with it the loop proves its plan in 27,943.
+statistic dies, at least the least of its forms' prices. Left out, a norm computed feature-split (its
+statistics need no collective in the norm itself) looked cheaper than it is: on ResNet-50 on ``h100x8`` the
+bound stayed 1.4 % below the optimum after 71,793 expansions; with it the loop proves its plan in 27,943.
 
 Relaxations (each can only lower the bound): computation on one device (the one with the most left),
 stages merged, tensors off the spine and its side inputs free, gradient syncs counted only for parameters
@@ -195,7 +195,7 @@ class _BranchTables:
         self.coupled: dict[int, Least] = {}
         upd = s._updates
         #: a statistic a buffer update reads: the update's price per form, one more consumer of its Joint
-        self.update_tabs: dict[int, list[float]] = upd.form_prices(s.theory.forms) if upd is not None else {}
+        self.update_tabs: dict[int, list[float]] = upd.form_prices() if upd is not None else {}
 
     def plain_tab(self, o: int, x: int) -> list[float]:
         """Side op ``o``'s cheapest strategy per form it takes ``x`` in."""

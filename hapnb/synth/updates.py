@@ -59,16 +59,13 @@ class BufferUpdates:
                     v += self.weights[ld.tensor]
         return v
 
-    def form_prices(self, forms: Sequence[Any]) -> dict[int, list[float]]:
-        """Per statistic an update reads (activations only; by tensor id), its update's price if the program
-        held it in each form of ``forms[t]`` alone: what the A* bound charges it as one more consumer
+    def form_prices(self) -> dict[int, list[float]]:
+        """Per statistic an update reads (by tensor id), its update's price if the program held it in each of its
+        forms alone (``theory.forms`` order): what the A* bound charges it as one more consumer
         (:mod:`hapnb.synth.heuristic_side`). With more forms present the update costs at least the least of
         theirs (nothing with ``I``, an all-reduce with ``R``, else an all-gather), so the bound stays below it."""
-        out: dict[int, list[float]] = {}
-        for rows in (*self.rows_at.values(), self.end_rows):
-            for t, _ in rows:
-                out[t] = [self._seconds(t, update_kind(self.graph, t, (f,), False)) for f in forms[t]]
-        return out
+        bits_of = self.tables.bits_of
+        return {t: [self._price(t, b) for b in bits_of[t]] for rows in self.rows_at.values() for t, _ in rows}
 
     def end(self, props: int) -> float:
         """Seconds of the statistics no op reads, from a complete program's properties."""
@@ -79,16 +76,20 @@ class BufferUpdates:
         for t, mask in rows:
             have = props & mask
             if have:
-                x = self._s.get((t, have))
-                if x is None:
-                    forms, bits = [], have
-                    while bits:
-                        low = bits & -bits
-                        forms.append(self.tables.forms_of_bit[low][1])
-                        bits ^= low
-                    x = self._s[(t, have)] = self._seconds(t, update_kind(self.graph, t, forms, False))
-                v += x
+                v += self._price(t, have)
         return v
+
+    def _price(self, t: int, have: int) -> float:
+        """The update's seconds for statistic ``t`` held in the forms of property bits ``have`` (kept)."""
+        x = self._s.get((t, have))
+        if x is None:
+            forms, bits = [], have
+            while bits:
+                low = bits & -bits
+                forms.append(self.tables.forms_of_bit[low][1])
+                bits ^= low
+            x = self._s[(t, have)] = self._seconds(t, update_kind(self.graph, t, forms, False))
+        return x
 
     def _seconds(self, t: int, kind: str) -> float:
         """The cost model's price of an update's ``kind`` collective on tensor ``t`` (0 for none)."""

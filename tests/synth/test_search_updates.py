@@ -57,7 +57,7 @@ def test_the_bound_counts_a_statistic_s_update_admissibly(seed, monkeypatch):
     opt = s.result().cost
     assert any(f.kind == "G" for st in s.result().program for f in st.strategy.outputs if st.op == 1)
     assert Search(th, c).node(0).score == pytest.approx(opt, rel=1e-9)
-    monkeypatch.setattr(BufferUpdates, "form_prices", lambda self, forms: {})
+    monkeypatch.setattr(BufferUpdates, "form_prices", lambda self: {})
     assert Search(th, c).node(0).score < opt * 0.98
 
 
